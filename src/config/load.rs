@@ -1,0 +1,346 @@
+//! Reading a config file: parse, inherit defaults, deserialize section by
+//! section, validate, and name the key path and line of every error.
+//!
+//! Inheritance is done on the parsed TOML tree, before deserialization: each
+//! route's `retry` and `breaker` tables are filled, key by key and table by
+//! table, from `[defaults.retry]` and `[defaults.breaker]`. Inherited values
+//! keep their source position, so an error in one points at the line where it
+//! is written.
+
+use std::fmt;
+use std::ops::Range;
+use std::path::Path;
+
+use serde::de::DeserializeOwned;
+use toml::de::{DeTable, DeValue, ValueDeserializer};
+use toml::Spanned;
+
+use super::schema::{Config, Defaults, RouteConfig, UpstreamConfig};
+use super::validate;
+
+/// One problem in a config file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Where, as a key path: `routes[2].retry.backoff.cap`.
+    pub path: KeyPath,
+    /// 1-based line in the file, when known.
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.path.is_empty(), self.line) {
+            (true, Some(line)) => write!(f, "line {line}: {}", self.message),
+            (true, None) => f.write_str(&self.message),
+            (false, Some(line)) => write!(f, "{} (line {line}): {}", self.path, self.message),
+            (false, None) => write!(f, "{}: {}", self.path, self.message),
+        }
+    }
+}
+
+/// Every problem found in a config file, in file order.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Why a config could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid config:\n{errors}")]
+    Invalid { path: String, errors: ConfigErrors },
+}
+
+/// A key path into the config, such as `routes[2].retry.backoff.cap`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyPath(Vec<Segment>);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Segment {
+    Key(String),
+    Index(usize),
+}
+
+impl KeyPath {
+    pub fn root() -> Self {
+        Self::default()
+    }
+
+    pub fn key(&self, key: impl Into<String>) -> Self {
+        let mut p = self.clone();
+        p.0.push(Segment::Key(key.into()));
+        p
+    }
+
+    pub fn index(&self, index: usize) -> Self {
+        let mut p = self.clone();
+        p.0.push(Segment::Index(index));
+        p
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn extend_from(&self, path: &serde_path_to_error::Path) -> Self {
+        use serde_path_to_error::Segment as S;
+        let mut p = self.clone();
+        for seg in path.iter() {
+            match seg {
+                S::Seq { index } => p.0.push(Segment::Index(*index)),
+                S::Map { key } => p.0.push(Segment::Key(key.clone())),
+                S::Enum { variant } => p.0.push(Segment::Key(variant.clone())),
+                S::Unknown => {}
+            }
+        }
+        p
+    }
+}
+
+impl fmt::Display for KeyPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, seg) in self.0.iter().enumerate() {
+            match seg {
+                Segment::Index(n) => write!(f, "[{n}]")?,
+                Segment::Key(k) => {
+                    if i > 0 {
+                        f.write_str(".")?;
+                    }
+                    let bare = !k.is_empty()
+                        && k.bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+                    if bare {
+                        f.write_str(k)?;
+                    } else {
+                        write!(f, "{k:?}")?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Config, LoadError> {
+        let path = path.as_ref();
+        let display = path.display().to_string();
+        let src = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
+            path: display.clone(),
+            source,
+        })?;
+        Config::parse(&src).map_err(|errors| LoadError::Invalid {
+            path: display,
+            errors,
+        })
+    }
+
+    /// Parses and validates config text, reporting every error found.
+    pub fn parse(src: &str) -> Result<Config, ConfigErrors> {
+        let mut root = DeTable::parse(src).map_err(|e| {
+            ConfigErrors(vec![ConfigError {
+                path: KeyPath::root(),
+                line: e.span().map(|s| line_of(src, s.start)),
+                message: e.message().trim().to_owned(),
+            }])
+        })?;
+        inherit_defaults(root.get_mut());
+        let mut loader = Loader {
+            src,
+            tree: &root,
+            errors: Vec::new(),
+        };
+        let config = loader.sections();
+        validate::validate(&config, &mut |path, message| loader.error(path, None, message));
+        let mut errors = loader.errors;
+        if errors.is_empty() {
+            return Ok(config);
+        }
+        // An invalid inherited value is reported once, not once per route.
+        let mut seen = std::collections::HashSet::new();
+        errors.retain(|e| e.line.is_none() || seen.insert((e.line, e.message.clone())));
+        errors.sort_by_key(|e| e.line.unwrap_or(usize::MAX));
+        Err(ConfigErrors(errors))
+    }
+}
+
+struct Loader<'a, 'i> {
+    src: &'a str,
+    tree: &'a Spanned<DeTable<'i>>,
+    errors: Vec<ConfigError>,
+}
+
+impl<'i> Loader<'_, 'i> {
+    fn sections(&mut self) -> Config {
+        let mut config = Config::default();
+        let root = KeyPath::root();
+        for (key, value) in self.tree.get_ref().iter() {
+            let key = key.get_ref().as_ref();
+            let path = root.key(key);
+            match key {
+                "listen" => {
+                    if let Some(v) = self.section(value, &path) {
+                        config.listen = v;
+                    }
+                }
+                "admin" => {
+                    if let Some(v) = self.section(value, &path) {
+                        config.admin = v;
+                    }
+                }
+                "defaults" => {
+                    if let Some(v) = self.section::<Defaults>(value, &path) {
+                        config.defaults = v;
+                    }
+                }
+                "upstreams" => match value.get_ref() {
+                    DeValue::Table(table) => {
+                        for (name, upstream) in table.iter() {
+                            let name = name.get_ref().to_string();
+                            let path = path.key(name.clone());
+                            if let Some(v) = self.section::<UpstreamConfig>(upstream, &path) {
+                                config.upstreams.insert(name, v);
+                            }
+                        }
+                    }
+                    _ => self.error(path, Some(value.span()), "must be a table of upstreams"),
+                },
+                "routes" => match value.get_ref() {
+                    DeValue::Array(routes) => {
+                        for (i, route) in routes.iter().enumerate() {
+                            if let Some(v) = self.section::<RouteConfig>(route, &path.index(i)) {
+                                config.routes.push(v);
+                            }
+                        }
+                    }
+                    _ => self.error(path, Some(value.span()), "must be an array of [[routes]]"),
+                },
+                other => self.error(
+                    path,
+                    Some(value.span()),
+                    format!(
+                        "unknown key {other:?} (expected listen, admin, upstreams, defaults or routes)"
+                    ),
+                ),
+            }
+        }
+        config
+    }
+
+    fn section<T: DeserializeOwned>(
+        &mut self,
+        value: &Spanned<DeValue<'i>>,
+        path: &KeyPath,
+    ) -> Option<T> {
+        let de = ValueDeserializer::from(value.clone());
+        match serde_path_to_error::deserialize::<_, T>(de) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                let path = path.extend_from(e.path());
+                let inner = e.into_inner();
+                let message = inner.message().trim().to_owned();
+                self.error(path, inner.span(), message);
+                None
+            }
+        }
+    }
+
+    fn error(&mut self, path: KeyPath, span: Option<Range<usize>>, message: impl Into<String>) {
+        let span = span.or_else(|| locate(self.tree, &path));
+        self.errors.push(ConfigError {
+            line: span.map(|s| line_of(self.src, s.start)),
+            path,
+            message: message.into(),
+        });
+    }
+}
+
+/// Fills each route's `retry` and `breaker` from `[defaults.*]`, key by key.
+fn inherit_defaults(root: &mut DeTable<'_>) {
+    let Some(DeValue::Table(defaults)) = root.get("defaults").map(|v| v.get_ref().clone()) else {
+        return;
+    };
+    let Some(routes) = root.get_mut("routes") else {
+        return;
+    };
+    let DeValue::Array(routes) = routes.get_mut() else {
+        return;
+    };
+    for route in routes.iter_mut() {
+        let DeValue::Table(route) = route.get_mut() else {
+            continue;
+        };
+        for section in ["retry", "breaker"] {
+            let Some((key, inherited)) = defaults.get_key_value(section) else {
+                continue;
+            };
+            match route.get_mut(section) {
+                Some(own) => merge(own, inherited),
+                None => {
+                    route.insert(key.clone(), inherited.clone());
+                }
+            }
+        }
+    }
+}
+
+/// Adds to `own` every key of `inherited` it lacks, recursing into tables both have.
+fn merge<'i>(own: &mut Spanned<DeValue<'i>>, inherited: &Spanned<DeValue<'i>>) {
+    let (DeValue::Table(own), DeValue::Table(inherited)) = (own.get_mut(), inherited.get_ref())
+    else {
+        return;
+    };
+    for (key, value) in inherited.iter() {
+        match own.get_mut(key.get_ref().as_ref()) {
+            Some(existing) => merge(existing, value),
+            None => {
+                own.insert(key.clone(), value.clone());
+            }
+        }
+    }
+}
+
+/// The source span of the value at `path`, or of its nearest ancestor present.
+fn locate(tree: &Spanned<DeTable<'_>>, path: &KeyPath) -> Option<Range<usize>> {
+    let mut span = None;
+    let mut node: Option<&DeValue<'_>> = None;
+    for seg in &path.0 {
+        let next = match (seg, node) {
+            (Segment::Key(k), None) => tree.get_ref().get(k.as_str()),
+            (Segment::Key(k), Some(DeValue::Table(t))) => t.get(k.as_str()),
+            (Segment::Index(i), Some(DeValue::Array(a))) => a.get(*i),
+            _ => None,
+        };
+        match next {
+            Some(v) => {
+                span = Some(v.span());
+                node = Some(v.get_ref());
+            }
+            None => break,
+        }
+    }
+    span
+}
+
+fn line_of(src: &str, offset: usize) -> usize {
+    let offset = offset.min(src.len());
+    src.as_bytes()[..offset].iter().filter(|&&b| b == b'\n').count() + 1
+}

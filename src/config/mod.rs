@@ -1,0 +1,69 @@
+//! Configuration: the TOML schema, loading with defaults inheritance, and
+//! validation that names the key path and line of every problem.
+
+mod load;
+mod schema;
+pub mod units;
+mod validate;
+
+pub use load::{ConfigError, ConfigErrors, KeyPath, LoadError};
+pub use schema::*;
+
+use std::net::SocketAddr;
+
+impl Config {
+    /// The built-in config of `herdguard --upstream URL`: one upstream, one
+    /// catch-all route, every policy at its default.
+    pub fn for_upstream(
+        url: &str,
+        listen: Option<SocketAddr>,
+        admin: Option<SocketAddr>,
+    ) -> Result<Config, ConfigErrors> {
+        let url = url.trim_end_matches('/');
+        let mut config = Config::default();
+        if let Some(listen) = listen {
+            config.listen.address = listen;
+        }
+        if let Some(admin) = admin {
+            config.admin.address = admin;
+        }
+        config.upstreams.insert(
+            "upstream".to_owned(),
+            UpstreamConfig {
+                endpoints: vec![url.to_owned()],
+                ..UpstreamConfig::default()
+            },
+        );
+        config.routes.push(RouteConfig {
+            name: "default".to_owned(),
+            upstream: "upstream".to_owned(),
+            matcher: MatchConfig::default(),
+            retry: config.defaults.retry.clone(),
+            breaker: config.defaults.breaker.clone(),
+        });
+        config.check()?;
+        Ok(config)
+    }
+
+    /// Runs the semantic checks on a config built in code.
+    pub fn check(&self) -> Result<(), ConfigErrors> {
+        let mut errors = Vec::new();
+        validate::validate(self, &mut |path, message| {
+            errors.push(ConfigError {
+                path,
+                line: None,
+                message,
+            })
+        });
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigErrors(errors))
+        }
+    }
+
+    /// The effective config as TOML, defaults merged into every route.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+    }
+}

@@ -1,0 +1,402 @@
+//! The TOML schema. Every struct rejects keys it does not know, and every field
+//! has a built-in default, so an empty file is a valid (if useless) config.
+//!
+//! Routes inherit `[defaults.retry]` and `[defaults.breaker]` key by key: the
+//! loader merges the tables before these structs see them (see `load.rs`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::units::{duration, size};
+
+/// The whole configuration, defaults merged into every route.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub listen: ListenConfig,
+    #[serde(default)]
+    pub admin: AdminConfig,
+    #[serde(default)]
+    pub upstreams: BTreeMap<String, UpstreamConfig>,
+    #[serde(default)]
+    pub defaults: Defaults,
+    #[serde(default)]
+    pub routes: Vec<RouteConfig>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ListenConfig {
+    /// Where callers connect (HTTP/1.1 and h2c).
+    pub address: SocketAddr,
+    /// How long in-flight requests may take to finish after SIGTERM.
+    #[serde(with = "duration")]
+    pub drain_timeout: Duration,
+    /// How long a client may take to send a request's headers (HTTP/1).
+    #[serde(with = "duration")]
+    pub header_read_timeout: Duration,
+    /// Open client connections at most; more wait in the kernel's accept queue.
+    pub max_connections: usize,
+}
+
+impl Default for ListenConfig {
+    fn default() -> Self {
+        Self {
+            address: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            drain_timeout: Duration::from_secs(15),
+            header_read_timeout: Duration::from_secs(10),
+            max_connections: 10_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// /metrics, /healthz, /readyz, /config. Loopback unless the user writes otherwise.
+    pub address: SocketAddr,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        Self {
+            address: SocketAddr::from(([127, 0, 0, 1], 9901)),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamConfig {
+    /// `http://host:port` or `https://host:port`; requests are balanced over them.
+    pub endpoints: Vec<String>,
+    #[serde(with = "duration")]
+    pub connect_timeout: Duration,
+    /// More requests than this in flight to the upstream are shed with 503 at once.
+    pub max_in_flight: usize,
+    /// Idle pooled connections are closed after this long.
+    #[serde(with = "duration")]
+    pub pool_idle_timeout: Duration,
+    /// Extra CA certificates (PEM) trusted for https endpoints, beside the system roots.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
+    /// The name verified in the server's certificate, when it is not the endpoint's host.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_name: Option<String>,
+    /// Client certificate chain (PEM) for mutual TLS; needs `client_key`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_cert: Option<PathBuf>,
+    /// Client private key (PEM) for mutual TLS; needs `client_cert`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_key: Option<PathBuf>,
+    pub http2: Http2Mode,
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        Self {
+            endpoints: Vec::new(),
+            connect_timeout: Duration::from_secs(1),
+            max_in_flight: 1024,
+            pool_idle_timeout: Duration::from_secs(90),
+            ca_file: None,
+            server_name: None,
+            client_cert: None,
+            client_key: None,
+            http2: Http2Mode::Auto,
+        }
+    }
+}
+
+/// `"auto"` negotiates HTTP/2 by ALPN on https and speaks HTTP/1.1 on http;
+/// `true` always speaks HTTP/2 (h2c with prior knowledge on http); `false` never.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Http2Mode {
+    #[default]
+    Auto,
+    Always,
+    Never,
+}
+
+impl Serialize for Http2Mode {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Auto => s.serialize_str("auto"),
+            Self::Always => s.serialize_bool(true),
+            Self::Never => s.serialize_bool(false),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Http2Mode {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Http2Mode;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("\"auto\", true or false")
+            }
+
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Http2Mode, E> {
+                Ok(if v { Http2Mode::Always } else { Http2Mode::Never })
+            }
+
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Http2Mode, E> {
+                match v {
+                    "auto" => Ok(Http2Mode::Auto),
+                    other => Err(E::custom(format!(
+                        "{other:?} is not an http2 mode (use \"auto\", true or false)"
+                    ))),
+                }
+            }
+        }
+
+        d.deserialize_any(Visitor)
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Defaults {
+    pub retry: RetryConfig,
+    pub breaker: BreakerConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    /// Total tries, the first included; 1 turns retries off.
+    pub attempts: u32,
+    /// Time allowed for one attempt to produce response headers.
+    #[serde(with = "duration")]
+    pub per_try_timeout: Duration,
+    /// Time allowed for the whole request, backoff included.
+    #[serde(with = "duration")]
+    pub timeout: Duration,
+    pub retry_on: Vec<RetryOn>,
+    /// Methods that are retried after the request reached the upstream.
+    pub methods: Vec<String>,
+    /// A request carrying this header may be retried whatever its method.
+    pub idempotency_header: String,
+    /// Bodies up to this size are kept for replay; larger ones are sent once.
+    #[serde(with = "size")]
+    pub max_replay_body: u64,
+    pub respect_retry_after: bool,
+    /// A longer Retry-After is not waited for: the response is passed on.
+    #[serde(with = "duration")]
+    pub max_retry_after: Duration,
+    pub backoff: BackoffConfig,
+    pub budget: BudgetConfig,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self {
+            attempts: 3,
+            per_try_timeout: Duration::from_secs(2),
+            timeout: Duration::from_secs(10),
+            retry_on: vec![
+                RetryOn::ConnectFailure,
+                RetryOn::Reset,
+                RetryOn::Timeout,
+                RetryOn::Status(502),
+                RetryOn::Status(503),
+                RetryOn::Status(504),
+            ],
+            methods: ["GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"]
+                .map(String::from)
+                .to_vec(),
+            idempotency_header: "idempotency-key".to_owned(),
+            max_replay_body: 64 * 1024,
+            respect_retry_after: true,
+            max_retry_after: Duration::from_secs(30),
+            backoff: BackoffConfig::default(),
+            budget: BudgetConfig::default(),
+        }
+    }
+}
+
+/// A condition under which an attempt may be retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum RetryOn {
+    /// The connection could not be made (refused, unreachable, connect timeout).
+    ConnectFailure,
+    /// The connection was reset or closed before response headers arrived.
+    Reset,
+    /// No response headers within `per_try_timeout`.
+    Timeout,
+    /// HTTP/2 REFUSED_STREAM: the upstream did not process the request.
+    RefusedStream,
+    /// Any 5xx status.
+    Status5xx,
+    /// This exact status code.
+    Status(u16),
+}
+
+impl TryFrom<String> for RetryOn {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, String> {
+        Ok(match text.as_str() {
+            "connect-failure" => Self::ConnectFailure,
+            "reset" => Self::Reset,
+            "timeout" => Self::Timeout,
+            "refused-stream" => Self::RefusedStream,
+            "5xx" => Self::Status5xx,
+            code => match code.parse::<u16>() {
+                Ok(code) if (100..=599).contains(&code) => Self::Status(code),
+                _ => {
+                    return Err(format!(
+                        "{text:?} is not a retry condition (use connect-failure, reset, timeout, \
+                         refused-stream, 5xx or a status code such as \"503\")"
+                    ))
+                }
+            },
+        })
+    }
+}
+
+impl fmt::Display for RetryOn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ConnectFailure => f.write_str("connect-failure"),
+            Self::Reset => f.write_str("reset"),
+            Self::Timeout => f.write_str("timeout"),
+            Self::RefusedStream => f.write_str("refused-stream"),
+            Self::Status5xx => f.write_str("5xx"),
+            Self::Status(code) => write!(f, "{code}"),
+        }
+    }
+}
+
+impl From<RetryOn> for String {
+    fn from(r: RetryOn) -> String {
+        r.to_string()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BackoffConfig {
+    #[serde(with = "duration")]
+    pub base: Duration,
+    #[serde(with = "duration")]
+    pub cap: Duration,
+    pub multiplier: f64,
+    pub jitter: Jitter,
+}
+
+impl Default for BackoffConfig {
+    fn default() -> Self {
+        Self {
+            base: Duration::from_millis(100),
+            cap: Duration::from_secs(10),
+            multiplier: 2.0,
+            jitter: Jitter::Full,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Jitter {
+    None,
+    #[default]
+    Full,
+    Equal,
+    Decorrelated,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BudgetConfig {
+    /// Retries may add at most this share of requests (0.2 = 20%).
+    pub ratio: f64,
+    /// Retries always allowed per second, whatever the ratio.
+    pub min_per_second: u32,
+    #[serde(with = "duration")]
+    pub window: Duration,
+}
+
+impl Default for BudgetConfig {
+    fn default() -> Self {
+        Self {
+            ratio: 0.2,
+            min_per_second: 10,
+            window: Duration::from_secs(10),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BreakerConfig {
+    pub consecutive_failures: u32,
+    /// Trip when this share of requests fail over `window`, once `min_requests` were seen.
+    pub failure_rate: f64,
+    pub min_requests: u32,
+    #[serde(with = "duration")]
+    pub window: Duration,
+    /// How long the breaker stays open after its first trip; doubles per consecutive trip.
+    #[serde(with = "duration")]
+    pub open_for: Duration,
+    #[serde(with = "duration")]
+    pub max_open_for: Duration,
+    pub half_open_probes: u32,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        Self {
+            consecutive_failures: 5,
+            failure_rate: 0.5,
+            min_requests: 20,
+            window: Duration::from_secs(10),
+            open_for: Duration::from_secs(5),
+            max_open_for: Duration::from_secs(60),
+            half_open_probes: 3,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    pub name: String,
+    pub upstream: String,
+    #[serde(rename = "match", default)]
+    pub matcher: MatchConfig,
+    #[serde(default)]
+    pub retry: RetryConfig,
+    #[serde(default)]
+    pub breaker: BreakerConfig,
+}
+
+/// Every condition given must hold; an empty match takes every request.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MatchConfig {
+    /// Host (or `*.suffix`), compared without case; with a port only when written with one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// The exact path.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// A prefix of the path, compared byte by byte.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path_prefix: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub methods: Option<Vec<String>>,
+    /// Headers that must be present with exactly these values.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, String>,
+}

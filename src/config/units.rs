@@ -1,0 +1,93 @@
+//! The one parser for durations ("250ms", "2s") and sizes ("64KiB") in the config.
+//!
+//! Both are written as strings so that a file always says its unit. Each has a
+//! `serde(with = ...)` module that reads and writes the same form, so the
+//! effective config printed by `herdguard check` can be read back.
+
+use std::time::Duration;
+
+use serde::{de, Deserialize, Deserializer, Serializer};
+
+/// Parses a duration such as `"250ms"`, `"2s"` or `"1m 30s"`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text.trim())
+        .map_err(|_| format!("{text:?} is not a duration (try \"250ms\", \"2s\" or \"1m\")"))
+}
+
+/// Writes a duration the way `parse_duration` reads it back.
+pub fn format_duration(d: Duration) -> String {
+    humantime::format_duration(d).to_string().replace(' ', "")
+}
+
+/// Parses a size such as `"64KiB"`, `"1MiB"` or `"512"` (bytes).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    text.trim()
+        .parse::<bytesize::ByteSize>()
+        .map(|b| b.as_u64())
+        .map_err(|_| format!("{text:?} is not a size (try \"64KiB\" or \"1MiB\")"))
+}
+
+/// Writes a size in the largest binary unit that divides it exactly.
+pub fn format_size(bytes: u64) -> String {
+    const UNITS: [(&str, u64); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+    for (unit, factor) in UNITS {
+        if bytes >= factor && bytes % factor == 0 {
+            return format!("{}{unit}", bytes / factor);
+        }
+    }
+    format!("{bytes}B")
+}
+
+pub mod duration {
+    use super::*;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format_duration(*d))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let text = String::deserialize(d)?;
+        parse_duration(&text).map_err(de::Error::custom)
+    }
+}
+
+pub mod size {
+    use super::*;
+
+    pub fn serialize<S: Serializer>(n: &u64, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format_size(*n))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        let text = String::deserialize(d)?;
+        parse_size(&text).map_err(de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_round_trip() {
+        for text in ["250ms", "2s", "1m", "1h", "1m30s", "10s"] {
+            let d = parse_duration(text).unwrap();
+            assert_eq!(parse_duration(&format_duration(d)).unwrap(), d, "{text}");
+        }
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        let err = parse_duration("ten seconds").unwrap_err();
+        assert!(err.contains("not a duration"), "{err}");
+    }
+
+    #[test]
+    fn sizes_round_trip() {
+        assert_eq!(parse_size("64KiB").unwrap(), 64 * 1024);
+        assert_eq!(parse_size("1MiB").unwrap(), 1 << 20);
+        assert_eq!(parse_size("512").unwrap(), 512);
+        assert_eq!(format_size(64 * 1024), "64KiB");
+        assert_eq!(format_size(1 << 20), "1MiB");
+        assert_eq!(format_size(1000), "1000B");
+        assert_eq!(parse_size(&format_size(1000)).unwrap(), 1000);
+        assert!(parse_size("lots").is_err());
+    }
+}

@@ -1,0 +1,162 @@
+//! Config loading: inheritance, defaults, and errors that name key and line.
+
+use std::time::Duration;
+
+use herdguard::config::{Config, Jitter, RetryOn};
+
+fn errors(src: &str) -> Vec<String> {
+    match Config::parse(src) {
+        Ok(_) => panic!("config was accepted:\n{src}"),
+        Err(e) => e.0.iter().map(ToString::to_string).collect(),
+    }
+}
+
+const BASE: &str = r#"
+[upstreams.api]
+endpoints = ["http://127.0.0.1:3000"]
+"#;
+
+#[test]
+fn empty_file_is_builtin_defaults() {
+    let c = Config::parse("").unwrap();
+    assert_eq!(c, Config::default());
+    assert_eq!(c.admin.address.to_string(), "127.0.0.1:9901");
+    assert_eq!(c.defaults.retry.attempts, 3);
+    assert_eq!(c.defaults.retry.backoff.jitter, Jitter::Full);
+}
+
+#[test]
+fn routes_inherit_defaults_key_by_key() {
+    let src = format!(
+        r#"{BASE}
+[defaults.retry]
+attempts = 4
+retry_on = ["5xx"]
+[defaults.retry.backoff]
+base = "20ms"
+cap = "1s"
+
+[[routes]]
+name = "a"
+upstream = "api"
+retry = {{ attempts = 2, backoff = {{ cap = "500ms" }} }}
+
+[[routes]]
+name = "b"
+upstream = "api"
+"#
+    );
+    let c = Config::parse(&src).unwrap();
+    let a = &c.routes[0].retry;
+    assert_eq!(a.attempts, 2, "route's own key wins");
+    assert_eq!(a.retry_on, vec![RetryOn::Status5xx], "inherited from defaults");
+    assert_eq!(a.backoff.base, Duration::from_millis(20), "nested key inherited");
+    assert_eq!(a.backoff.cap, Duration::from_millis(500), "nested key overridden");
+    assert_eq!(a.per_try_timeout, Duration::from_secs(2), "built-in default");
+    let b = &c.routes[1].retry;
+    assert_eq!(b.attempts, 4);
+    assert_eq!(b.backoff.cap, Duration::from_secs(1));
+}
+
+#[test]
+fn bad_duration_names_key_and_line() {
+    let src = format!(
+        "{BASE}\n[[routes]]\nname = \"a\"\nupstream = \"api\"\n[routes.retry.backoff]\ncap = \"ten seconds\"\n"
+    );
+    let errs = errors(&src);
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert!(errs[0].starts_with("routes[0].retry.backoff.cap (line 9):"), "{errs:?}");
+    assert!(errs[0].contains("not a duration"), "{errs:?}");
+}
+
+#[test]
+fn unknown_keys_are_rejected_with_their_path() {
+    let errs = errors(&format!("{BASE}connect_timeot = \"1s\"\n"));
+    assert!(errs[0].contains("upstreams.api"), "{errs:?}");
+    assert!(errs[0].contains("connect_timeot"), "{errs:?}");
+    assert!(errs[0].contains("line 4"), "{errs:?}");
+
+    let errs = errors("[lisen]\naddress = \"127.0.0.1:1\"\n");
+    assert!(errs[0].starts_with("lisen (line"), "{errs:?}");
+}
+
+#[test]
+fn every_semantic_error_is_reported_with_its_line() {
+    let src = r#"
+[upstreams.api]
+endpoints = []
+
+[upstreams.web]
+endpoints = ["ftp://example.com"]
+
+[defaults.retry.backoff]
+base = "2s"
+cap = "1s"
+
+[defaults.retry.budget]
+ratio = 1.5
+
+[[routes]]
+name = "a"
+upstream = "nope"
+
+[[routes]]
+name = "a"
+upstream = "api"
+match = { path_prefix = "v1" }
+"#;
+    let errs = errors(src);
+    let expect = [
+        "upstreams.api.endpoints (line 3): needs at least one endpoint",
+        "upstreams.web.endpoints[0] (line 6): \"ftp://example.com\" must start with http:// or https://",
+        "defaults.retry.backoff.cap (line 10): 1s is below base (2s)",
+        "defaults.retry.budget.ratio (line 13): 1.5 is out of range",
+        "routes[0].upstream (line 17): no upstream is named \"nope\" (known: api, web)",
+        "routes[1].name (line 20): \"a\" names another route too",
+        "routes[1].match.path_prefix (line 22): \"v1\" must start with '/'",
+    ];
+    for e in expect {
+        assert!(errs.iter().any(|got| got.starts_with(e)), "missing {e:?} in {errs:#?}");
+    }
+    // Inherited bad values are reported once, at the defaults, not once per route.
+    assert_eq!(errs.len(), expect.len(), "{errs:#?}");
+}
+
+#[test]
+fn syntax_error_has_a_line() {
+    let errs = errors("[listen]\naddress = \n");
+    assert!(errs[0].starts_with("line 2:"), "{errs:?}");
+}
+
+#[test]
+fn effective_config_round_trips() {
+    let src = format!("{BASE}\n[[routes]]\nname = \"a\"\nupstream = \"api\"\nmatch = {{ methods = [\"GET\"], headers = {{ x-env = \"dev\" }} }}\n[upstreams.api2]\nendpoints = [\"https://127.0.0.1:1\"]\nhttp2 = true\n");
+    let c = Config::parse(&src).unwrap();
+    let printed = c.to_toml();
+    let again = Config::parse(&printed).unwrap_or_else(|e| panic!("{e}\n{printed}"));
+    assert_eq!(c, again);
+    assert!(printed.contains("per_try_timeout = \"2s\""), "{printed}");
+}
+
+#[test]
+fn for_upstream_builds_one_catch_all_route() {
+    let c = Config::for_upstream("https://api.example.com/", None, None).unwrap();
+    assert_eq!(c.upstreams["upstream"].endpoints, ["https://api.example.com"]);
+    assert_eq!(c.routes.len(), 1);
+    let err = Config::for_upstream("api.example.com", None, None).unwrap_err();
+    assert!(err.to_string().contains("http:// or https://"), "{err}");
+}
+
+#[test]
+fn every_shipped_config_file_is_valid() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/config");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            Config::from_file(&path).unwrap_or_else(|e| panic!("{e}"));
+            seen += 1;
+        }
+    }
+    assert!(seen >= 3, "expected the example configs in {dir}");
+}

@@ -5,3 +5,9 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod metrics;
+pub mod proxy;
+pub mod route;
+pub mod admin;
+pub mod app;
+pub mod telemetry;

@@ -1,1 +1,138 @@
-fn main() {}
+//! The herdguard command line: parse arguments, load the config, start logging, run.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use herdguard::app::Server;
+use herdguard::config::Config;
+use herdguard::telemetry::{self, LogFormat};
+use tokio::signal::unix::{signal, SignalKind};
+use tracing::{error, info};
+
+/// A sidecar retrying HTTP reverse proxy: budgeted, jittered retries behind a
+/// circuit breaker, at one layer.
+#[derive(Debug, Parser)]
+#[command(name = "herdguard", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+
+    /// Run with this config file.
+    #[arg(long, env = "HERDGUARD_CONFIG", conflicts_with = "upstream", global = true)]
+    config: Option<PathBuf>,
+
+    /// Run with built-in defaults and one catch-all route to this URL.
+    #[arg(long, value_name = "URL")]
+    upstream: Option<String>,
+
+    /// Listen address for callers (overrides the config's).
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<SocketAddr>,
+
+    /// Admin address for /metrics, /healthz, /readyz, /config (overrides the config's).
+    #[arg(long, value_name = "ADDR")]
+    admin: Option<SocketAddr>,
+
+    /// Tokio worker threads (default: available cores).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    threads: Option<u16>,
+
+    /// Log format; the level comes from RUST_LOG (default info).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Validate a config file and print the effective config (defaults merged),
+    /// or every error with its key path and line.
+    Check,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Check) => check(cli.config),
+        None => run(cli),
+    }
+}
+
+fn check(path: Option<PathBuf>) -> ExitCode {
+    let Some(path) = path else {
+        eprintln!("herdguard check: give the file with --config FILE (or HERDGUARD_CONFIG)");
+        return ExitCode::from(2);
+    };
+    match Config::from_file(&path) {
+        Ok(config) => {
+            print!("{}", config.to_toml());
+            eprintln!("{}: ok", path.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> ExitCode {
+    let config = match (&cli.config, &cli.upstream) {
+        (Some(path), _) => Config::from_file(path).map_err(|e| e.to_string()).map(|mut c| {
+            if let Some(listen) = cli.listen {
+                c.listen.address = listen;
+            }
+            if let Some(admin) = cli.admin {
+                c.admin.address = admin;
+            }
+            c
+        }),
+        (None, Some(url)) => Config::for_upstream(url, cli.listen, cli.admin).map_err(|e| format!("--upstream: {e}")),
+        (None, None) => Err("give --config FILE or --upstream URL (see --help)".to_owned()),
+    };
+    let config = match config {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("herdguard: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    telemetry::init(cli.log_format);
+
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    rt.enable_all();
+    if let Some(n) = cli.threads {
+        rt.worker_threads(n.into());
+    }
+    let rt = match rt.build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("herdguard: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(serve(config))
+}
+
+async fn serve(config: Config) -> ExitCode {
+    let server = match Server::start(config).await {
+        Ok(s) => s,
+        Err(e) => {
+            error!(error = %e, "cannot start");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        error!("cannot install signal handlers");
+        return ExitCode::FAILURE;
+    };
+    tokio::select! {
+        _ = term.recv() => info!(signal = "SIGTERM", "shutting down"),
+        _ = int.recv() => info!(signal = "SIGINT", "shutting down"),
+    }
+    server.shutdown();
+    server.wait().await;
+    info!("stopped");
+    ExitCode::SUCCESS
+}

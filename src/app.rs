@@ -1,0 +1,243 @@
+//! Binds the listeners, runs the accept loops, and drains on shutdown.
+//!
+//! `start` returns once both listeners are bound, with their real addresses,
+//! so tests can run the whole proxy in-process on `127.0.0.1:0`.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::Request;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::proxy::{Proxy, Runtime, UpstreamError};
+
+/// Why the proxy could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot listen on {what} address {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+}
+
+/// State shared by the proxy and admin listeners.
+pub struct Shared {
+    pub proxy: Arc<Proxy>,
+    /// Set once shutdown begins: /readyz turns 503.
+    pub draining: AtomicBool,
+}
+
+/// A running proxy.
+pub struct Server {
+    proxy_addr: SocketAddr,
+    admin_addr: SocketAddr,
+    shared: Arc<Shared>,
+    shutdown: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl Server {
+    /// Builds the runtime from `config`, binds both listeners and starts serving.
+    pub async fn start(config: Config) -> Result<Server, StartError> {
+        let metrics = Metrics::new();
+        let config = Arc::new(config);
+        let runtime = Runtime::build(config.clone(), &metrics)?;
+        let proxy = Arc::new(Proxy::new(runtime, metrics));
+
+        let bind = |what, addr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Bind { what, addr, source })
+        };
+        let listener = bind("listen", config.listen.address).await?;
+        let admin_listener = bind("admin", config.admin.address).await?;
+        let proxy_addr = local_addr(&listener);
+        let admin_addr = local_addr(&admin_listener);
+
+        let shared = Arc::new(Shared {
+            proxy,
+            draining: AtomicBool::new(false),
+        });
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let mut drain_rx = shutdown_rx.clone();
+        let (admin_stop, admin_stop_rx) = watch::channel(false);
+
+        let proxy_loop = {
+            let proxy = shared.proxy.clone();
+            let limits = Limits {
+                max_connections: config.listen.max_connections,
+                header_read_timeout: config.listen.header_read_timeout,
+                drain_timeout: config.listen.drain_timeout,
+            };
+            accept_loop("listen", listener, limits, shutdown_rx, move |peer| {
+                let proxy = proxy.clone();
+                service_fn(move |req: Request<Incoming>| {
+                    let proxy = proxy.clone();
+                    async move { Ok::<_, Infallible>(proxy.handle(req, peer).await) }
+                })
+            })
+        };
+        let admin_loop = {
+            let shared = shared.clone();
+            let limits = Limits {
+                max_connections: 64,
+                header_read_timeout: Duration::from_secs(10),
+                drain_timeout: Duration::from_secs(1),
+            };
+            accept_loop("admin", admin_listener, limits, admin_stop_rx, move |_| {
+                let shared = shared.clone();
+                service_fn(move |req: Request<Incoming>| {
+                    let resp = crate::admin::handle(&shared, &req);
+                    async move { Ok::<_, Infallible>(resp) }
+                })
+            })
+        };
+        let task = {
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                let admin = tokio::spawn(admin_loop);
+                // Readiness turns 503 as soon as shutdown is asked for.
+                let draining = async {
+                    stopped(&mut drain_rx).await;
+                    shared.draining.store(true, Ordering::Release);
+                };
+                tokio::join!(proxy_loop, draining);
+                let _ = admin_stop.send(true);
+                let _ = admin.await;
+            })
+        };
+        info!(listen = %proxy_addr, admin = %admin_addr, routes = config.routes.len(), "herdguard serving");
+        Ok(Server {
+            proxy_addr,
+            admin_addr,
+            shared,
+            shutdown,
+            task,
+        })
+    }
+
+    pub fn proxy_addr(&self) -> SocketAddr {
+        self.proxy_addr
+    }
+
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    pub fn proxy(&self) -> &Arc<Proxy> {
+        &self.shared.proxy
+    }
+
+    /// Stops accepting and lets in-flight requests finish, up to `drain_timeout`.
+    pub fn shutdown(&self) {
+        let _ = self.shutdown.send(true);
+    }
+
+    /// Waits until the proxy has drained and both listeners are closed.
+    pub async fn wait(self) {
+        let _ = self.task.await;
+    }
+}
+
+/// Resolves once `stop` turns true (or its sender is gone).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+fn local_addr(listener: &TcpListener) -> SocketAddr {
+    listener.local_addr().expect("a bound listener has an address")
+}
+
+struct Limits {
+    max_connections: usize,
+    header_read_timeout: Duration,
+    drain_timeout: Duration,
+}
+
+/// Accepts connections until `stop`, serving each with HTTP/1.1 or h2c
+/// (upgrades allowed), then waits up to `drain_timeout` for them to finish.
+async fn accept_loop<M, S, B>(
+    what: &'static str,
+    listener: TcpListener,
+    limits: Limits,
+    mut stop: watch::Receiver<bool>,
+    make_service: M,
+) where
+    M: Fn(SocketAddr) -> S,
+    S: hyper::service::Service<Request<Incoming>, Response = http::Response<B>, Error = Infallible>
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .keep_alive(true);
+    builder.http2().timer(TokioTimer::new());
+    let builder = Arc::new(builder);
+    let graceful = GracefulShutdown::new();
+    let permits = Arc::new(Semaphore::new(limits.max_connections));
+
+    loop {
+        let permit = tokio::select! {
+            biased;
+            _ = stopped(&mut stop) => break,
+            permit = permits.clone().acquire_owned() => permit.expect("semaphore is never closed"),
+        };
+        let (stream, peer) = tokio::select! {
+            biased;
+            _ = stopped(&mut stop) => break,
+            accepted = listener.accept() => match accepted {
+                Ok(pair) => pair,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off briefly, then go on.
+                    warn!(listener = what, error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let service = make_service(peer);
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            if let Err(e) = watcher.watch(conn).await {
+                debug!(listener = what, %peer, error = %e, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    let open = graceful.count();
+    if open > 0 {
+        info!(listener = what, connections = open, timeout = ?limits.drain_timeout, "draining");
+    }
+    if tokio::time::timeout(limits.drain_timeout, graceful.shutdown()).await.is_err() {
+        warn!(listener = what, "drain timeout passed with requests still in flight; closing them");
+    }
+}

@@ -1,0 +1,210 @@
+//! Metric names in one place, described and bucketed at start-up.
+//!
+//! Each running proxy owns its own Prometheus recorder (not the process-wide
+//! one), so several proxies in one test process keep separate numbers. Hot
+//! paths hold pre-registered handles: recording is an atomic add, with no
+//! label formatting or map lookup per request.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use http::StatusCode;
+use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder, SharedString, Unit};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+
+pub const REQUESTS_TOTAL: &str = "herdguard_requests_total";
+pub const REQUEST_DURATION: &str = "herdguard_request_duration_seconds";
+pub const UPSTREAM_ATTEMPTS: &str = "herdguard_upstream_attempts_total";
+pub const RETRIES_TOTAL: &str = "herdguard_retries_total";
+pub const RETRIES_SKIPPED: &str = "herdguard_retries_skipped_total";
+pub const RETRY_BUDGET_AVAILABLE: &str = "herdguard_retry_budget_available";
+pub const BACKOFF_SECONDS: &str = "herdguard_backoff_seconds";
+pub const BREAKER_STATE: &str = "herdguard_breaker_state";
+pub const BREAKER_TRANSITIONS: &str = "herdguard_breaker_transitions_total";
+pub const IN_FLIGHT: &str = "herdguard_in_flight";
+pub const SHED_TOTAL: &str = "herdguard_shed_total";
+pub const CONFIG_RELOADS: &str = "herdguard_config_reloads_total";
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+static METADATA: Metadata<'static> =
+    Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
+
+/// The registry of one running proxy.
+pub struct Metrics {
+    recorder: PrometheusRecorder,
+    handle: PrometheusHandle,
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Self> {
+        let builder = PrometheusBuilder::new();
+        let builder = [REQUEST_DURATION, BACKOFF_SECONDS]
+            .into_iter()
+            .fold(builder, |b, name| {
+                b.set_buckets_for_metric(Matcher::Full(name.to_owned()), LATENCY_BUCKETS)
+                    .expect("bucket list is not empty")
+            });
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        let m = Self { recorder, handle };
+        m.describe();
+        Arc::new(m)
+    }
+
+    fn describe(&self) {
+        use Unit::*;
+        let r = &self.recorder;
+        let counters = [
+            (REQUESTS_TOTAL, Count, "Requests answered, by route and status code."),
+            (UPSTREAM_ATTEMPTS, Count, "Attempts sent upstream (first tries and retries), by outcome."),
+            (RETRIES_TOTAL, Count, "Retries made, by the cause of the failed attempt."),
+            (RETRIES_SKIPPED, Count, "Retries that were not made, by reason."),
+            (BREAKER_TRANSITIONS, Count, "Circuit breaker state changes, by new state."),
+            (SHED_TOTAL, Count, "Requests refused at once because the upstream was at its in-flight limit."),
+            (CONFIG_RELOADS, Count, "Config reloads, by result."),
+        ];
+        for (name, unit, help) in counters {
+            r.describe_counter(name.into(), Some(unit), help.into());
+        }
+        let gauges = [
+            (RETRY_BUDGET_AVAILABLE, Count, "Retries the budget would allow now."),
+            (BREAKER_STATE, Count, "Circuit breaker state: 0 closed, 1 half-open, 2 open."),
+            (IN_FLIGHT, Count, "Requests in flight to the upstream."),
+        ];
+        for (name, unit, help) in gauges {
+            r.describe_gauge(name.into(), Some(unit), help.into());
+        }
+        r.describe_histogram(
+            REQUEST_DURATION.into(),
+            Some(Seconds),
+            "Time from request received to response headers sent, retries included.".into(),
+        );
+        r.describe_histogram(BACKOFF_SECONDS.into(), Some(Seconds), "Delay waited before each retry.".into());
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        self.handle.run_upkeep();
+        self.handle.render()
+    }
+
+    pub fn counter(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Counter {
+        self.recorder.register_counter(&key(name, labels), &METADATA)
+    }
+
+    pub fn gauge(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Gauge {
+        self.recorder.register_gauge(&key(name, labels), &METADATA)
+    }
+
+    pub fn histogram(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Histogram {
+        self.recorder.register_histogram(&key(name, labels), &METADATA)
+    }
+}
+
+fn key(name: &'static str, labels: &[(&'static str, &str)]) -> Key {
+    let labels: Vec<Label> = labels
+        .iter()
+        .map(|(k, v)| Label::new(*k, SharedString::from(v.to_string())))
+        .collect();
+    Key::from_parts(name, labels)
+}
+
+/// How one upstream attempt ended, as the `outcome` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// A response below 500.
+    Ok,
+    /// A 5xx response.
+    ServerError,
+    ConnectFailure,
+    Reset,
+    Timeout,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 5] = [
+        Outcome::Ok,
+        Outcome::ServerError,
+        Outcome::ConnectFailure,
+        Outcome::Reset,
+        Outcome::Timeout,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::ServerError => "5xx",
+            Outcome::ConnectFailure => "connect-failure",
+            Outcome::Reset => "reset",
+            Outcome::Timeout => "timeout",
+        }
+    }
+}
+
+/// Handles for one route, registered once when the route is built.
+pub struct RouteMetrics {
+    registry: Arc<Metrics>,
+    route: Arc<str>,
+    /// `herdguard_requests_total` by status code, registered on first use.
+    codes: Box<[OnceLock<Counter>]>,
+    duration: Histogram,
+    attempts: [Counter; Outcome::ALL.len()],
+}
+
+impl RouteMetrics {
+    pub fn new(registry: &Arc<Metrics>, route: &str, upstream: &str) -> Self {
+        let attempts = Outcome::ALL.map(|o| {
+            registry.counter(
+                UPSTREAM_ATTEMPTS,
+                &[("route", route), ("upstream", upstream), ("outcome", o.as_str())],
+            )
+        });
+        Self {
+            registry: registry.clone(),
+            route: route.into(),
+            codes: (100..600).map(|_| OnceLock::new()).collect(),
+            duration: registry.histogram(REQUEST_DURATION, &[("route", route)]),
+            attempts,
+        }
+    }
+
+    /// Counts a request answered to the caller, and how long it took.
+    pub fn request(&self, status: StatusCode, elapsed: Duration) {
+        let code = status.as_u16();
+        let counter = self.codes[usize::from(code - 100)].get_or_init(|| {
+            self.registry
+                .counter(REQUESTS_TOTAL, &[("route", &self.route), ("code", status.as_str())])
+        });
+        counter.increment(1);
+        self.duration.record(elapsed.as_secs_f64());
+    }
+
+    pub fn attempt(&self, outcome: Outcome) {
+        self.attempts[outcome as usize].increment(1);
+    }
+}
+
+/// `herdguard_requests_total` for requests no route took.
+pub fn unrouted(registry: &Metrics, status: StatusCode) {
+    registry
+        .counter(REQUESTS_TOTAL, &[("route", "none"), ("code", status.as_str())])
+        .increment(1);
+}
+
+/// Handles for one upstream.
+pub struct UpstreamMetrics {
+    pub in_flight: Gauge,
+    pub shed: Counter,
+}
+
+impl UpstreamMetrics {
+    pub fn new(registry: &Metrics, upstream: &str) -> Self {
+        Self {
+            in_flight: registry.gauge(IN_FLIGHT, &[("upstream", upstream)]),
+            shed: registry.counter(SHED_TOTAL, &[("upstream", upstream)]),
+        }
+    }
+}

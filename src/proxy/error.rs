@@ -1,0 +1,72 @@
+//! Responses the proxy makes itself. Each carries `x-herdguard-error` with a
+//! machine-readable reason and a short text body for people.
+
+use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderValue, Response, StatusCode};
+use rand::Rng;
+
+use super::body::ResponseBody;
+use super::headers::X_HERDGUARD_ERROR;
+
+/// Why the proxy answered instead of the upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalError {
+    /// No route matches the request (404).
+    NoRoute,
+    /// The proxy will not forward this request at all (400/405).
+    BadRequest,
+    /// No connection to the upstream could be made (502).
+    ConnectFailure,
+    /// The connection failed after the request was sent (502).
+    Reset,
+    /// No response headers in time (504).
+    Timeout,
+    /// The upstream is at its in-flight limit (503).
+    Overloaded,
+    /// The route's circuit breaker is open (503).
+    CircuitOpen,
+    /// The request body is larger than the proxy will take (413).
+    BodyTooLarge,
+}
+
+impl LocalError {
+    pub fn status(self) -> StatusCode {
+        match self {
+            LocalError::NoRoute => StatusCode::NOT_FOUND,
+            LocalError::BadRequest => StatusCode::METHOD_NOT_ALLOWED,
+            LocalError::ConnectFailure | LocalError::Reset => StatusCode::BAD_GATEWAY,
+            LocalError::Timeout => StatusCode::GATEWAY_TIMEOUT,
+            LocalError::Overloaded | LocalError::CircuitOpen => StatusCode::SERVICE_UNAVAILABLE,
+            LocalError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        }
+    }
+
+    /// The `x-herdguard-error` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LocalError::NoRoute => "no-route",
+            LocalError::BadRequest => "bad-request",
+            LocalError::ConnectFailure => "connect-failure",
+            LocalError::Reset => "reset",
+            LocalError::Timeout => "timeout",
+            LocalError::Overloaded => "overloaded",
+            LocalError::CircuitOpen => "circuit-open",
+            LocalError::BodyTooLarge => "body-too-large",
+        }
+    }
+
+    /// The response, with `detail` as the first line of its body.
+    pub fn response(self, detail: &str) -> Response<ResponseBody> {
+        let mut resp = Response::new(ResponseBody::local(format!("herdguard: {detail}\n")));
+        *resp.status_mut() = self.status();
+        let h = resp.headers_mut();
+        h.insert(&X_HERDGUARD_ERROR, HeaderValue::from_static(self.as_str()));
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+        if matches!(self, LocalError::Overloaded | LocalError::CircuitOpen) {
+            // Jittered, so that callers told to come back do not come back together.
+            let secs: u32 = rand::rng().random_range(1..=3);
+            h.insert(RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp
+    }
+}

@@ -1,0 +1,153 @@
+//! Proxy header rules of RFC 9110 §7.6: hop-by-hop fields are dropped both
+//! ways, `Via` is added, and `X-Forwarded-For/-Proto/-Host` tell the upstream
+//! who asked.
+
+use std::net::IpAddr;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::Version;
+
+/// Fields that describe one connection, never forwarded (RFC 9110 §7.6.1).
+const HOP_BY_HOP: [HeaderName; 7] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+pub static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+pub static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+pub static X_HERDGUARD_ATTEMPT: HeaderName = HeaderName::from_static("x-herdguard-attempt");
+pub static X_HERDGUARD_ATTEMPTS: HeaderName = HeaderName::from_static("x-herdguard-attempts");
+pub static X_HERDGUARD_ERROR: HeaderName = HeaderName::from_static("x-herdguard-error");
+
+/// Removes hop-by-hop fields and every field the `Connection` header names.
+/// With `upgrade`, the `Connection: upgrade` and `Upgrade` pair is kept so an
+/// HTTP/1.1 upgrade can pass through.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
+    if let Some(connection) = headers.get(header::CONNECTION) {
+        if let Ok(text) = connection.to_str() {
+            let named: Vec<HeaderName> = text
+                .split(',')
+                .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+                .collect();
+            for name in named {
+                if !(upgrade && name == header::UPGRADE) {
+                    headers.remove(&name);
+                }
+            }
+        }
+    }
+    // `TE: trailers` says the client accepts trailers; the proxy relays them, so
+    // it may say the same to the upstream (gRPC needs it).
+    let te_trailers = headers
+        .get(header::TE)
+        .is_some_and(|v| v.as_bytes().split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers")));
+    for name in &HOP_BY_HOP {
+        if upgrade && (name == header::CONNECTION || name == header::UPGRADE) {
+            continue;
+        }
+        headers.remove(name);
+    }
+    if upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+    if te_trailers {
+        headers.insert(header::TE, HeaderValue::from_static("trailers"));
+    }
+}
+
+/// The `Upgrade` protocol an HTTP/1.1 request asks for, if it asks for one.
+pub fn requested_upgrade(version: Version, headers: &HeaderMap) -> bool {
+    version == Version::HTTP_11
+        && headers.contains_key(header::UPGRADE)
+        && headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .any(|v| v.as_bytes().split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(b"upgrade")))
+}
+
+/// Appends this hop to `Via`, as `1.1 herdguard` (or `2 herdguard`).
+pub fn add_via(headers: &mut HeaderMap, version: Version) {
+    let hop = match version {
+        Version::HTTP_2 => "2 herdguard",
+        Version::HTTP_10 => "1.0 herdguard",
+        _ => "1.1 herdguard",
+    };
+    headers.append(header::VIA, HeaderValue::from_static(hop));
+}
+
+/// Sets `X-Forwarded-For` (appending the caller), `-Proto` and `-Host`.
+pub fn add_forwarded(headers: &mut HeaderMap, peer: IpAddr, proto: &'static str, host: Option<&str>) {
+    let value = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+        Some(prior) if !prior.trim().is_empty() => format!("{prior}, {peer}"),
+        _ => peer.to_string(),
+    };
+    if let Ok(value) = HeaderValue::from_str(&value) {
+        headers.insert(&X_FORWARDED_FOR, value);
+    }
+    headers.insert(&X_FORWARDED_PROTO, HeaderValue::from_static(proto));
+    if let Some(host) = host.and_then(|h| HeaderValue::from_str(h).ok()) {
+        headers.insert(&X_FORWARDED_HOST, host);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(HeaderName::from_bytes(k.as_bytes()).unwrap(), HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn strips_hop_by_hop_and_connection_named_fields() {
+        let mut h = map(&[
+            ("connection", "keep-alive, x-secret"),
+            ("keep-alive", "timeout=5"),
+            ("x-secret", "1"),
+            ("proxy-connection", "keep-alive"),
+            ("transfer-encoding", "chunked"),
+            ("upgrade", "websocket"),
+            ("trailer", "x-sum"),
+            ("te", "gzip"),
+            ("x-keep", "yes"),
+        ]);
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h, map(&[("x-keep", "yes")]));
+    }
+
+    #[test]
+    fn keeps_te_trailers_and_upgrade_pair() {
+        let mut h = map(&[("te", "trailers, deflate")]);
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h, map(&[("te", "trailers")]));
+
+        let mut h = map(&[("connection", "Upgrade, x-a"), ("upgrade", "websocket"), ("x-a", "1")]);
+        assert!(requested_upgrade(Version::HTTP_11, &h));
+        assert!(!requested_upgrade(Version::HTTP_2, &h));
+        strip_hop_by_hop(&mut h, true);
+        assert_eq!(h, map(&[("upgrade", "websocket"), ("connection", "upgrade")]));
+    }
+
+    #[test]
+    fn forwarded_headers_append_the_caller() {
+        let mut h = map(&[("x-forwarded-for", "10.0.0.1"), ("x-forwarded-proto", "https")]);
+        add_forwarded(&mut h, "127.0.0.2".parse().unwrap(), "http", Some("api.local"));
+        assert_eq!(h["x-forwarded-for"], "10.0.0.1, 127.0.0.2");
+        assert_eq!(h["x-forwarded-proto"], "http");
+        assert_eq!(h["x-forwarded-host"], "api.local");
+        add_via(&mut h, Version::HTTP_11);
+        add_via(&mut h, Version::HTTP_2);
+        let via: Vec<_> = h.get_all("via").iter().collect();
+        assert_eq!(via, ["1.1 herdguard", "2 herdguard"]);
+    }
+}

@@ -1,0 +1,240 @@
+//! The proxy service: route a request, forward it upstream under the header
+//! rules, and stream the response back.
+
+mod body;
+mod error;
+pub mod headers;
+mod upstream;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use http::header::HOST;
+use http::{HeaderValue, Method, Request, Response, StatusCode, Version};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::time::Instant;
+use tracing::debug;
+
+pub use body::{BoxError, RequestBody, ResponseBody};
+pub use error::LocalError;
+pub use upstream::{Upstream, UpstreamError};
+
+use crate::config::{Config, RouteConfig};
+use crate::metrics::{self, Metrics, Outcome, RouteMetrics};
+use crate::route::{Matcher, RequestInfo};
+
+/// Everything built from one config: swapped whole on reload.
+pub struct Runtime {
+    pub config: Arc<Config>,
+    pub routes: Vec<Arc<Route>>,
+}
+
+/// A route, compiled.
+pub struct Route {
+    pub name: Arc<str>,
+    matcher: Matcher,
+    pub upstream: Arc<Upstream>,
+    pub metrics: RouteMetrics,
+    per_try_timeout: Duration,
+}
+
+impl Runtime {
+    pub fn build(config: Arc<Config>, registry: &Arc<Metrics>) -> Result<Self, UpstreamError> {
+        let mut upstreams = std::collections::HashMap::new();
+        for (name, u) in &config.upstreams {
+            upstreams.insert(name.as_str(), Upstream::new(name, u, registry)?);
+        }
+        let routes = config
+            .routes
+            .iter()
+            .map(|r| Arc::new(Route::new(r, upstreams[r.upstream.as_str()].clone(), registry)))
+            .collect();
+        Ok(Self { config, routes })
+    }
+
+    fn route(&self, req: &RequestInfo<'_>) -> Option<&Arc<Route>> {
+        self.routes.iter().find(|r| r.matcher.matches(req))
+    }
+}
+
+impl Route {
+    fn new(config: &RouteConfig, upstream: Arc<Upstream>, registry: &Arc<Metrics>) -> Self {
+        Self {
+            name: config.name.as_str().into(),
+            matcher: Matcher::new(&config.matcher),
+            metrics: RouteMetrics::new(registry, &config.name, &upstream.name),
+            upstream,
+            per_try_timeout: config.retry.per_try_timeout.min(config.retry.timeout),
+        }
+    }
+}
+
+/// The proxy: shared by every connection.
+pub struct Proxy {
+    runtime: ArcSwap<Runtime>,
+    metrics: Arc<Metrics>,
+}
+
+const ONE: HeaderValue = HeaderValue::from_static("1");
+
+impl Proxy {
+    pub fn new(runtime: Runtime, metrics: Arc<Metrics>) -> Self {
+        Self {
+            runtime: ArcSwap::from_pointee(runtime),
+            metrics,
+        }
+    }
+
+    pub fn runtime(&self) -> Arc<Runtime> {
+        self.runtime.load_full()
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Answers one request from a caller at `peer`.
+    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ResponseBody> {
+        let start = Instant::now();
+        if req.method() == Method::CONNECT {
+            let resp = LocalError::BadRequest.response("CONNECT is not proxied; herdguard is a reverse proxy");
+            metrics::unrouted(&self.metrics, resp.status());
+            return resp;
+        }
+        let host = request_host(req.uri(), req.headers());
+        let route = {
+            let runtime = self.runtime.load();
+            let info = RequestInfo {
+                host,
+                method: req.method(),
+                path: req.uri().path(),
+                headers: req.headers(),
+            };
+            runtime.route(&info).cloned()
+        };
+        let Some(route) = route else {
+            let resp = LocalError::NoRoute.response(&format!(
+                "no route for {} {}{}",
+                req.method(),
+                host.unwrap_or(""),
+                req.uri().path()
+            ));
+            metrics::unrouted(&self.metrics, resp.status());
+            return resp;
+        };
+        let resp = forward(&route, req, peer).await;
+        route.metrics.request(resp.status(), start.elapsed());
+        resp
+    }
+}
+
+/// The request's authority: from the URI (absolute-form or HTTP/2) or `Host`.
+fn request_host<'a>(uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Option<&'a str> {
+    uri.authority()
+        .map(|a| a.as_str())
+        .or_else(|| headers.get(HOST).and_then(|h| h.to_str().ok()))
+}
+
+async fn forward(route: &Route, mut req: Request<Incoming>, peer: SocketAddr) -> Response<ResponseBody> {
+    let upstream = &route.upstream;
+    let Some(slot) = upstream.try_acquire() else {
+        return LocalError::Overloaded.response(&format!("upstream {} is at its in-flight limit", upstream.name));
+    };
+    let upgrade = headers::requested_upgrade(req.version(), req.headers());
+    let caller_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+
+    let (mut parts, body) = req.into_parts();
+    let endpoint = upstream.pick();
+    let original_host = request_host(&parts.uri, &parts.headers).map(str::to_owned);
+    let h = &mut parts.headers;
+    headers::strip_hop_by_hop(h, upgrade);
+    headers::add_via(h, parts.version);
+    headers::add_forwarded(h, peer.ip(), "http", original_host.as_deref());
+    h.insert(HOST, endpoint.host.clone());
+    h.insert(&headers::X_HERDGUARD_ATTEMPT, ONE);
+    parts.uri = endpoint.uri(parts.uri.path_and_query());
+    parts.version = Version::HTTP_11;
+    let upstream_req = Request::from_parts(parts, RequestBody::stream(body));
+
+    let sent = tokio::time::timeout(route.per_try_timeout, upstream.client.request(upstream_req)).await;
+    let mut resp = match sent {
+        Err(_) => {
+            route.metrics.attempt(Outcome::Timeout);
+            return LocalError::Timeout.response(&format!(
+                "upstream {} sent no response headers within {:?}",
+                upstream.name, route.per_try_timeout
+            ));
+        }
+        Ok(Err(e)) => {
+            let (outcome, local) = if e.is_connect() {
+                (Outcome::ConnectFailure, LocalError::ConnectFailure)
+            } else {
+                (Outcome::Reset, LocalError::Reset)
+            };
+            route.metrics.attempt(outcome);
+            debug!(route = %route.name, upstream = %upstream.name, error = %error_chain(&e), "upstream attempt failed");
+            return local.response(&format!("upstream {} failed: {}", upstream.name, error_chain(&e)));
+        }
+        Ok(Ok(resp)) => resp,
+    };
+    route.metrics.attempt(if resp.status().is_server_error() {
+        Outcome::ServerError
+    } else {
+        Outcome::Ok
+    });
+
+    let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
+    if switching {
+        if let Some(caller) = caller_upgrade {
+            let upstream_side = hyper::upgrade::on(&mut resp);
+            tokio::spawn(tunnel(caller, upstream_side, slot));
+            let (mut parts, _) = resp.into_parts();
+            finish_headers(&mut parts.headers, true);
+            return Response::from_parts(parts, ResponseBody::local(bytes::Bytes::new()));
+        }
+    }
+    let (mut parts, body) = resp.into_parts();
+    finish_headers(&mut parts.headers, false);
+    Response::from_parts(parts, ResponseBody::upstream(body, slot))
+}
+
+fn finish_headers(h: &mut http::HeaderMap, upgrade: bool) {
+    headers::strip_hop_by_hop(h, upgrade);
+    headers::add_via(h, Version::HTTP_11);
+    h.insert(&headers::X_HERDGUARD_ATTEMPTS, ONE);
+}
+
+/// Relays bytes both ways after a 101 Switching Protocols.
+async fn tunnel(caller: hyper::upgrade::OnUpgrade, upstream: hyper::upgrade::OnUpgrade, slot: upstream::InFlight) {
+    let (caller, upstream) = match tokio::try_join!(caller, upstream) {
+        Ok(pair) => pair,
+        Err(e) => {
+            debug!(error = %e, "upgrade failed");
+            return;
+        }
+    };
+    let mut caller = TokioIo::new(caller);
+    let mut upstream = TokioIo::new(upstream);
+    if let Err(e) = tokio::io::copy_bidirectional(&mut caller, &mut upstream).await {
+        debug!(error = %e, "upgraded connection ended with an error");
+    }
+    drop(slot);
+}
+
+/// An error and its causes on one line.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let message = s.to_string();
+        if !text.contains(&message) {
+            text.push_str(": ");
+            text.push_str(&message);
+        }
+        source = s.source();
+    }
+    text
+}

@@ -1,0 +1,221 @@
+//! An upstream: its endpoints, a pooled client that speaks HTTP/1.1, h2c or
+//! TLS (rustls, ring provider), round-robin balancing, and the in-flight count
+//! that sheds load above `max_in_flight`.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{HeaderValue, Uri};
+use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::{ClientConfig, RootCertStore};
+
+use crate::config::{Http2Mode, UpstreamConfig};
+use crate::metrics::{Metrics, UpstreamMetrics};
+
+use super::body::RequestBody;
+
+pub type HttpClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
+
+/// Why an upstream could not be built from its (validated) config.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("upstreams.{upstream}.{key}: {message}")]
+    Tls {
+        upstream: String,
+        key: &'static str,
+        message: String,
+    },
+}
+
+/// One `scheme://host:port` of an upstream, pre-parsed.
+#[derive(Debug)]
+pub struct Endpoint {
+    scheme: Scheme,
+    authority: Authority,
+    /// The `Host` header sent to this endpoint.
+    pub host: HeaderValue,
+}
+
+impl Endpoint {
+    fn parse(url: &str) -> Option<Self> {
+        let uri: Uri = url.parse().ok()?;
+        let authority = uri.authority()?.clone();
+        Some(Self {
+            scheme: uri.scheme()?.clone(),
+            host: HeaderValue::from_str(authority.as_str()).ok()?,
+            authority,
+        })
+    }
+
+    /// The absolute URI of `path_and_query` on this endpoint.
+    pub fn uri(&self, path_and_query: Option<&PathAndQuery>) -> Uri {
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = Some(self.scheme.clone());
+        parts.authority = Some(self.authority.clone());
+        parts.path_and_query = Some(path_and_query.cloned().unwrap_or_else(|| PathAndQuery::from_static("/")));
+        Uri::from_parts(parts).expect("scheme, authority and path are all set")
+    }
+}
+
+pub struct Upstream {
+    pub name: Arc<str>,
+    endpoints: Box<[Endpoint]>,
+    next: AtomicUsize,
+    pub client: HttpClient,
+    in_flight: AtomicUsize,
+    max_in_flight: usize,
+    pub metrics: UpstreamMetrics,
+}
+
+impl Upstream {
+    pub fn new(name: &str, config: &UpstreamConfig, registry: &Metrics) -> Result<Arc<Self>, UpstreamError> {
+        let endpoints = config
+            .endpoints
+            .iter()
+            .map(|e| Endpoint::parse(e).expect("validated endpoint"))
+            .collect();
+        Ok(Arc::new(Self {
+            name: name.into(),
+            endpoints,
+            next: AtomicUsize::new(0),
+            client: client(name, config)?,
+            in_flight: AtomicUsize::new(0),
+            max_in_flight: config.max_in_flight,
+            metrics: UpstreamMetrics::new(registry, name),
+        }))
+    }
+
+    /// The next endpoint, round robin.
+    pub fn pick(&self) -> &Endpoint {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        &self.endpoints[n % self.endpoints.len()]
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Takes a slot for one request, or `None` when the upstream is full.
+    pub fn try_acquire(self: &Arc<Self>) -> Option<InFlight> {
+        let prior = self.in_flight.fetch_add(1, Ordering::AcqRel);
+        if prior >= self.max_in_flight {
+            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+            self.metrics.shed.increment(1);
+            return None;
+        }
+        self.metrics.in_flight.increment(1.0);
+        Some(InFlight { upstream: self.clone() })
+    }
+}
+
+/// A slot held while a request is in flight to its upstream, response body included.
+pub struct InFlight {
+    upstream: Arc<Upstream>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.upstream.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.upstream.metrics.in_flight.decrement(1.0);
+    }
+}
+
+fn client(name: &str, config: &UpstreamConfig) -> Result<HttpClient, UpstreamError> {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(config.connect_timeout));
+    http.set_keepalive(Some(std::time::Duration::from_secs(60)));
+
+    let tls = tls_config(name, config)?;
+    let builder = HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http();
+    let builder = match &config.server_name {
+        Some(server_name) => {
+            let server_name = ServerName::try_from(server_name.clone()).map_err(|e| UpstreamError::Tls {
+                upstream: name.to_owned(),
+                key: "server_name",
+                message: e.to_string(),
+            })?;
+            builder.with_server_name_resolver(FixedServerNameResolver::new(server_name))
+        }
+        None => builder,
+    };
+    let connector = match config.http2 {
+        Http2Mode::Auto => builder.enable_all_versions().wrap_connector(http),
+        Http2Mode::Always => builder.enable_http2().wrap_connector(http),
+        Http2Mode::Never => builder.enable_http1().wrap_connector(http),
+    };
+
+    let mut client = Client::builder(TokioExecutor::new());
+    client
+        .pool_idle_timeout(config.pool_idle_timeout)
+        .pool_timer(TokioTimer::new())
+        .timer(TokioTimer::new())
+        // Every attempt must pass through our budget and metrics: no hidden retries.
+        .retry_canceled_requests(false)
+        // Host is set per endpoint by the proxy.
+        .set_host(false)
+        .http2_only(config.http2 == Http2Mode::Always);
+    Ok(client.build(connector))
+}
+
+/// System roots, plus `ca_file`, plus a client certificate for mTLS.
+fn tls_config(name: &str, config: &UpstreamConfig) -> Result<ClientConfig, UpstreamError> {
+    let err = |key: &'static str, message: String| UpstreamError::Tls {
+        upstream: name.to_owned(),
+        key,
+        message,
+    };
+    let mut roots = system_roots().clone();
+    if let Some(ca_file) = &config.ca_file {
+        let certs = CertificateDer::pem_file_iter(ca_file)
+            .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| err("ca_file", format!("{}: {e}", ca_file.display())))?;
+        if certs.is_empty() {
+            return Err(err("ca_file", format!("{}: no certificate found", ca_file.display())));
+        }
+        for cert in certs {
+            roots
+                .add(cert)
+                .map_err(|e| err("ca_file", format!("{}: {e}", ca_file.display())))?;
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| err("endpoints", e.to_string()))?
+        .with_root_certificates(roots);
+    match (&config.client_cert, &config.client_key) {
+        (Some(cert), Some(key)) => {
+            let chain = CertificateDer::pem_file_iter(cert)
+                .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| err("client_cert", format!("{}: {e}", cert.display())))?;
+            let key = PrivateKeyDer::from_pem_file(key).map_err(|e| err("client_key", format!("{}: {e}", key.display())))?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| err("client_key", e.to_string()))
+        }
+        _ => Ok(builder.with_no_client_auth()),
+    }
+}
+
+/// The platform's trusted roots, loaded once per process.
+fn system_roots() -> &'static RootCertStore {
+    static ROOTS: OnceLock<RootCertStore> = OnceLock::new();
+    ROOTS.get_or_init(|| {
+        let found = rustls_native_certs::load_native_certs();
+        for e in &found.errors {
+            tracing::warn!(error = %e, "could not load some system CA certificates");
+        }
+        let mut roots = RootCertStore::empty();
+        let (added, ignored) = roots.add_parsable_certificates(found.certs);
+        tracing::debug!(added, ignored, "loaded system CA certificates");
+        roots
+    })
+}

@@ -1,0 +1,210 @@
+//! Route matching: (host, method, path, headers) -> the first route that
+//! matches, in file order. Pure: no I/O, no allocation per request.
+
+use http::{HeaderMap, HeaderName, HeaderValue, Method};
+
+use crate::config::MatchConfig;
+
+/// A compiled `match = { ... }` table. Every condition given must hold.
+#[derive(Debug, Clone, Default)]
+pub struct Matcher {
+    host: Option<HostMatch>,
+    path: Option<String>,
+    path_prefix: Option<String>,
+    methods: Option<Vec<Method>>,
+    headers: Vec<(HeaderName, HeaderValue)>,
+}
+
+#[derive(Debug, Clone)]
+enum HostMatch {
+    /// `example.com`: the host part, any port.
+    Host(String),
+    /// `example.com:8080`: host and port.
+    Authority(String),
+    /// `*.example.com`: any subdomain (the leading dot kept).
+    Suffix(String),
+}
+
+/// What a matcher looks at.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestInfo<'a> {
+    /// The request's authority (`host[:port]`), from the URI or the Host header.
+    pub host: Option<&'a str>,
+    pub method: &'a Method,
+    pub path: &'a str,
+    pub headers: &'a HeaderMap,
+}
+
+impl Matcher {
+    /// Compiles a validated match table.
+    ///
+    /// # Panics
+    /// Never on a config that passed validation: it checks every name and value parsed here.
+    pub fn new(m: &MatchConfig) -> Self {
+        let host = m.host.as_ref().map(|h| {
+            let h = h.to_ascii_lowercase();
+            if let Some(rest) = h.strip_prefix('*') {
+                HostMatch::Suffix(rest.to_owned())
+            } else if h.contains(':') && !h.ends_with(']') {
+                HostMatch::Authority(h)
+            } else {
+                HostMatch::Host(h)
+            }
+        });
+        let methods = m.methods.as_ref().map(|ms| {
+            ms.iter()
+                .map(|s| Method::from_bytes(s.as_bytes()).expect("validated method"))
+                .collect()
+        });
+        let headers = m
+            .headers
+            .iter()
+            .map(|(k, v)| {
+                (
+                    HeaderName::from_bytes(k.as_bytes()).expect("validated header name"),
+                    HeaderValue::from_str(v).expect("validated header value"),
+                )
+            })
+            .collect();
+        Self {
+            host,
+            path: m.path.clone(),
+            path_prefix: m.path_prefix.clone(),
+            methods,
+            headers,
+        }
+    }
+
+    pub fn matches(&self, req: &RequestInfo<'_>) -> bool {
+        if let Some(path) = &self.path {
+            if req.path != path {
+                return false;
+            }
+        }
+        if let Some(prefix) = &self.path_prefix {
+            if !req.path.starts_with(prefix.as_str()) {
+                return false;
+            }
+        }
+        if let Some(methods) = &self.methods {
+            if !methods.contains(req.method) {
+                return false;
+            }
+        }
+        if let Some(host) = &self.host {
+            let Some(authority) = req.host else {
+                return false;
+            };
+            if !host.matches(authority) {
+                return false;
+            }
+        }
+        self.headers
+            .iter()
+            .all(|(name, value)| req.headers.get_all(name).iter().any(|v| v == value))
+    }
+}
+
+impl HostMatch {
+    fn matches(&self, authority: &str) -> bool {
+        match self {
+            HostMatch::Authority(a) => authority.eq_ignore_ascii_case(a),
+            HostMatch::Host(h) => strip_port(authority).eq_ignore_ascii_case(h),
+            HostMatch::Suffix(suffix) => {
+                let host = strip_port(authority);
+                host.len() > suffix.len()
+                    && host.as_bytes()[host.len() - suffix.len()..].eq_ignore_ascii_case(suffix.as_bytes())
+            }
+        }
+    }
+}
+
+fn strip_port(authority: &str) -> &str {
+    if authority.ends_with(']') {
+        return authority; // [v6] without a port
+    }
+    match authority.rsplit_once(':') {
+        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+        _ => authority,
+    }
+}
+
+/// Index of the first matcher that takes the request.
+pub fn first_match<'a, T>(
+    routes: impl IntoIterator<Item = &'a T>,
+    matcher: impl Fn(&T) -> &Matcher,
+    req: &RequestInfo<'_>,
+) -> Option<&'a T>
+where
+    T: 'a,
+{
+    routes.into_iter().find(|r| matcher(r).matches(req))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    fn info<'a>(host: Option<&'a str>, method: &'a Method, path: &'a str, headers: &'a HeaderMap) -> RequestInfo<'a> {
+        RequestInfo { host, method, path, headers }
+    }
+
+    #[test]
+    fn empty_match_takes_everything() {
+        let m = Matcher::new(&MatchConfig::default());
+        let h = HeaderMap::new();
+        assert!(m.matches(&info(None, &Method::POST, "/x", &h)));
+    }
+
+    #[test]
+    fn host_forms() {
+        let h = HeaderMap::new();
+        let get = Method::GET;
+        let host = |s: &str| Matcher::new(&MatchConfig { host: Some(s.into()), ..Default::default() });
+        assert!(host("API.example.com").matches(&info(Some("api.example.COM:8080"), &get, "/", &h)));
+        assert!(!host("api.example.com").matches(&info(Some("web.example.com"), &get, "/", &h)));
+        assert!(!host("api.example.com").matches(&info(None, &get, "/", &h)));
+        assert!(host("api.example.com:8080").matches(&info(Some("api.example.com:8080"), &get, "/", &h)));
+        assert!(!host("api.example.com:8080").matches(&info(Some("api.example.com:9090"), &get, "/", &h)));
+        assert!(host("*.example.com").matches(&info(Some("a.b.example.com"), &get, "/", &h)));
+        assert!(!host("*.example.com").matches(&info(Some("example.com"), &get, "/", &h)));
+        assert!(host("[::1]").matches(&info(Some("[::1]:80"), &get, "/", &h)));
+    }
+
+    #[test]
+    fn path_method_and_headers() {
+        let mut headers = BTreeMap::new();
+        headers.insert("x-env".to_owned(), "canary".to_owned());
+        let m = Matcher::new(&MatchConfig {
+            path_prefix: Some("/v1/".into()),
+            methods: Some(vec!["POST".into()]),
+            headers,
+            ..Default::default()
+        });
+        let mut h = HeaderMap::new();
+        assert!(!m.matches(&info(None, &Method::POST, "/v1/orders", &h)), "header missing");
+        h.insert("x-env", HeaderValue::from_static("canary"));
+        assert!(m.matches(&info(None, &Method::POST, "/v1/orders", &h)));
+        assert!(!m.matches(&info(None, &Method::GET, "/v1/orders", &h)));
+        assert!(!m.matches(&info(None, &Method::POST, "/v2/orders", &h)));
+
+        let exact = Matcher::new(&MatchConfig { path: Some("/health".into()), ..Default::default() });
+        assert!(exact.matches(&info(None, &Method::GET, "/health", &h)));
+        assert!(!exact.matches(&info(None, &Method::GET, "/health/x", &h)));
+    }
+
+    #[test]
+    fn first_match_wins() {
+        let routes = [
+            ("specific", Matcher::new(&MatchConfig { path_prefix: Some("/a/b".into()), ..Default::default() })),
+            ("broad", Matcher::new(&MatchConfig { path_prefix: Some("/a".into()), ..Default::default() })),
+        ];
+        let h = HeaderMap::new();
+        let pick = |path| first_match(&routes, |r| &r.1, &info(None, &Method::GET, path, &h)).map(|r| r.0);
+        assert_eq!(pick("/a/b/c"), Some("specific"));
+        assert_eq!(pick("/a/x"), Some("broad"));
+        assert_eq!(pick("/z"), None);
+    }
+}

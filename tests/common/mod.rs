@@ -1,0 +1,181 @@
+//! Helpers shared by the integration tests: in-process upstreams on
+//! 127.0.0.1:0, the whole proxy started in-process, and a plain client.
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use tokio::net::TcpListener;
+
+use herdguard::app::Server;
+use herdguard::config::Config;
+
+pub type Body = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
+
+pub fn full(data: impl Into<Bytes>) -> Body {
+    Full::new(data.into()).map_err(|never| match never {}).boxed()
+}
+
+pub fn empty() -> Body {
+    full(Bytes::new())
+}
+
+/// What an upstream saw of one request.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub method: http::Method,
+    pub uri: http::Uri,
+    pub version: http::Version,
+    pub headers: http::HeaderMap,
+}
+
+/// An in-process upstream on 127.0.0.1:0 that records every request it gets.
+pub struct Upstream {
+    pub addr: SocketAddr,
+    pub seen: Arc<Mutex<Vec<Seen>>>,
+    pub hits: Arc<AtomicUsize>,
+}
+
+impl Upstream {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+
+    pub fn last(&self) -> Seen {
+        self.seen.lock().unwrap().last().cloned().expect("the upstream saw a request")
+    }
+}
+
+/// Starts an upstream whose answers come from `handler`.
+pub async fn upstream<F, Fut>(handler: F) -> Upstream
+where
+    F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Response<Body>> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let hits = Arc::new(AtomicUsize::new(0));
+    let handler = Arc::new(handler);
+    {
+        let seen = seen.clone();
+        let hits = hits.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { return };
+                let handler = handler.clone();
+                let seen = seen.clone();
+                let hits = hits.clone();
+                tokio::spawn(async move {
+                    let service = service_fn(move |req: Request<Incoming>| {
+                        seen.lock().unwrap().push(Seen {
+                            method: req.method().clone(),
+                            uri: req.uri().clone(),
+                            version: req.version(),
+                            headers: req.headers().clone(),
+                        });
+                        hits.fetch_add(1, Ordering::SeqCst);
+                        let fut = handler(req);
+                        async move { Ok::<_, Infallible>(fut.await) }
+                    });
+                    let _ = auto::Builder::new(TokioExecutor::new())
+                        .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+    }
+    Upstream { addr, seen, hits }
+}
+
+/// An upstream that answers every request with 200 and `body`.
+pub async fn ok_upstream(body: &'static str) -> Upstream {
+    upstream(move |_| async move { Response::new(full(body)) }).await
+}
+
+/// An upstream that streams each request body back as the response body.
+pub async fn echo_upstream() -> Upstream {
+    upstream(|req: Request<Incoming>| async move {
+        let (_, body) = req.into_parts();
+        Response::new(body.map_err(Into::into).boxed())
+    })
+    .await
+}
+
+/// A loopback address nobody listens on.
+pub async fn closed_port() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    l.local_addr().unwrap()
+}
+
+/// Starts the proxy from TOML; `listen` and `admin` are set to ephemeral ports.
+pub async fn proxy(toml: &str) -> Server {
+    let src = format!(
+        "[listen]\naddress = \"127.0.0.1:0\"\ndrain_timeout = \"5s\"\n[admin]\naddress = \"127.0.0.1:0\"\n{toml}"
+    );
+    let config = Config::parse(&src).unwrap_or_else(|e| panic!("{e}\n{src}"));
+    Server::start(config).await.unwrap()
+}
+
+/// A proxy with one catch-all route to `url`.
+pub async fn proxy_to(url: &str) -> Server {
+    proxy(&format!(
+        "[upstreams.u]\nendpoints = [\"{url}\"]\n[[routes]]\nname = \"all\"\nupstream = \"u\"\n"
+    ))
+    .await
+}
+
+pub type TestClient = Client<HttpConnector, Body>;
+
+/// An HTTP/1.1 client.
+pub fn client() -> TestClient {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+/// An HTTP/2 client with prior knowledge (h2c).
+pub fn h2c_client() -> TestClient {
+    Client::builder(TokioExecutor::new()).http2_only(true).build(HttpConnector::new())
+}
+
+/// Sends a GET to the proxy and returns status, headers and the whole body.
+pub async fn get(server: &Server, path: &str) -> (http::StatusCode, http::HeaderMap, Bytes) {
+    send(&client(), Request::get(format!("http://{}{path}", server.proxy_addr())).body(empty()).unwrap()).await
+}
+
+pub async fn send(client: &TestClient, req: Request<Body>) -> (http::StatusCode, http::HeaderMap, Bytes) {
+    let resp = client.request(req).await.expect("the proxy answered");
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.expect("a whole body").to_bytes();
+    (parts.status, parts.headers, body)
+}
+
+/// GETs a path on the admin listener and returns status and body text.
+pub async fn admin(server: &Server, path: &str) -> (http::StatusCode, String) {
+    let req = Request::get(format!("http://{}{path}", server.admin_addr())).body(empty()).unwrap();
+    let (status, _, body) = send(&client(), req).await;
+    (status, String::from_utf8(body.to_vec()).unwrap())
+}
+
+/// The value of one series in Prometheus text, e.g.
+/// `metric(&text, "herdguard_requests_total{route=\"a\",code=\"200\"}")`.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.trim().parse().ok()))
+}

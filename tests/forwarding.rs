@@ -1,0 +1,237 @@
+//! Forwarding through the real proxy: bodies byte-exact both ways, header
+//! rules, h2c, and the errors the proxy makes itself.
+
+mod common;
+
+use bytes::Bytes;
+use common::*;
+use http::{Request, Response, StatusCode, Version};
+use http_body_util::{BodyExt, StreamBody};
+use rand::RngCore;
+
+fn random(len: usize) -> Vec<u8> {
+    let mut data = vec![0u8; len];
+    rand::rng().fill_bytes(&mut data);
+    data
+}
+
+#[tokio::test]
+async fn one_mib_bodies_are_byte_exact_with_content_length() {
+    let up = echo_upstream().await;
+    let server = proxy_to(&up.url()).await;
+    let data = random(1 << 20);
+    let req = Request::post(format!("http://{}/echo", server.proxy_addr()))
+        .body(full(data.clone()))
+        .unwrap();
+    let (status, headers, body) = send(&client(), req).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body.len(), data.len());
+    assert!(body == data, "body changed on the way");
+    assert_eq!(up.last().headers["content-length"], "1048576");
+    assert_eq!(headers["x-herdguard-attempts"], "1");
+}
+
+#[tokio::test]
+async fn one_mib_bodies_are_byte_exact_chunked() {
+    let up = echo_upstream().await;
+    let server = proxy_to(&up.url()).await;
+    let data = random(1 << 20);
+    let chunks: Vec<Result<http_body::Frame<Bytes>, Box<dyn std::error::Error + Send + Sync>>> = data
+        .chunks(10_000)
+        .map(|c| Ok(http_body::Frame::data(Bytes::copy_from_slice(c))))
+        .collect();
+    let body = StreamBody::new(futures_util::stream::iter(chunks)).boxed();
+    let req = Request::put(format!("http://{}/echo", server.proxy_addr())).body(body).unwrap();
+    let (status, headers, body) = send(&client(), req).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body == data, "body changed on the way");
+    let seen = up.last();
+    assert_eq!(seen.headers["transfer-encoding"], "chunked");
+    assert!(!seen.headers.contains_key("content-length"));
+    // The upstream echoed it chunked; the caller gets a framed body either way.
+    assert!(!headers.contains_key("content-length") || headers["content-length"] == "1048576");
+}
+
+#[tokio::test]
+async fn hop_by_hop_fields_are_dropped_both_ways() {
+    let up = upstream(|_| async {
+        Response::builder()
+            .header("connection", "x-upstream-private")
+            .header("x-upstream-private", "secret")
+            .header("keep-alive", "timeout=5")
+            .header("proxy-connection", "keep-alive")
+            .header("x-upstream-public", "yes")
+            .body(full("ok"))
+            .unwrap()
+    })
+    .await;
+    let server = proxy_to(&up.url()).await;
+    let req = Request::get(format!("http://{}/h", server.proxy_addr()))
+        .header("connection", "x-caller-private, keep-alive")
+        .header("x-caller-private", "secret")
+        .header("keep-alive", "timeout=5")
+        .header("proxy-connection", "keep-alive")
+        .header("te", "gzip")
+        .header("trailer", "x-sum")
+        .header("x-caller-public", "yes")
+        .body(empty())
+        .unwrap();
+    let (status, headers, _) = send(&client(), req).await;
+    assert_eq!(status, StatusCode::OK);
+    let seen = up.last().headers;
+    for name in ["x-caller-private", "keep-alive", "proxy-connection", "te", "trailer", "upgrade"] {
+        assert!(!seen.contains_key(name), "{name} reached the upstream: {seen:?}");
+    }
+    assert!(seen.get("connection").is_none_or(|v| v == "keep-alive"), "{seen:?}");
+    assert_eq!(seen["x-caller-public"], "yes");
+    for name in ["x-upstream-private", "keep-alive", "proxy-connection"] {
+        assert!(!headers.contains_key(name), "{name} reached the caller: {headers:?}");
+    }
+    assert_eq!(headers["x-upstream-public"], "yes");
+}
+
+#[tokio::test]
+async fn via_and_forwarded_headers_are_set() {
+    let up = ok_upstream("ok").await;
+    let server = proxy_to(&up.url()).await;
+    let req = Request::get(format!("http://{}/p?q=1", server.proxy_addr()))
+        .header("host", "api.example.test")
+        .header("x-forwarded-for", "192.0.2.7")
+        .header("via", "1.1 edge")
+        .body(empty())
+        .unwrap();
+    let (_, headers, _) = send(&client(), req).await;
+    let seen = up.last();
+    assert_eq!(seen.uri, "/p?q=1");
+    assert_eq!(seen.headers["x-forwarded-for"], "192.0.2.7, 127.0.0.1");
+    assert_eq!(seen.headers["x-forwarded-proto"], "http");
+    assert_eq!(seen.headers["x-forwarded-host"], "api.example.test");
+    assert_eq!(seen.headers["host"], up.addr.to_string(), "Host is the endpoint's");
+    let via: Vec<_> = seen.headers.get_all("via").iter().collect();
+    assert_eq!(via, ["1.1 edge", "1.1 herdguard"]);
+    assert_eq!(seen.headers["x-herdguard-attempt"], "1");
+    assert_eq!(headers["via"], "1.1 herdguard");
+}
+
+#[tokio::test]
+async fn h2c_callers_are_served() {
+    let up = echo_upstream().await;
+    let server = proxy_to(&up.url()).await;
+    let req = Request::post(format!("http://{}/h2", server.proxy_addr()))
+        .version(Version::HTTP_2)
+        .body(full("over h2c"))
+        .unwrap();
+    let resp = h2c_client().request(req).await.unwrap();
+    assert_eq!(resp.version(), Version::HTTP_2);
+    assert_eq!(resp.status(), StatusCode::OK);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "over h2c");
+    let seen = up.last();
+    assert_eq!(seen.version, Version::HTTP_11, "HTTP/1.1 upstream by default");
+    assert_eq!(seen.headers.get_all("via").iter().collect::<Vec<_>>(), ["2 herdguard"]);
+    assert_eq!(seen.headers["x-forwarded-host"], server.proxy_addr().to_string());
+}
+
+#[tokio::test]
+async fn h2c_upstream_when_http2_is_true() {
+    let up = ok_upstream("h2 upstream").await;
+    let server = proxy(&format!(
+        "[upstreams.u]\nendpoints = [\"{}\"]\nhttp2 = true\n[[routes]]\nname = \"all\"\nupstream = \"u\"\n",
+        up.url()
+    ))
+    .await;
+    let (status, _, body) = get(&server, "/").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body, "h2 upstream");
+    assert_eq!(up.last().version, Version::HTTP_2);
+}
+
+#[tokio::test]
+async fn no_route_is_404_with_reason() {
+    let up = ok_upstream("ok").await;
+    let server = proxy(&format!(
+        "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"api\"\nupstream = \"u\"\nmatch = {{ path_prefix = \"/api\" }}\n",
+        up.url()
+    ))
+    .await;
+    let (status, headers, body) = get(&server, "/other").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(headers["x-herdguard-error"], "no-route");
+    assert!(String::from_utf8_lossy(&body).contains("no route for GET"), "{body:?}");
+    assert_eq!(up.hits(), 0);
+}
+
+#[tokio::test]
+async fn absolute_form_and_connect_never_reach_other_hosts() {
+    let up = ok_upstream("ok").await;
+    let server = proxy_to(&up.url()).await;
+    // A forward-proxy style request names another host: it still goes only to
+    // the configured upstream.
+    let mut stream = tokio::net::TcpStream::connect(server.proxy_addr()).await.unwrap();
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    stream
+        .write_all(b"GET http://203.0.113.9/x HTTP/1.1\r\nHost: 203.0.113.9\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    stream.read_to_string(&mut out).await.unwrap();
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    assert_eq!(up.last().headers["host"], up.addr.to_string());
+
+    let mut stream = tokio::net::TcpStream::connect(server.proxy_addr()).await.unwrap();
+    stream
+        .write_all(b"CONNECT 203.0.113.9:443 HTTP/1.1\r\nHost: 203.0.113.9:443\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 512];
+    let n = stream.read(&mut buf).await.unwrap();
+    let out = String::from_utf8_lossy(&buf[..n]);
+    assert!(out.starts_with("HTTP/1.1 405"), "{out}");
+    assert!(out.contains("x-herdguard-error: bad-request"), "{out}");
+}
+
+#[tokio::test]
+async fn connect_failure_is_502_with_reason() {
+    let port = closed_port().await;
+    let server = proxy_to(&format!("http://{port}")).await;
+    let (status, headers, body) = get(&server, "/").await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert_eq!(headers["x-herdguard-error"], "connect-failure");
+    assert!(String::from_utf8_lossy(&body).contains("upstream u failed"), "{body:?}");
+}
+
+#[tokio::test]
+async fn slow_upstream_is_504_with_reason() {
+    // The upstream never answers: it waits on a future that never resolves.
+    let up = upstream(|_| async {
+        std::future::pending::<()>().await;
+        unreachable!()
+    })
+    .await;
+    let server = proxy(&format!(
+        "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"all\"\nupstream = \"u\"\nretry = {{ attempts = 1, per_try_timeout = \"200ms\" }}\n",
+        up.url()
+    ))
+    .await;
+    let (status, headers, body) = get(&server, "/").await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(headers["x-herdguard-error"], "timeout");
+    assert!(String::from_utf8_lossy(&body).contains("no response headers within"), "{body:?}");
+}
+
+#[tokio::test]
+async fn endpoints_are_balanced_round_robin() {
+    let a = ok_upstream("a").await;
+    let b = ok_upstream("b").await;
+    let server = proxy(&format!(
+        "[upstreams.u]\nendpoints = [\"{}\", \"{}\"]\n[[routes]]\nname = \"all\"\nupstream = \"u\"\n",
+        a.url(),
+        b.url()
+    ))
+    .await;
+    for _ in 0..10 {
+        let (status, _, _) = get(&server, "/").await;
+        assert_eq!(status, StatusCode::OK);
+    }
+    assert_eq!((a.hits(), b.hits()), (5, 5));
+}

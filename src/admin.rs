@@ -33,8 +33,10 @@ pub fn handle<B>(shared: &Shared, req: &Request<B>) -> Response<Full<Bytes>> {
         }
         "/config" => {
             let mut resp = text(StatusCode::OK, shared.proxy.runtime().config.to_toml());
-            resp.headers_mut()
-                .insert(CONTENT_TYPE, HeaderValue::from_static("application/toml; charset=utf-8"));
+            resp.headers_mut().insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static("application/toml; charset=utf-8"),
+            );
             resp
         }
         _ => text(
@@ -47,7 +49,9 @@ pub fn handle<B>(shared: &Shared, req: &Request<B>) -> Response<Full<Bytes>> {
 fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     let mut resp = Response::new(Full::new(Bytes::from(body)));
     *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    resp.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
     resp
 }

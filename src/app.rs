@@ -163,7 +163,9 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 }
 
 fn local_addr(listener: &TcpListener) -> SocketAddr {
-    listener.local_addr().expect("a bound listener has an address")
+    listener
+        .local_addr()
+        .expect("a bound listener has an address")
 }
 
 struct Limits {
@@ -237,7 +239,13 @@ async fn accept_loop<M, S, B>(
     if open > 0 {
         info!(listener = what, connections = open, timeout = ?limits.drain_timeout, "draining");
     }
-    if tokio::time::timeout(limits.drain_timeout, graceful.shutdown()).await.is_err() {
-        warn!(listener = what, "drain timeout passed with requests still in flight; closing them");
+    if tokio::time::timeout(limits.drain_timeout, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        warn!(
+            listener = what,
+            "drain timeout passed with requests still in flight; closing them"
+        );
     }
 }

@@ -4,10 +4,10 @@
 //! tests can start the whole proxy in-process on ephemeral ports.
 #![forbid(unsafe_code)]
 
+pub mod admin;
+pub mod app;
 pub mod config;
 pub mod metrics;
 pub mod proxy;
 pub mod route;
-pub mod admin;
-pub mod app;
 pub mod telemetry;

@@ -20,7 +20,7 @@ struct Cli {
     command: Option<Command>,
 
     /// Run with this config file.
-    #[arg(long, env = "HERDGUARD_CONFIG", conflicts_with = "upstream", global = true)]
+    #[arg(long, env = "HERDGUARD_CONFIG", conflicts_with = "upstream")]
     config: Option<PathBuf>,
 
     /// Run with built-in defaults and one catch-all route to this URL.
@@ -48,23 +48,23 @@ struct Cli {
 enum Command {
     /// Validate a config file and print the effective config (defaults merged),
     /// or every error with its key path and line.
-    Check,
+    Check {
+        /// The config file to check.
+        #[arg(long, env = "HERDGUARD_CONFIG")]
+        config: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Some(Command::Check) => check(cli.config),
+        Some(Command::Check { config }) => check(&config),
         None => run(cli),
     }
 }
 
-fn check(path: Option<PathBuf>) -> ExitCode {
-    let Some(path) = path else {
-        eprintln!("herdguard check: give the file with --config FILE (or HERDGUARD_CONFIG)");
-        return ExitCode::from(2);
-    };
-    match Config::from_file(&path) {
+fn check(path: &std::path::Path) -> ExitCode {
+    match Config::from_file(path) {
         Ok(config) => {
             print!("{}", config.to_toml());
             eprintln!("{}: ok", path.display());
@@ -79,16 +79,20 @@ fn check(path: Option<PathBuf>) -> ExitCode {
 
 fn run(cli: Cli) -> ExitCode {
     let config = match (&cli.config, &cli.upstream) {
-        (Some(path), _) => Config::from_file(path).map_err(|e| e.to_string()).map(|mut c| {
-            if let Some(listen) = cli.listen {
-                c.listen.address = listen;
-            }
-            if let Some(admin) = cli.admin {
-                c.admin.address = admin;
-            }
-            c
-        }),
-        (None, Some(url)) => Config::for_upstream(url, cli.listen, cli.admin).map_err(|e| format!("--upstream: {e}")),
+        (Some(path), _) => Config::from_file(path)
+            .map_err(|e| e.to_string())
+            .map(|mut c| {
+                if let Some(listen) = cli.listen {
+                    c.listen.address = listen;
+                }
+                if let Some(admin) = cli.admin {
+                    c.admin.address = admin;
+                }
+                c
+            }),
+        (None, Some(url)) => {
+            Config::for_upstream(url, cli.listen, cli.admin).map_err(|e| format!("--upstream: {e}"))
+        }
         (None, None) => Err("give --config FILE or --upstream URL (see --help)".to_owned()),
     };
     let config = match config {
@@ -123,7 +127,10 @@ async fn serve(config: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         error!("cannot install signal handlers");
         return ExitCode::FAILURE;
     };

@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use http::StatusCode;
 use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder, SharedString, Unit};
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+use metrics_exporter_prometheus::{
+    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
+};
 
 pub const REQUESTS_TOTAL: &str = "herdguard_requests_total";
 pub const REQUEST_DURATION: &str = "herdguard_request_duration_seconds";
@@ -58,20 +60,52 @@ impl Metrics {
         use Unit::*;
         let r = &self.recorder;
         let counters = [
-            (REQUESTS_TOTAL, Count, "Requests answered, by route and status code."),
-            (UPSTREAM_ATTEMPTS, Count, "Attempts sent upstream (first tries and retries), by outcome."),
-            (RETRIES_TOTAL, Count, "Retries made, by the cause of the failed attempt."),
-            (RETRIES_SKIPPED, Count, "Retries that were not made, by reason."),
-            (BREAKER_TRANSITIONS, Count, "Circuit breaker state changes, by new state."),
-            (SHED_TOTAL, Count, "Requests refused at once because the upstream was at its in-flight limit."),
+            (
+                REQUESTS_TOTAL,
+                Count,
+                "Requests answered, by route and status code.",
+            ),
+            (
+                UPSTREAM_ATTEMPTS,
+                Count,
+                "Attempts sent upstream (first tries and retries), by outcome.",
+            ),
+            (
+                RETRIES_TOTAL,
+                Count,
+                "Retries made, by the cause of the failed attempt.",
+            ),
+            (
+                RETRIES_SKIPPED,
+                Count,
+                "Retries that were not made, by reason.",
+            ),
+            (
+                BREAKER_TRANSITIONS,
+                Count,
+                "Circuit breaker state changes, by new state.",
+            ),
+            (
+                SHED_TOTAL,
+                Count,
+                "Requests refused at once because the upstream was at its in-flight limit.",
+            ),
             (CONFIG_RELOADS, Count, "Config reloads, by result."),
         ];
         for (name, unit, help) in counters {
             r.describe_counter(name.into(), Some(unit), help.into());
         }
         let gauges = [
-            (RETRY_BUDGET_AVAILABLE, Count, "Retries the budget would allow now."),
-            (BREAKER_STATE, Count, "Circuit breaker state: 0 closed, 1 half-open, 2 open."),
+            (
+                RETRY_BUDGET_AVAILABLE,
+                Count,
+                "Retries the budget would allow now.",
+            ),
+            (
+                BREAKER_STATE,
+                Count,
+                "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
+            ),
             (IN_FLIGHT, Count, "Requests in flight to the upstream."),
         ];
         for (name, unit, help) in gauges {
@@ -82,7 +116,11 @@ impl Metrics {
             Some(Seconds),
             "Time from request received to response headers sent, retries included.".into(),
         );
-        r.describe_histogram(BACKOFF_SECONDS.into(), Some(Seconds), "Delay waited before each retry.".into());
+        r.describe_histogram(
+            BACKOFF_SECONDS.into(),
+            Some(Seconds),
+            "Delay waited before each retry.".into(),
+        );
     }
 
     /// The Prometheus text exposition of every metric.
@@ -92,7 +130,8 @@ impl Metrics {
     }
 
     pub fn counter(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Counter {
-        self.recorder.register_counter(&key(name, labels), &METADATA)
+        self.recorder
+            .register_counter(&key(name, labels), &METADATA)
     }
 
     pub fn gauge(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Gauge {
@@ -100,7 +139,8 @@ impl Metrics {
     }
 
     pub fn histogram(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Histogram {
-        self.recorder.register_histogram(&key(name, labels), &METADATA)
+        self.recorder
+            .register_histogram(&key(name, labels), &METADATA)
     }
 }
 
@@ -159,7 +199,11 @@ impl RouteMetrics {
         let attempts = Outcome::ALL.map(|o| {
             registry.counter(
                 UPSTREAM_ATTEMPTS,
-                &[("route", route), ("upstream", upstream), ("outcome", o.as_str())],
+                &[
+                    ("route", route),
+                    ("upstream", upstream),
+                    ("outcome", o.as_str()),
+                ],
             )
         });
         Self {
@@ -175,8 +219,10 @@ impl RouteMetrics {
     pub fn request(&self, status: StatusCode, elapsed: Duration) {
         let code = status.as_u16();
         let counter = self.codes[usize::from(code - 100)].get_or_init(|| {
-            self.registry
-                .counter(REQUESTS_TOTAL, &[("route", &self.route), ("code", status.as_str())])
+            self.registry.counter(
+                REQUESTS_TOTAL,
+                &[("route", &self.route), ("code", status.as_str())],
+            )
         });
         counter.increment(1);
         self.duration.record(elapsed.as_secs_f64());
@@ -190,7 +236,10 @@ impl RouteMetrics {
 /// `herdguard_requests_total` for requests no route took.
 pub fn unrouted(registry: &Metrics, status: StatusCode) {
     registry
-        .counter(REQUESTS_TOTAL, &[("route", "none"), ("code", status.as_str())])
+        .counter(
+            REQUESTS_TOTAL,
+            &[("route", "none"), ("code", status.as_str())],
+        )
         .increment(1);
 }
 

@@ -113,7 +113,8 @@ impl HostMatch {
             HostMatch::Suffix(suffix) => {
                 let host = strip_port(authority);
                 host.len() > suffix.len()
-                    && host.as_bytes()[host.len() - suffix.len()..].eq_ignore_ascii_case(suffix.as_bytes())
+                    && host.as_bytes()[host.len() - suffix.len()..]
+                        .eq_ignore_ascii_case(suffix.as_bytes())
             }
         }
     }
@@ -147,8 +148,18 @@ mod tests {
 
     use super::*;
 
-    fn info<'a>(host: Option<&'a str>, method: &'a Method, path: &'a str, headers: &'a HeaderMap) -> RequestInfo<'a> {
-        RequestInfo { host, method, path, headers }
+    fn info<'a>(
+        host: Option<&'a str>,
+        method: &'a Method,
+        path: &'a str,
+        headers: &'a HeaderMap,
+    ) -> RequestInfo<'a> {
+        RequestInfo {
+            host,
+            method,
+            path,
+            headers,
+        }
     }
 
     #[test]
@@ -162,12 +173,32 @@ mod tests {
     fn host_forms() {
         let h = HeaderMap::new();
         let get = Method::GET;
-        let host = |s: &str| Matcher::new(&MatchConfig { host: Some(s.into()), ..Default::default() });
-        assert!(host("API.example.com").matches(&info(Some("api.example.COM:8080"), &get, "/", &h)));
+        let host = |s: &str| {
+            Matcher::new(&MatchConfig {
+                host: Some(s.into()),
+                ..Default::default()
+            })
+        };
+        assert!(host("API.example.com").matches(&info(
+            Some("api.example.COM:8080"),
+            &get,
+            "/",
+            &h
+        )));
         assert!(!host("api.example.com").matches(&info(Some("web.example.com"), &get, "/", &h)));
         assert!(!host("api.example.com").matches(&info(None, &get, "/", &h)));
-        assert!(host("api.example.com:8080").matches(&info(Some("api.example.com:8080"), &get, "/", &h)));
-        assert!(!host("api.example.com:8080").matches(&info(Some("api.example.com:9090"), &get, "/", &h)));
+        assert!(host("api.example.com:8080").matches(&info(
+            Some("api.example.com:8080"),
+            &get,
+            "/",
+            &h
+        )));
+        assert!(!host("api.example.com:8080").matches(&info(
+            Some("api.example.com:9090"),
+            &get,
+            "/",
+            &h
+        )));
         assert!(host("*.example.com").matches(&info(Some("a.b.example.com"), &get, "/", &h)));
         assert!(!host("*.example.com").matches(&info(Some("example.com"), &get, "/", &h)));
         assert!(host("[::1]").matches(&info(Some("[::1]:80"), &get, "/", &h)));
@@ -184,13 +215,19 @@ mod tests {
             ..Default::default()
         });
         let mut h = HeaderMap::new();
-        assert!(!m.matches(&info(None, &Method::POST, "/v1/orders", &h)), "header missing");
+        assert!(
+            !m.matches(&info(None, &Method::POST, "/v1/orders", &h)),
+            "header missing"
+        );
         h.insert("x-env", HeaderValue::from_static("canary"));
         assert!(m.matches(&info(None, &Method::POST, "/v1/orders", &h)));
         assert!(!m.matches(&info(None, &Method::GET, "/v1/orders", &h)));
         assert!(!m.matches(&info(None, &Method::POST, "/v2/orders", &h)));
 
-        let exact = Matcher::new(&MatchConfig { path: Some("/health".into()), ..Default::default() });
+        let exact = Matcher::new(&MatchConfig {
+            path: Some("/health".into()),
+            ..Default::default()
+        });
         assert!(exact.matches(&info(None, &Method::GET, "/health", &h)));
         assert!(!exact.matches(&info(None, &Method::GET, "/health/x", &h)));
     }
@@ -198,11 +235,24 @@ mod tests {
     #[test]
     fn first_match_wins() {
         let routes = [
-            ("specific", Matcher::new(&MatchConfig { path_prefix: Some("/a/b".into()), ..Default::default() })),
-            ("broad", Matcher::new(&MatchConfig { path_prefix: Some("/a".into()), ..Default::default() })),
+            (
+                "specific",
+                Matcher::new(&MatchConfig {
+                    path_prefix: Some("/a/b".into()),
+                    ..Default::default()
+                }),
+            ),
+            (
+                "broad",
+                Matcher::new(&MatchConfig {
+                    path_prefix: Some("/a".into()),
+                    ..Default::default()
+                }),
+            ),
         ];
         let h = HeaderMap::new();
-        let pick = |path| first_match(&routes, |r| &r.1, &info(None, &Method::GET, path, &h)).map(|r| r.0);
+        let pick =
+            |path| first_match(&routes, |r| &r.1, &info(None, &Method::GET, path, &h)).map(|r| r.0);
         assert_eq!(pick("/a/b/c"), Some("specific"));
         assert_eq!(pick("/a/x"), Some("broad"));
         assert_eq!(pick("/z"), None);

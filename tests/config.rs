@@ -49,10 +49,26 @@ upstream = "api"
     let c = Config::parse(&src).unwrap();
     let a = &c.routes[0].retry;
     assert_eq!(a.attempts, 2, "route's own key wins");
-    assert_eq!(a.retry_on, vec![RetryOn::Status5xx], "inherited from defaults");
-    assert_eq!(a.backoff.base, Duration::from_millis(20), "nested key inherited");
-    assert_eq!(a.backoff.cap, Duration::from_millis(500), "nested key overridden");
-    assert_eq!(a.per_try_timeout, Duration::from_secs(2), "built-in default");
+    assert_eq!(
+        a.retry_on,
+        vec![RetryOn::Status5xx],
+        "inherited from defaults"
+    );
+    assert_eq!(
+        a.backoff.base,
+        Duration::from_millis(20),
+        "nested key inherited"
+    );
+    assert_eq!(
+        a.backoff.cap,
+        Duration::from_millis(500),
+        "nested key overridden"
+    );
+    assert_eq!(
+        a.per_try_timeout,
+        Duration::from_secs(2),
+        "built-in default"
+    );
     let b = &c.routes[1].retry;
     assert_eq!(b.attempts, 4);
     assert_eq!(b.backoff.cap, Duration::from_secs(1));
@@ -65,7 +81,10 @@ fn bad_duration_names_key_and_line() {
     );
     let errs = errors(&src);
     assert_eq!(errs.len(), 1, "{errs:?}");
-    assert!(errs[0].starts_with("routes[0].retry.backoff.cap (line 9):"), "{errs:?}");
+    assert!(
+        errs[0].starts_with("routes[0].retry.backoff.cap (line 9):"),
+        "{errs:?}"
+    );
     assert!(errs[0].contains("not a duration"), "{errs:?}");
 }
 
@@ -116,7 +135,10 @@ match = { path_prefix = "v1" }
         "routes[1].match.path_prefix (line 22): \"v1\" must start with '/'",
     ];
     for e in expect {
-        assert!(errs.iter().any(|got| got.starts_with(e)), "missing {e:?} in {errs:#?}");
+        assert!(
+            errs.iter().any(|got| got.starts_with(e)),
+            "missing {e:?} in {errs:#?}"
+        );
     }
     // Inherited bad values are reported once, at the defaults, not once per route.
     assert_eq!(errs.len(), expect.len(), "{errs:#?}");
@@ -141,7 +163,10 @@ fn effective_config_round_trips() {
 #[test]
 fn for_upstream_builds_one_catch_all_route() {
     let c = Config::for_upstream("https://api.example.com/", None, None).unwrap();
-    assert_eq!(c.upstreams["upstream"].endpoints, ["https://api.example.com"]);
+    assert_eq!(
+        c.upstreams["upstream"].endpoints,
+        ["https://api.example.com"]
+    );
     assert_eq!(c.routes.len(), 1);
     let err = Config::for_upstream("api.example.com", None, None).unwrap_err();
     assert!(err.to_string().contains("http:// or https://"), "{err}");

@@ -36,12 +36,14 @@ async fn one_mib_bodies_are_byte_exact_chunked() {
     let up = echo_upstream().await;
     let server = proxy_to(&up.url()).await;
     let data = random(1 << 20);
-    let chunks: Vec<Result<http_body::Frame<Bytes>, Box<dyn std::error::Error + Send + Sync>>> = data
-        .chunks(10_000)
-        .map(|c| Ok(http_body::Frame::data(Bytes::copy_from_slice(c))))
-        .collect();
+    let chunks: Vec<Result<http_body::Frame<Bytes>, Box<dyn std::error::Error + Send + Sync>>> =
+        data.chunks(10_000)
+            .map(|c| Ok(http_body::Frame::data(Bytes::copy_from_slice(c))))
+            .collect();
     let body = StreamBody::new(futures_util::stream::iter(chunks)).boxed();
-    let req = Request::put(format!("http://{}/echo", server.proxy_addr())).body(body).unwrap();
+    let req = Request::put(format!("http://{}/echo", server.proxy_addr()))
+        .body(body)
+        .unwrap();
     let (status, headers, body) = send(&client(), req).await;
     assert_eq!(status, StatusCode::OK);
     assert!(body == data, "body changed on the way");
@@ -79,13 +81,29 @@ async fn hop_by_hop_fields_are_dropped_both_ways() {
     let (status, headers, _) = send(&client(), req).await;
     assert_eq!(status, StatusCode::OK);
     let seen = up.last().headers;
-    for name in ["x-caller-private", "keep-alive", "proxy-connection", "te", "trailer", "upgrade"] {
-        assert!(!seen.contains_key(name), "{name} reached the upstream: {seen:?}");
+    for name in [
+        "x-caller-private",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "upgrade",
+    ] {
+        assert!(
+            !seen.contains_key(name),
+            "{name} reached the upstream: {seen:?}"
+        );
     }
-    assert!(seen.get("connection").is_none_or(|v| v == "keep-alive"), "{seen:?}");
+    assert!(
+        seen.get("connection").is_none_or(|v| v == "keep-alive"),
+        "{seen:?}"
+    );
     assert_eq!(seen["x-caller-public"], "yes");
     for name in ["x-upstream-private", "keep-alive", "proxy-connection"] {
-        assert!(!headers.contains_key(name), "{name} reached the caller: {headers:?}");
+        assert!(
+            !headers.contains_key(name),
+            "{name} reached the caller: {headers:?}"
+        );
     }
     assert_eq!(headers["x-upstream-public"], "yes");
 }
@@ -106,7 +124,11 @@ async fn via_and_forwarded_headers_are_set() {
     assert_eq!(seen.headers["x-forwarded-for"], "192.0.2.7, 127.0.0.1");
     assert_eq!(seen.headers["x-forwarded-proto"], "http");
     assert_eq!(seen.headers["x-forwarded-host"], "api.example.test");
-    assert_eq!(seen.headers["host"], up.addr.to_string(), "Host is the endpoint's");
+    assert_eq!(
+        seen.headers["host"],
+        up.addr.to_string(),
+        "Host is the endpoint's"
+    );
     let via: Vec<_> = seen.headers.get_all("via").iter().collect();
     assert_eq!(via, ["1.1 edge", "1.1 herdguard"]);
     assert_eq!(seen.headers["x-herdguard-attempt"], "1");
@@ -127,9 +149,19 @@ async fn h2c_callers_are_served() {
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(body, "over h2c");
     let seen = up.last();
-    assert_eq!(seen.version, Version::HTTP_11, "HTTP/1.1 upstream by default");
-    assert_eq!(seen.headers.get_all("via").iter().collect::<Vec<_>>(), ["2 herdguard"]);
-    assert_eq!(seen.headers["x-forwarded-host"], server.proxy_addr().to_string());
+    assert_eq!(
+        seen.version,
+        Version::HTTP_11,
+        "HTTP/1.1 upstream by default"
+    );
+    assert_eq!(
+        seen.headers.get_all("via").iter().collect::<Vec<_>>(),
+        ["2 herdguard"]
+    );
+    assert_eq!(
+        seen.headers["x-forwarded-host"],
+        server.proxy_addr().to_string()
+    );
 }
 
 #[tokio::test]
@@ -157,7 +189,10 @@ async fn no_route_is_404_with_reason() {
     let (status, headers, body) = get(&server, "/other").await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(headers["x-herdguard-error"], "no-route");
-    assert!(String::from_utf8_lossy(&body).contains("no route for GET"), "{body:?}");
+    assert!(
+        String::from_utf8_lossy(&body).contains("no route for GET"),
+        "{body:?}"
+    );
     assert_eq!(up.hits(), 0);
 }
 
@@ -167,10 +202,14 @@ async fn absolute_form_and_connect_never_reach_other_hosts() {
     let server = proxy_to(&up.url()).await;
     // A forward-proxy style request names another host: it still goes only to
     // the configured upstream.
-    let mut stream = tokio::net::TcpStream::connect(server.proxy_addr()).await.unwrap();
+    let mut stream = tokio::net::TcpStream::connect(server.proxy_addr())
+        .await
+        .unwrap();
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     stream
-        .write_all(b"GET http://203.0.113.9/x HTTP/1.1\r\nHost: 203.0.113.9\r\nConnection: close\r\n\r\n")
+        .write_all(
+            b"GET http://203.0.113.9/x HTTP/1.1\r\nHost: 203.0.113.9\r\nConnection: close\r\n\r\n",
+        )
         .await
         .unwrap();
     let mut out = String::new();
@@ -178,7 +217,9 @@ async fn absolute_form_and_connect_never_reach_other_hosts() {
     assert!(out.starts_with("HTTP/1.1 200"), "{out}");
     assert_eq!(up.last().headers["host"], up.addr.to_string());
 
-    let mut stream = tokio::net::TcpStream::connect(server.proxy_addr()).await.unwrap();
+    let mut stream = tokio::net::TcpStream::connect(server.proxy_addr())
+        .await
+        .unwrap();
     stream
         .write_all(b"CONNECT 203.0.113.9:443 HTTP/1.1\r\nHost: 203.0.113.9:443\r\n\r\n")
         .await
@@ -197,7 +238,10 @@ async fn connect_failure_is_502_with_reason() {
     let (status, headers, body) = get(&server, "/").await;
     assert_eq!(status, StatusCode::BAD_GATEWAY);
     assert_eq!(headers["x-herdguard-error"], "connect-failure");
-    assert!(String::from_utf8_lossy(&body).contains("upstream u failed"), "{body:?}");
+    assert!(
+        String::from_utf8_lossy(&body).contains("upstream u failed"),
+        "{body:?}"
+    );
 }
 
 #[tokio::test]
@@ -216,7 +260,10 @@ async fn slow_upstream_is_504_with_reason() {
     let (status, headers, body) = get(&server, "/").await;
     assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(headers["x-herdguard-error"], "timeout");
-    assert!(String::from_utf8_lossy(&body).contains("no response headers within"), "{body:?}");
+    assert!(
+        String::from_utf8_lossy(&body).contains("no response headers within"),
+        "{body:?}"
+    );
 }
 
 #[tokio::test]

@@ -5,7 +5,7 @@ mod common;
 use common::*;
 use http::{Request, StatusCode};
 
-async fn routed(server: &herdguard::app::Server, req: Request<Body>) -> String {
+async fn routed(req: Request<Body>) -> String {
     let (status, _, body) = send(&client(), req).await;
     if status == StatusCode::NOT_FOUND {
         return "404".into();
@@ -22,7 +22,10 @@ async fn each_matcher_and_file_order() {
     }
     let mut toml = String::new();
     for (name, up) in names.iter().zip(&ups) {
-        toml.push_str(&format!("[upstreams.{name}]\nendpoints = [\"{}\"]\n", up.url()));
+        toml.push_str(&format!(
+            "[upstreams.{name}]\nendpoints = [\"{}\"]\n",
+            up.url()
+        ));
     }
     toml.push_str(
         r#"
@@ -61,22 +64,52 @@ match = { path_prefix = "/static", host = "cdn.test" }
     let url = |path: &str| format!("http://{}{path}", server.proxy_addr());
     let get = |path: &str| Request::get(url(path)).body(empty()).unwrap();
 
-    assert_eq!(routed(&server, get("/v1/status")).await, "exact");
-    assert_eq!(routed(&server, get("/v1/status/x")).await, "prefix", "path is exact, not a prefix");
-    let req = Request::get(url("/v1/status")).header("host", "a.internal.test").body(empty()).unwrap();
-    assert_eq!(routed(&server, req).await, "exact", "earlier route wins");
-    let req = Request::get(url("/v1/x")).header("host", "a.internal.test:8080").body(empty()).unwrap();
-    assert_eq!(routed(&server, req).await, "host");
+    assert_eq!(routed(get("/v1/status")).await, "exact");
+    assert_eq!(
+        routed(get("/v1/status/x")).await,
+        "prefix",
+        "path is exact, not a prefix"
+    );
+    let req = Request::get(url("/v1/status"))
+        .header("host", "a.internal.test")
+        .body(empty())
+        .unwrap();
+    assert_eq!(routed(req).await, "exact", "earlier route wins");
+    let req = Request::get(url("/v1/x"))
+        .header("host", "a.internal.test:8080")
+        .body(empty())
+        .unwrap();
+    assert_eq!(routed(req).await, "host");
     let req = Request::post(url("/v1/x")).body(empty()).unwrap();
-    assert_eq!(routed(&server, req).await, "method");
-    let req = Request::get(url("/v1/x")).header("x-canary", "1").body(empty()).unwrap();
-    assert_eq!(routed(&server, req).await, "header");
-    let req = Request::get(url("/v1/x")).header("x-canary", "2").body(empty()).unwrap();
-    assert_eq!(routed(&server, req).await, "prefix", "header value must be equal");
-    let req = Request::get(url("/static/a.css")).header("host", "CDN.test").body(empty()).unwrap();
-    assert_eq!(routed(&server, req).await, "fallback");
-    let req = Request::get(url("/static/a.css")).header("host", "other.test").body(empty()).unwrap();
-    assert_eq!(routed(&server, req).await, "404", "every condition must hold");
+    assert_eq!(routed(req).await, "method");
+    let req = Request::get(url("/v1/x"))
+        .header("x-canary", "1")
+        .body(empty())
+        .unwrap();
+    assert_eq!(routed(req).await, "header");
+    let req = Request::get(url("/v1/x"))
+        .header("x-canary", "2")
+        .body(empty())
+        .unwrap();
+    assert_eq!(
+        routed(req).await,
+        "prefix",
+        "header value must be equal"
+    );
+    let req = Request::get(url("/static/a.css"))
+        .header("host", "CDN.test")
+        .body(empty())
+        .unwrap();
+    assert_eq!(routed(req).await, "fallback");
+    let req = Request::get(url("/static/a.css"))
+        .header("host", "other.test")
+        .body(empty())
+        .unwrap();
+    assert_eq!(
+        routed(req).await,
+        "404",
+        "every condition must hold"
+    );
 
     let hits: Vec<usize> = ups.iter().map(|u| u.hits()).collect();
     assert_eq!(hits, [2, 1, 1, 1, 2, 1]);

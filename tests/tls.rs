@@ -31,7 +31,9 @@ impl Pki {
         let dir = tempfile::tempdir().unwrap();
         let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca_params.distinguished_name.push(DnType::CommonName, "herdguard test CA");
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "herdguard test CA");
         let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
 
         let server_key = KeyPair::generate().unwrap();
@@ -41,7 +43,9 @@ impl Pki {
             .unwrap();
         let client_key = KeyPair::generate().unwrap();
         let mut client_params = CertificateParams::new(vec!["client.test".to_owned()]).unwrap();
-        client_params.distinguished_name.push(DnType::CommonName, "client.test");
+        client_params
+            .distinguished_name
+            .push(DnType::CommonName, "client.test");
         let client = client_params.signed_by(&client_key, &ca).unwrap();
 
         std::fs::write(dir.path().join("ca.pem"), ca.pem()).unwrap();
@@ -58,7 +62,10 @@ impl Pki {
 
 /// An https upstream answering 200 "tls ok"; with `require_client_cert`, only
 /// callers presenting a certificate from the test CA get through.
-async fn tls_upstream(pki: &Pki, require_client_cert: bool) -> (u16, Arc<std::sync::Mutex<Vec<Version>>>) {
+async fn tls_upstream(
+    pki: &Pki,
+    require_client_cert: bool,
+) -> (u16, Arc<std::sync::Mutex<Vec<Version>>>) {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
@@ -66,9 +73,10 @@ async fn tls_upstream(pki: &Pki, require_client_cert: bool) -> (u16, Arc<std::sy
     let builder = if require_client_cert {
         let mut roots = rustls::RootCertStore::empty();
         roots.add(pki.ca_der.clone()).unwrap();
-        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
-            .build()
-            .unwrap();
+        let verifier =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .unwrap();
         builder.with_client_cert_verifier(verifier)
     } else {
         builder.with_no_client_auth()
@@ -84,15 +92,20 @@ async fn tls_upstream(pki: &Pki, require_client_cert: bool) -> (u16, Arc<std::sy
     let seen = versions.clone();
     tokio::spawn(async move {
         loop {
-            let Ok((tcp, _)) = listener.accept().await else { return };
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
             let acceptor = acceptor.clone();
             let seen = seen.clone();
             tokio::spawn(async move {
-                let Ok(tls) = acceptor.accept(tcp).await else { return };
-                let service = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-                    seen.lock().unwrap().push(req.version());
-                    async { Ok::<_, std::convert::Infallible>(Response::new(full("tls ok"))) }
-                });
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let service =
+                    hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                        seen.lock().unwrap().push(req.version());
+                        async { Ok::<_, std::convert::Infallible>(Response::new(full("tls ok"))) }
+                    });
                 let _ = auto::Builder::new(TokioExecutor::new())
                     .serve_connection(TokioIo::new(tls), service)
                     .await;
@@ -111,12 +124,24 @@ async fn https_upstream_with_test_ca_negotiates_h2() {
     let pki = Pki::new();
     let (port, versions) = tls_upstream(&pki, false).await;
     let ca = pki.path("ca.pem");
-    let server = proxy(&config(&format!("https://localhost:{port}"), &format!("ca_file = {ca:?}"))).await;
+    let server = proxy(&config(
+        &format!("https://localhost:{port}"),
+        &format!("ca_file = {ca:?}"),
+    ))
+    .await;
     let (status, _, body) = get(&server, "/").await;
     assert_eq!((status, &body[..]), (StatusCode::OK, &b"tls ok"[..]));
-    assert_eq!(versions.lock().unwrap().as_slice(), [Version::HTTP_2], "ALPN chose h2");
+    assert_eq!(
+        versions.lock().unwrap().as_slice(),
+        [Version::HTTP_2],
+        "ALPN chose h2"
+    );
 
-    let server = proxy(&config(&format!("https://localhost:{port}"), &format!("ca_file = {ca:?}\nhttp2 = false"))).await;
+    let server = proxy(&config(
+        &format!("https://localhost:{port}"),
+        &format!("ca_file = {ca:?}\nhttp2 = false"),
+    ))
+    .await;
     let (status, _, _) = get(&server, "/").await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(versions.lock().unwrap().last(), Some(&Version::HTTP_11));
@@ -130,7 +155,10 @@ async fn untrusted_certificate_is_refused() {
     let (status, headers, body) = get(&server, "/").await;
     assert_eq!(status, StatusCode::BAD_GATEWAY);
     assert_eq!(headers["x-herdguard-error"], "connect-failure");
-    assert!(String::from_utf8_lossy(&body).contains("certificate"), "{body:?}");
+    assert!(
+        String::from_utf8_lossy(&body).contains("certificate"),
+        "{body:?}"
+    );
     assert!(versions.lock().unwrap().is_empty());
 }
 
@@ -140,7 +168,11 @@ async fn server_name_overrides_the_verified_name() {
     let (port, _) = tls_upstream(&pki, false).await;
     let ca = pki.path("ca.pem");
     // The certificate names only "localhost", not 127.0.0.1.
-    let server = proxy(&config(&format!("https://127.0.0.1:{port}"), &format!("ca_file = {ca:?}"))).await;
+    let server = proxy(&config(
+        &format!("https://127.0.0.1:{port}"),
+        &format!("ca_file = {ca:?}"),
+    ))
+    .await;
     let (status, _, _) = get(&server, "/").await;
     assert_eq!(status, StatusCode::BAD_GATEWAY);
     let server = proxy(&config(
@@ -156,7 +188,11 @@ async fn server_name_overrides_the_verified_name() {
 async fn mutual_tls_presents_the_client_certificate() {
     let pki = Pki::new();
     let (port, versions) = tls_upstream(&pki, true).await;
-    let (ca, cert, key) = (pki.path("ca.pem"), pki.path("client.pem"), pki.path("client.key"));
+    let (ca, cert, key) = (
+        pki.path("ca.pem"),
+        pki.path("client.pem"),
+        pki.path("client.key"),
+    );
     let endpoint = format!("https://localhost:{port}");
     let server = proxy(&config(&endpoint, &format!("ca_file = {ca:?}"))).await;
     let (status, _, _) = get(&server, "/").await;

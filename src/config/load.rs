@@ -169,7 +169,9 @@ impl Config {
             errors: Vec::new(),
         };
         let config = loader.sections();
-        validate::validate(&config, &mut |path, message| loader.error(path, None, message));
+        validate::validate(&config, &mut |path, message| {
+            loader.error(path, None, message)
+        });
         let mut errors = loader.errors;
         if errors.is_empty() {
             return Ok(config);
@@ -342,5 +344,9 @@ fn locate(tree: &Spanned<DeTable<'_>>, path: &KeyPath) -> Option<Range<usize>> {
 
 fn line_of(src: &str, offset: usize) -> usize {
     let offset = offset.min(src.len());
-    src.as_bytes()[..offset].iter().filter(|&&b| b == b'\n').count() + 1
+    src.as_bytes()[..offset]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
 }

@@ -146,7 +146,11 @@ impl<'de> Deserialize<'de> for Http2Mode {
             }
 
             fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Http2Mode, E> {
-                Ok(if v { Http2Mode::Always } else { Http2Mode::Never })
+                Ok(if v {
+                    Http2Mode::Always
+                } else {
+                    Http2Mode::Never
+                })
             }
 
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Http2Mode, E> {

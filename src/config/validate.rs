@@ -19,12 +19,23 @@ pub(super) fn validate(config: &Config, report: &mut Report<'_>) {
     if config.listen.max_connections == 0 {
         report(listen.key("max_connections"), "must be at least 1".into());
     }
-    positive(report, &listen.key("drain_timeout"), config.listen.drain_timeout);
-    positive(report, &listen.key("header_read_timeout"), config.listen.header_read_timeout);
+    positive(
+        report,
+        &listen.key("drain_timeout"),
+        config.listen.drain_timeout,
+    );
+    positive(
+        report,
+        &listen.key("header_read_timeout"),
+        config.listen.header_read_timeout,
+    );
     if config.admin.address == config.listen.address && config.admin.address.port() != 0 {
         report(
             root.key("admin").key("address"),
-            format!("{} is also listen.address; the admin listener needs its own", config.admin.address),
+            format!(
+                "{} is also listen.address; the admin listener needs its own",
+                config.admin.address
+            ),
         );
     }
 
@@ -42,13 +53,23 @@ pub(super) fn validate(config: &Config, report: &mut Report<'_>) {
         if route.name.trim().is_empty() {
             report(path.key("name"), "must not be empty".into());
         } else if !names.insert(route.name.as_str()) {
-            report(path.key("name"), format!("{:?} names another route too; names must be unique", route.name));
+            report(
+                path.key("name"),
+                format!(
+                    "{:?} names another route too; names must be unique",
+                    route.name
+                ),
+            );
         }
         if !config.upstreams.contains_key(&route.upstream) {
             let known: Vec<&str> = config.upstreams.keys().map(String::as_str).collect();
             report(
                 path.key("upstream"),
-                format!("no upstream is named {:?} (known: {})", route.upstream, list(&known)),
+                format!(
+                    "no upstream is named {:?} (known: {})",
+                    route.upstream,
+                    list(&known)
+                ),
             );
         }
         matcher(report, &path.key("match"), &route.matcher);
@@ -59,7 +80,10 @@ pub(super) fn validate(config: &Config, report: &mut Report<'_>) {
 
 fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) {
     if u.endpoints.is_empty() {
-        report(path.key("endpoints"), "needs at least one endpoint such as \"http://127.0.0.1:3000\"".into());
+        report(
+            path.key("endpoints"),
+            "needs at least one endpoint such as \"http://127.0.0.1:3000\"".into(),
+        );
     }
     for (i, endpoint) in u.endpoints.iter().enumerate() {
         if let Err(why) = check_endpoint(endpoint) {
@@ -71,20 +95,36 @@ fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) 
         report(path.key("max_in_flight"), "must be at least 1".into());
     }
     match (&u.client_cert, &u.client_key) {
-        (Some(_), None) => report(path.key("client_key"), "client_cert needs client_key too".into()),
-        (None, Some(_)) => report(path.key("client_cert"), "client_key needs client_cert too".into()),
+        (Some(_), None) => report(
+            path.key("client_key"),
+            "client_cert needs client_key too".into(),
+        ),
+        (None, Some(_)) => report(
+            path.key("client_cert"),
+            "client_key needs client_cert too".into(),
+        ),
         _ => {}
     }
-    for (key, file) in [("ca_file", &u.ca_file), ("client_cert", &u.client_cert), ("client_key", &u.client_key)] {
+    for (key, file) in [
+        ("ca_file", &u.ca_file),
+        ("client_cert", &u.client_cert),
+        ("client_key", &u.client_key),
+    ] {
         if let Some(file) = file {
             if let Err(e) = std::fs::metadata(file) {
-                report(path.key(key), format!("cannot read {}: {e}", file.display()));
+                report(
+                    path.key(key),
+                    format!("cannot read {}: {e}", file.display()),
+                );
             }
         }
     }
     if let Some(name) = &u.server_name {
         if rustls::pki_types::ServerName::try_from(name.as_str()).is_err() {
-            report(path.key("server_name"), format!("{name:?} is not a DNS name or IP address"));
+            report(
+                path.key("server_name"),
+                format!("{name:?} is not a DNS name or IP address"),
+            );
         }
     }
 }
@@ -127,10 +167,16 @@ fn matcher(report: &mut Report<'_>, path: &KeyPath, m: &MatchConfig) {
     }
     for (name, value) in &m.headers {
         if HeaderName::from_bytes(name.as_bytes()).is_err() {
-            report(path.key("headers").key(name.clone()), format!("{name:?} is not a header name"));
+            report(
+                path.key("headers").key(name.clone()),
+                format!("{name:?} is not a header name"),
+            );
         }
         if HeaderValue::from_str(value).is_err() {
-            report(path.key("headers").key(name.clone()), format!("{value:?} is not a header value"));
+            report(
+                path.key("headers").key(name.clone()),
+                format!("{value:?} is not a header value"),
+            );
         }
     }
 }
@@ -138,20 +184,32 @@ fn matcher(report: &mut Report<'_>, path: &KeyPath, m: &MatchConfig) {
 fn methods_list(report: &mut Report<'_>, path: &KeyPath, methods: &[String]) {
     for (i, m) in methods.iter().enumerate() {
         if Method::from_bytes(m.as_bytes()).is_err() || m.bytes().any(|b| b.is_ascii_lowercase()) {
-            report(path.index(i), format!("{m:?} is not a method (write it in capitals, e.g. \"GET\")"));
+            report(
+                path.index(i),
+                format!("{m:?} is not a method (write it in capitals, e.g. \"GET\")"),
+            );
         }
     }
 }
 
 fn retry(report: &mut Report<'_>, path: &KeyPath, r: &RetryConfig) {
     if !(1..=100).contains(&r.attempts) {
-        report(path.key("attempts"), format!("{} is out of range 1..=100 (1 turns retries off)", r.attempts));
+        report(
+            path.key("attempts"),
+            format!(
+                "{} is out of range 1..=100 (1 turns retries off)",
+                r.attempts
+            ),
+        );
     }
     positive(report, &path.key("per_try_timeout"), r.per_try_timeout);
     positive(report, &path.key("timeout"), r.timeout);
     methods_list(report, &path.key("methods"), &r.methods);
     if HeaderName::from_bytes(r.idempotency_header.as_bytes()).is_err() {
-        report(path.key("idempotency_header"), format!("{:?} is not a header name", r.idempotency_header));
+        report(
+            path.key("idempotency_header"),
+            format!("{:?} is not a header name", r.idempotency_header),
+        );
     }
     backoff(report, &path.key("backoff"), &r.backoff);
     budget(report, &path.key("budget"), &r.budget);
@@ -162,17 +220,27 @@ fn backoff(report: &mut Report<'_>, path: &KeyPath, b: &BackoffConfig) {
     if b.cap < b.base {
         report(
             path.key("cap"),
-            format!("{} is below base ({})", super::units::format_duration(b.cap), super::units::format_duration(b.base)),
+            format!(
+                "{} is below base ({})",
+                super::units::format_duration(b.cap),
+                super::units::format_duration(b.base)
+            ),
         );
     }
     if !(b.multiplier.is_finite() && (1.0..=100.0).contains(&b.multiplier)) {
-        report(path.key("multiplier"), format!("{} is out of range 1.0..=100.0", b.multiplier));
+        report(
+            path.key("multiplier"),
+            format!("{} is out of range 1.0..=100.0", b.multiplier),
+        );
     }
 }
 
 fn budget(report: &mut Report<'_>, path: &KeyPath, b: &BudgetConfig) {
     if !(0.0..=1.0).contains(&b.ratio) {
-        report(path.key("ratio"), format!("{} is out of range 0.0..=1.0", b.ratio));
+        report(
+            path.key("ratio"),
+            format!("{} is out of range 0.0..=1.0", b.ratio),
+        );
     }
     if !(Duration::from_secs(1)..=Duration::from_secs(3600)).contains(&b.window) {
         report(path.key("window"), "must be between 1s and 1h".into());
@@ -181,10 +249,16 @@ fn budget(report: &mut Report<'_>, path: &KeyPath, b: &BudgetConfig) {
 
 fn breaker(report: &mut Report<'_>, path: &KeyPath, b: &BreakerConfig) {
     if b.consecutive_failures == 0 {
-        report(path.key("consecutive_failures"), "must be at least 1".into());
+        report(
+            path.key("consecutive_failures"),
+            "must be at least 1".into(),
+        );
     }
     if !(b.failure_rate > 0.0 && b.failure_rate <= 1.0) {
-        report(path.key("failure_rate"), format!("{} is out of range (0.0, 1.0]", b.failure_rate));
+        report(
+            path.key("failure_rate"),
+            format!("{} is out of range (0.0, 1.0]", b.failure_rate),
+        );
     }
     if b.min_requests == 0 {
         report(path.key("min_requests"), "must be at least 1".into());
@@ -192,7 +266,10 @@ fn breaker(report: &mut Report<'_>, path: &KeyPath, b: &BreakerConfig) {
     positive(report, &path.key("window"), b.window);
     positive(report, &path.key("open_for"), b.open_for);
     if b.max_open_for < b.open_for {
-        report(path.key("max_open_for"), "must not be below open_for".into());
+        report(
+            path.key("max_open_for"),
+            "must not be below open_for".into(),
+        );
     }
     if b.half_open_probes == 0 {
         report(path.key("half_open_probes"), "must be at least 1".into());

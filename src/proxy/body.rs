@@ -37,7 +37,10 @@ impl Body for RequestBody {
     type Data = Bytes;
     type Error = hyper::Error;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match self.project() {
             RequestBodyProj::Empty => Poll::Ready(None),
             RequestBodyProj::Stream { body } => body.poll_frame(cx),
@@ -72,11 +75,16 @@ pin_project! {
 
 impl ResponseBody {
     pub fn upstream(body: Incoming, slot: InFlight) -> Self {
-        ResponseBody::Upstream { body, slot: Some(slot) }
+        ResponseBody::Upstream {
+            body,
+            slot: Some(slot),
+        }
     }
 
     pub fn local(text: impl Into<Bytes>) -> Self {
-        ResponseBody::Local { body: Full::new(text.into()) }
+        ResponseBody::Local {
+            body: Full::new(text.into()),
+        }
     }
 }
 
@@ -84,7 +92,10 @@ impl Body for ResponseBody {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.project() {
             ResponseBodyProj::Upstream { body, slot } => {
                 let polled = body.poll_frame(cx);

@@ -61,7 +61,10 @@ impl LocalError {
         *resp.status_mut() = self.status();
         let h = resp.headers_mut();
         h.insert(&X_HERDGUARD_ERROR, HeaderValue::from_static(self.as_str()));
-        h.insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+        h.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
         if matches!(self, LocalError::Overloaded | LocalError::CircuitOpen) {
             // Jittered, so that callers told to come back do not come back together.
             let secs: u32 = rand::rng().random_range(1..=3);

@@ -44,9 +44,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     }
     // `TE: trailers` says the client accepts trailers; the proxy relays them, so
     // it may say the same to the upstream (gRPC needs it).
-    let te_trailers = headers
-        .get(header::TE)
-        .is_some_and(|v| v.as_bytes().split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers")));
+    let te_trailers = headers.get(header::TE).is_some_and(|v| {
+        v.as_bytes()
+            .split(|b| *b == b',')
+            .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers"))
+    });
     for name in &HOP_BY_HOP {
         if upgrade && (name == header::CONNECTION || name == header::UPGRADE) {
             continue;
@@ -65,10 +67,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
 pub fn requested_upgrade(version: Version, headers: &HeaderMap) -> bool {
     version == Version::HTTP_11
         && headers.contains_key(header::UPGRADE)
-        && headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .any(|v| v.as_bytes().split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(b"upgrade")))
+        && headers.get_all(header::CONNECTION).iter().any(|v| {
+            v.as_bytes()
+                .split(|b| *b == b',')
+                .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"upgrade"))
+        })
 }
 
 /// Appends this hop to `Via`, as `1.1 herdguard` (or `2 herdguard`).
@@ -82,7 +85,12 @@ pub fn add_via(headers: &mut HeaderMap, version: Version) {
 }
 
 /// Sets `X-Forwarded-For` (appending the caller), `-Proto` and `-Host`.
-pub fn add_forwarded(headers: &mut HeaderMap, peer: IpAddr, proto: &'static str, host: Option<&str>) {
+pub fn add_forwarded(
+    headers: &mut HeaderMap,
+    peer: IpAddr,
+    proto: &'static str,
+    host: Option<&str>,
+) {
     let value = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
         Some(prior) if !prior.trim().is_empty() => format!("{prior}, {peer}"),
         _ => peer.to_string(),
@@ -103,7 +111,10 @@ mod tests {
     fn map(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
-            h.append(HeaderName::from_bytes(k.as_bytes()).unwrap(), HeaderValue::from_str(v).unwrap());
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
         }
         h
     }
@@ -131,17 +142,32 @@ mod tests {
         strip_hop_by_hop(&mut h, false);
         assert_eq!(h, map(&[("te", "trailers")]));
 
-        let mut h = map(&[("connection", "Upgrade, x-a"), ("upgrade", "websocket"), ("x-a", "1")]);
+        let mut h = map(&[
+            ("connection", "Upgrade, x-a"),
+            ("upgrade", "websocket"),
+            ("x-a", "1"),
+        ]);
         assert!(requested_upgrade(Version::HTTP_11, &h));
         assert!(!requested_upgrade(Version::HTTP_2, &h));
         strip_hop_by_hop(&mut h, true);
-        assert_eq!(h, map(&[("upgrade", "websocket"), ("connection", "upgrade")]));
+        assert_eq!(
+            h,
+            map(&[("upgrade", "websocket"), ("connection", "upgrade")])
+        );
     }
 
     #[test]
     fn forwarded_headers_append_the_caller() {
-        let mut h = map(&[("x-forwarded-for", "10.0.0.1"), ("x-forwarded-proto", "https")]);
-        add_forwarded(&mut h, "127.0.0.2".parse().unwrap(), "http", Some("api.local"));
+        let mut h = map(&[
+            ("x-forwarded-for", "10.0.0.1"),
+            ("x-forwarded-proto", "https"),
+        ]);
+        add_forwarded(
+            &mut h,
+            "127.0.0.2".parse().unwrap(),
+            "http",
+            Some("api.local"),
+        );
         assert_eq!(h["x-forwarded-for"], "10.0.0.1, 127.0.0.2");
         assert_eq!(h["x-forwarded-proto"], "http");
         assert_eq!(h["x-forwarded-host"], "api.local");

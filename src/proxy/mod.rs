@@ -50,7 +50,13 @@ impl Runtime {
         let routes = config
             .routes
             .iter()
-            .map(|r| Arc::new(Route::new(r, upstreams[r.upstream.as_str()].clone(), registry)))
+            .map(|r| {
+                Arc::new(Route::new(
+                    r,
+                    upstreams[r.upstream.as_str()].clone(),
+                    registry,
+                ))
+            })
             .collect();
         Ok(Self { config, routes })
     }
@@ -100,7 +106,8 @@ impl Proxy {
     pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ResponseBody> {
         let start = Instant::now();
         if req.method() == Method::CONNECT {
-            let resp = LocalError::BadRequest.response("CONNECT is not proxied; herdguard is a reverse proxy");
+            let resp = LocalError::BadRequest
+                .response("CONNECT is not proxied; herdguard is a reverse proxy");
             metrics::unrouted(&self.metrics, resp.status());
             return resp;
         }
@@ -138,10 +145,17 @@ fn request_host<'a>(uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Option<
         .or_else(|| headers.get(HOST).and_then(|h| h.to_str().ok()))
 }
 
-async fn forward(route: &Route, mut req: Request<Incoming>, peer: SocketAddr) -> Response<ResponseBody> {
+async fn forward(
+    route: &Route,
+    mut req: Request<Incoming>,
+    peer: SocketAddr,
+) -> Response<ResponseBody> {
     let upstream = &route.upstream;
     let Some(slot) = upstream.try_acquire() else {
-        return LocalError::Overloaded.response(&format!("upstream {} is at its in-flight limit", upstream.name));
+        return LocalError::Overloaded.response(&format!(
+            "upstream {} is at its in-flight limit",
+            upstream.name
+        ));
     };
     let upgrade = headers::requested_upgrade(req.version(), req.headers());
     let caller_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
@@ -159,7 +173,8 @@ async fn forward(route: &Route, mut req: Request<Incoming>, peer: SocketAddr) ->
     parts.version = Version::HTTP_11;
     let upstream_req = Request::from_parts(parts, RequestBody::stream(body));
 
-    let sent = tokio::time::timeout(route.per_try_timeout, upstream.client.request(upstream_req)).await;
+    let sent =
+        tokio::time::timeout(route.per_try_timeout, upstream.client.request(upstream_req)).await;
     let mut resp = match sent {
         Err(_) => {
             route.metrics.attempt(Outcome::Timeout);
@@ -176,7 +191,11 @@ async fn forward(route: &Route, mut req: Request<Incoming>, peer: SocketAddr) ->
             };
             route.metrics.attempt(outcome);
             debug!(route = %route.name, upstream = %upstream.name, error = %error_chain(&e), "upstream attempt failed");
-            return local.response(&format!("upstream {} failed: {}", upstream.name, error_chain(&e)));
+            return local.response(&format!(
+                "upstream {} failed: {}",
+                upstream.name,
+                error_chain(&e)
+            ));
         }
         Ok(Ok(resp)) => resp,
     };
@@ -208,7 +227,11 @@ fn finish_headers(h: &mut http::HeaderMap, upgrade: bool) {
 }
 
 /// Relays bytes both ways after a 101 Switching Protocols.
-async fn tunnel(caller: hyper::upgrade::OnUpgrade, upstream: hyper::upgrade::OnUpgrade, slot: upstream::InFlight) {
+async fn tunnel(
+    caller: hyper::upgrade::OnUpgrade,
+    upstream: hyper::upgrade::OnUpgrade,
+    slot: upstream::InFlight,
+) {
     let (caller, upstream) = match tokio::try_join!(caller, upstream) {
         Ok(pair) => pair,
         Err(e) => {

@@ -58,7 +58,11 @@ impl Endpoint {
         let mut parts = http::uri::Parts::default();
         parts.scheme = Some(self.scheme.clone());
         parts.authority = Some(self.authority.clone());
-        parts.path_and_query = Some(path_and_query.cloned().unwrap_or_else(|| PathAndQuery::from_static("/")));
+        parts.path_and_query = Some(
+            path_and_query
+                .cloned()
+                .unwrap_or_else(|| PathAndQuery::from_static("/")),
+        );
         Uri::from_parts(parts).expect("scheme, authority and path are all set")
     }
 }
@@ -74,7 +78,11 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    pub fn new(name: &str, config: &UpstreamConfig, registry: &Metrics) -> Result<Arc<Self>, UpstreamError> {
+    pub fn new(
+        name: &str,
+        config: &UpstreamConfig,
+        registry: &Metrics,
+    ) -> Result<Arc<Self>, UpstreamError> {
         let endpoints = config
             .endpoints
             .iter()
@@ -110,7 +118,9 @@ impl Upstream {
             return None;
         }
         self.metrics.in_flight.increment(1.0);
-        Some(InFlight { upstream: self.clone() })
+        Some(InFlight {
+            upstream: self.clone(),
+        })
     }
 }
 
@@ -134,14 +144,17 @@ fn client(name: &str, config: &UpstreamConfig) -> Result<HttpClient, UpstreamErr
     http.set_keepalive(Some(std::time::Duration::from_secs(60)));
 
     let tls = tls_config(name, config)?;
-    let builder = HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http();
+    let builder = HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http();
     let builder = match &config.server_name {
         Some(server_name) => {
-            let server_name = ServerName::try_from(server_name.clone()).map_err(|e| UpstreamError::Tls {
-                upstream: name.to_owned(),
-                key: "server_name",
-                message: e.to_string(),
-            })?;
+            let server_name =
+                ServerName::try_from(server_name.clone()).map_err(|e| UpstreamError::Tls {
+                    upstream: name.to_owned(),
+                    key: "server_name",
+                    message: e.to_string(),
+                })?;
             builder.with_server_name_resolver(FixedServerNameResolver::new(server_name))
         }
         None => builder,
@@ -178,7 +191,10 @@ fn tls_config(name: &str, config: &UpstreamConfig) -> Result<ClientConfig, Upstr
             .and_then(|it| it.collect::<Result<Vec<_>, _>>())
             .map_err(|e| err("ca_file", format!("{}: {e}", ca_file.display())))?;
         if certs.is_empty() {
-            return Err(err("ca_file", format!("{}: no certificate found", ca_file.display())));
+            return Err(err(
+                "ca_file",
+                format!("{}: no certificate found", ca_file.display()),
+            ));
         }
         for cert in certs {
             roots
@@ -196,7 +212,8 @@ fn tls_config(name: &str, config: &UpstreamConfig) -> Result<ClientConfig, Upstr
             let chain = CertificateDer::pem_file_iter(cert)
                 .and_then(|it| it.collect::<Result<Vec<_>, _>>())
                 .map_err(|e| err("client_cert", format!("{}: {e}", cert.display())))?;
-            let key = PrivateKeyDer::from_pem_file(key).map_err(|e| err("client_key", format!("{}: {e}", key.display())))?;
+            let key = PrivateKeyDer::from_pem_file(key)
+                .map_err(|e| err("client_key", format!("{}: {e}", key.display())))?;
             builder
                 .with_client_auth_cert(chain, key)
                 .map_err(|e| err("client_key", e.to_string()))

@@ -26,7 +26,9 @@ use herdguard::config::Config;
 pub type Body = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
 
 pub fn full(data: impl Into<Bytes>) -> Body {
-    Full::new(data.into()).map_err(|never| match never {}).boxed()
+    Full::new(data.into())
+        .map_err(|never| match never {})
+        .boxed()
 }
 
 pub fn empty() -> Body {
@@ -59,7 +61,12 @@ impl Upstream {
     }
 
     pub fn last(&self) -> Seen {
-        self.seen.lock().unwrap().last().cloned().expect("the upstream saw a request")
+        self.seen
+            .lock()
+            .unwrap()
+            .last()
+            .cloned()
+            .expect("the upstream saw a request")
     }
 }
 
@@ -79,7 +86,9 @@ where
         let hits = hits.clone();
         tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = listener.accept().await else { return };
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
                 let handler = handler.clone();
                 let seen = seen.clone();
                 let hits = hits.clone();
@@ -151,15 +160,26 @@ pub fn client() -> TestClient {
 
 /// An HTTP/2 client with prior knowledge (h2c).
 pub fn h2c_client() -> TestClient {
-    Client::builder(TokioExecutor::new()).http2_only(true).build(HttpConnector::new())
+    Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build(HttpConnector::new())
 }
 
 /// Sends a GET to the proxy and returns status, headers and the whole body.
 pub async fn get(server: &Server, path: &str) -> (http::StatusCode, http::HeaderMap, Bytes) {
-    send(&client(), Request::get(format!("http://{}{path}", server.proxy_addr())).body(empty()).unwrap()).await
+    send(
+        &client(),
+        Request::get(format!("http://{}{path}", server.proxy_addr()))
+            .body(empty())
+            .unwrap(),
+    )
+    .await
 }
 
-pub async fn send(client: &TestClient, req: Request<Body>) -> (http::StatusCode, http::HeaderMap, Bytes) {
+pub async fn send(
+    client: &TestClient,
+    req: Request<Body>,
+) -> (http::StatusCode, http::HeaderMap, Bytes) {
     let resp = client.request(req).await.expect("the proxy answered");
     let (parts, body) = resp.into_parts();
     let body = body.collect().await.expect("a whole body").to_bytes();
@@ -168,7 +188,9 @@ pub async fn send(client: &TestClient, req: Request<Body>) -> (http::StatusCode,
 
 /// GETs a path on the admin listener and returns status and body text.
 pub async fn admin(server: &Server, path: &str) -> (http::StatusCode, String) {
-    let req = Request::get(format!("http://{}{path}", server.admin_addr())).body(empty()).unwrap();
+    let req = Request::get(format!("http://{}{path}", server.admin_addr()))
+        .body(empty())
+        .unwrap();
     let (status, _, body) = send(&client(), req).await;
     (status, String::from_utf8(body.to_vec()).unwrap())
 }
@@ -176,6 +198,8 @@ pub async fn admin(server: &Server, path: &str) -> (http::StatusCode, String) {
 /// The value of one series in Prometheus text, e.g.
 /// `metric(&text, "herdguard_requests_total{route=\"a\",code=\"200\"}")`.
 pub fn metric(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.trim().parse().ok()))
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)
+            .and_then(|rest| rest.trim().parse().ok())
+    })
 }

@@ -1,0 +1,143 @@
+//! The real binary: `check`, `--version`, and a run with `--upstream` that
+//! serves and exits 0 on SIGTERM.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+use common::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_herdguard");
+
+fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> std::path::PathBuf {
+    let path = dir.path().join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn check_prints_the_effective_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(
+        &dir,
+        "ok.toml",
+        "[upstreams.api]\nendpoints = [\"http://127.0.0.1:3000\"]\n[[routes]]\nname = \"a\"\nupstream = \"api\"\n",
+    );
+    let out = Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(stdout.contains("[routes.retry.backoff]"), "{stdout}");
+    assert!(stdout.contains("jitter = \"full\""), "{stdout}");
+}
+
+#[test]
+fn check_reports_every_error_with_key_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(
+        &dir,
+        "bad.toml",
+        "[upstreams.api]\nendpoints = [\"http://127.0.0.1:3000\"]\n\n[[routes]]\nname = \"a\"\nupstream = \"nope\"\n\n[[routes]]\nname = \"b\"\nupstream = \"api\"\nretry = { attempts = 0 }\n",
+    );
+    let out = Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.contains("routes[0].upstream (line 6): no upstream is named \"nope\""),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("routes[1].retry.attempts (line 11): 0 is out of range"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn version_and_help() {
+    let out = Command::new(BIN).arg("--version").output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("herdguard "));
+    let out = Command::new(BIN).arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    for flag in [
+        "--config",
+        "--upstream",
+        "--listen",
+        "--admin",
+        "--threads",
+        "--log-format",
+        "check",
+    ] {
+        assert!(help.contains(flag), "{flag} missing from --help");
+    }
+    let out = Command::new(BIN).output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "no config and no upstream is a usage error"
+    );
+}
+
+#[tokio::test]
+async fn upstream_mode_serves_and_exits_cleanly_on_sigterm() {
+    let up = ok_upstream("from upstream").await;
+    let mut child = Command::new(BIN)
+        .args([
+            "--upstream",
+            &up.url(),
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+        ])
+        .args(["--log-format", "json", "--threads", "1"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let serving = tokio::task::spawn_blocking(move || {
+        let line = rx
+            .iter()
+            .find(|l| l.contains("herdguard serving"))
+            .expect("a start-up line");
+        (line, rx)
+    });
+    let (line, rx) = serving.await.unwrap();
+    let log: serde_json::Value = serde_json::from_str(&line).expect("JSON log lines");
+    let listen = log["listen"].as_str().unwrap().to_owned();
+
+    let req = http::Request::get(format!("http://{listen}/hello"))
+        .body(empty())
+        .unwrap();
+    let (status, _, body) = send(&client(), req).await;
+    assert_eq!(
+        (status, &body[..]),
+        (http::StatusCode::OK, &b"from upstream"[..])
+    );
+
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "exit status {status:?}");
+    let rest: Vec<String> = rx.iter().collect();
+    assert!(rest.iter().any(|l| l.contains("SIGTERM")), "{rest:?}");
+}

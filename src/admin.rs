@@ -16,6 +16,7 @@ pub fn handle<B>(shared: &Shared, req: &Request<B>) -> Response<Full<Bytes>> {
     }
     match req.uri().path() {
         "/metrics" => {
+            shared.proxy.runtime().refresh_gauges();
             let mut resp = text(StatusCode::OK, shared.proxy.metrics().render());
             resp.headers_mut().insert(
                 CONTENT_TYPE,

@@ -22,7 +22,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::Config;
 use crate::metrics::Metrics;
-use crate::proxy::{Proxy, Runtime, UpstreamError};
+use crate::proxy::{BuildError, Proxy, Runtime};
 
 /// Why the proxy could not start.
 #[derive(Debug, thiserror::Error)]
@@ -35,7 +35,7 @@ pub enum StartError {
         source: std::io::Error,
     },
     #[error(transparent)]
-    Upstream(#[from] UpstreamError),
+    Build(#[from] BuildError),
 }
 
 /// State shared by the proxy and admin listeners.

@@ -9,5 +9,6 @@ pub mod app;
 pub mod config;
 pub mod metrics;
 pub mod proxy;
+pub mod retry;
 pub mod route;
 pub mod telemetry;

@@ -8,6 +8,7 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use crate::retry::{Failure, SkipReason};
 use http::StatusCode;
 use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder, SharedString, Unit};
 use metrics_exporter_prometheus::{
@@ -184,18 +185,57 @@ impl Outcome {
     }
 }
 
+/// Counters with a status-code label, registered on first use of each code.
+struct ByStatus {
+    registry: Arc<Metrics>,
+    name: &'static str,
+    route: Arc<str>,
+    label: &'static str,
+    counters: Box<[OnceLock<Counter>]>,
+}
+
+impl ByStatus {
+    fn new(
+        registry: &Arc<Metrics>,
+        name: &'static str,
+        route: &Arc<str>,
+        label: &'static str,
+    ) -> Self {
+        Self {
+            registry: registry.clone(),
+            name,
+            route: route.clone(),
+            label,
+            counters: (100..600).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
+    fn get(&self, status: StatusCode) -> &Counter {
+        self.counters[usize::from(status.as_u16() - 100)].get_or_init(|| {
+            self.registry.counter(
+                self.name,
+                &[("route", &self.route), (self.label, status.as_str())],
+            )
+        })
+    }
+}
+
 /// Handles for one route, registered once when the route is built.
 pub struct RouteMetrics {
-    registry: Arc<Metrics>,
-    route: Arc<str>,
-    /// `herdguard_requests_total` by status code, registered on first use.
-    codes: Box<[OnceLock<Counter>]>,
+    requests: ByStatus,
     duration: Histogram,
     attempts: [Counter; Outcome::ALL.len()],
+    /// `herdguard_retries_total` for failures that are not a status.
+    retries: [Counter; 4],
+    retries_by_status: ByStatus,
+    skipped: [Counter; SkipReason::ALL.len()],
+    backoff: Histogram,
+    pub budget_available: Gauge,
 }
 
 impl RouteMetrics {
     pub fn new(registry: &Arc<Metrics>, route: &str, upstream: &str) -> Self {
+        let name: Arc<str> = route.into();
         let attempts = Outcome::ALL.map(|o| {
             registry.counter(
                 UPSTREAM_ATTEMPTS,
@@ -206,32 +246,59 @@ impl RouteMetrics {
                 ],
             )
         });
+        let retries = RETRY_CAUSES
+            .map(|f| registry.counter(RETRIES_TOTAL, &[("route", route), ("reason", f.label())]));
+        let skipped = SkipReason::ALL.map(|r| {
+            registry.counter(RETRIES_SKIPPED, &[("route", route), ("reason", r.as_str())])
+        });
         Self {
-            registry: registry.clone(),
-            route: route.into(),
-            codes: (100..600).map(|_| OnceLock::new()).collect(),
+            requests: ByStatus::new(registry, REQUESTS_TOTAL, &name, "code"),
             duration: registry.histogram(REQUEST_DURATION, &[("route", route)]),
             attempts,
+            retries,
+            retries_by_status: ByStatus::new(registry, RETRIES_TOTAL, &name, "reason"),
+            skipped,
+            backoff: registry.histogram(BACKOFF_SECONDS, &[("route", route)]),
+            budget_available: registry.gauge(RETRY_BUDGET_AVAILABLE, &[("route", route)]),
         }
     }
 
     /// Counts a request answered to the caller, and how long it took.
     pub fn request(&self, status: StatusCode, elapsed: Duration) {
-        let code = status.as_u16();
-        let counter = self.codes[usize::from(code - 100)].get_or_init(|| {
-            self.registry.counter(
-                REQUESTS_TOTAL,
-                &[("route", &self.route), ("code", status.as_str())],
-            )
-        });
-        counter.increment(1);
+        self.requests.get(status).increment(1);
         self.duration.record(elapsed.as_secs_f64());
     }
 
     pub fn attempt(&self, outcome: Outcome) {
         self.attempts[outcome as usize].increment(1);
     }
+
+    /// Counts a retry about to be made after `cause`, and its delay.
+    pub fn retry(&self, cause: Failure, delay: Duration) {
+        match cause {
+            Failure::Status(status) => self.retries_by_status.get(status).increment(1),
+            other => {
+                let i = RETRY_CAUSES
+                    .iter()
+                    .position(|c| *c == other)
+                    .expect("every non-status cause is listed");
+                self.retries[i].increment(1);
+            }
+        }
+        self.backoff.record(delay.as_secs_f64());
+    }
+
+    pub fn skipped(&self, reason: SkipReason) {
+        self.skipped[reason as usize].increment(1);
+    }
 }
+
+const RETRY_CAUSES: [Failure; 4] = [
+    Failure::ConnectFailure,
+    Failure::RefusedStream,
+    Failure::Reset,
+    Failure::Timeout,
+];
 
 /// `herdguard_requests_total` for requests no route took.
 pub fn unrouted(registry: &Metrics, status: StatusCode) {

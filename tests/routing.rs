@@ -91,11 +91,7 @@ match = { path_prefix = "/static", host = "cdn.test" }
         .header("x-canary", "2")
         .body(empty())
         .unwrap();
-    assert_eq!(
-        routed(req).await,
-        "prefix",
-        "header value must be equal"
-    );
+    assert_eq!(routed(req).await, "prefix", "header value must be equal");
     let req = Request::get(url("/static/a.css"))
         .header("host", "CDN.test")
         .body(empty())
@@ -105,11 +101,7 @@ match = { path_prefix = "/static", host = "cdn.test" }
         .header("host", "other.test")
         .body(empty())
         .unwrap();
-    assert_eq!(
-        routed(req).await,
-        "404",
-        "every condition must hold"
-    );
+    assert_eq!(routed(req).await, "404", "every condition must hold");
 
     let hits: Vec<usize> = ups.iter().map(|u| u.hits()).collect();
     assert_eq!(hits, [2, 1, 1, 1, 2, 1]);

@@ -10,6 +10,7 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 
+use super::replay::ReplayBody;
 use super::upstream::InFlight;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -20,6 +21,7 @@ pin_project! {
     pub enum RequestBody {
         Empty,
         Stream { #[pin] body: Incoming },
+        Replay { #[pin] body: ReplayBody },
     }
 }
 
@@ -44,6 +46,7 @@ impl Body for RequestBody {
         match self.project() {
             RequestBodyProj::Empty => Poll::Ready(None),
             RequestBodyProj::Stream { body } => body.poll_frame(cx),
+            RequestBodyProj::Replay { body } => body.poll_frame(cx),
         }
     }
 
@@ -51,6 +54,7 @@ impl Body for RequestBody {
         match self {
             RequestBody::Empty => true,
             RequestBody::Stream { body } => body.is_end_stream(),
+            RequestBody::Replay { body } => body.is_end_stream(),
         }
     }
 
@@ -58,6 +62,7 @@ impl Body for RequestBody {
         match self {
             RequestBody::Empty => SizeHint::with_exact(0),
             RequestBody::Stream { body } => body.size_hint(),
+            RequestBody::Replay { body } => body.size_hint(),
         }
     }
 }

@@ -4,11 +4,11 @@
 mod body;
 mod error;
 pub mod headers;
+mod replay;
 mod upstream;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use http::header::HOST;
@@ -20,11 +20,22 @@ use tracing::debug;
 
 pub use body::{BoxError, RequestBody, ResponseBody};
 pub use error::LocalError;
-pub use upstream::{Upstream, UpstreamError};
+pub use replay::ReplayBody;
+pub use upstream::{InFlight, Upstream, UpstreamError};
 
 use crate::config::{Config, RouteConfig};
-use crate::metrics::{self, Metrics, Outcome, RouteMetrics};
+use crate::metrics::{self, Metrics, RouteMetrics};
+use crate::retry::{self, Budget, Policy};
 use crate::route::{Matcher, RequestInfo};
+
+/// Why a runtime could not be built from a (validated) config.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+    #[error("routes.{route}.{message}")]
+    Route { route: String, message: String },
+}
 
 /// Everything built from one config: swapped whole on reload.
 pub struct Runtime {
@@ -37,12 +48,13 @@ pub struct Route {
     pub name: Arc<str>,
     matcher: Matcher,
     pub upstream: Arc<Upstream>,
+    pub policy: Policy,
+    pub budget: Budget,
     pub metrics: RouteMetrics,
-    per_try_timeout: Duration,
 }
 
 impl Runtime {
-    pub fn build(config: Arc<Config>, registry: &Arc<Metrics>) -> Result<Self, UpstreamError> {
+    pub fn build(config: Arc<Config>, registry: &Arc<Metrics>) -> Result<Self, BuildError> {
         let mut upstreams = std::collections::HashMap::new();
         for (name, u) in &config.upstreams {
             upstreams.insert(name.as_str(), Upstream::new(name, u, registry)?);
@@ -50,15 +62,20 @@ impl Runtime {
         let routes = config
             .routes
             .iter()
-            .map(|r| {
-                Arc::new(Route::new(
-                    r,
-                    upstreams[r.upstream.as_str()].clone(),
-                    registry,
-                ))
-            })
-            .collect();
+            .map(|r| Route::new(r, upstreams[r.upstream.as_str()].clone(), registry).map(Arc::new))
+            .collect::<Result<_, _>>()?;
         Ok(Self { config, routes })
+    }
+
+    /// Sets the gauges that are cheaper to compute when scraped than on every request.
+    pub fn refresh_gauges(&self) {
+        let now = Instant::now();
+        for route in &self.routes {
+            route
+                .metrics
+                .budget_available
+                .set(route.budget.available(now));
+        }
     }
 
     fn route(&self, req: &RequestInfo<'_>) -> Option<&Arc<Route>> {
@@ -67,14 +84,25 @@ impl Runtime {
 }
 
 impl Route {
-    fn new(config: &RouteConfig, upstream: Arc<Upstream>, registry: &Arc<Metrics>) -> Self {
-        Self {
+    fn new(
+        config: &RouteConfig,
+        upstream: Arc<Upstream>,
+        registry: &Arc<Metrics>,
+    ) -> Result<Self, BuildError> {
+        let invalid = |message: String| BuildError::Route {
+            route: config.name.clone(),
+            message,
+        };
+        Ok(Self {
             name: config.name.as_str().into(),
             matcher: Matcher::new(&config.matcher),
             metrics: RouteMetrics::new(registry, &config.name, &upstream.name),
             upstream,
-            per_try_timeout: config.retry.per_try_timeout.min(config.retry.timeout),
-        }
+            policy: Policy::from_config(&config.retry)
+                .map_err(|e| invalid(format!("retry: {e}")))?,
+            budget: Budget::from_config(&config.retry.budget, Instant::now())
+                .map_err(|e| invalid(format!("retry.budget: {e}")))?,
+        })
     }
 }
 
@@ -83,8 +111,6 @@ pub struct Proxy {
     runtime: ArcSwap<Runtime>,
     metrics: Arc<Metrics>,
 }
-
-const ONE: HeaderValue = HeaderValue::from_static("1");
 
 impl Proxy {
     pub fn new(runtime: Runtime, metrics: Arc<Metrics>) -> Self {
@@ -132,7 +158,7 @@ impl Proxy {
             metrics::unrouted(&self.metrics, resp.status());
             return resp;
         };
-        let resp = forward(&route, req, peer).await;
+        let resp = forward(&route, req, peer, start).await;
         route.metrics.request(resp.status(), start.elapsed());
         resp
     }
@@ -149,81 +175,56 @@ async fn forward(
     route: &Route,
     mut req: Request<Incoming>,
     peer: SocketAddr,
+    start: Instant,
 ) -> Response<ResponseBody> {
-    let upstream = &route.upstream;
-    let Some(slot) = upstream.try_acquire() else {
-        return LocalError::Overloaded.response(&format!(
-            "upstream {} is at its in-flight limit",
-            upstream.name
-        ));
-    };
     let upgrade = headers::requested_upgrade(req.version(), req.headers());
     let caller_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
 
     let (mut parts, body) = req.into_parts();
-    let endpoint = upstream.pick();
     let original_host = request_host(&parts.uri, &parts.headers).map(str::to_owned);
+    let inner_hop = parts.headers.contains_key(&headers::X_HERDGUARD_ATTEMPT);
+    let facts = route.policy.facts(&parts.method, &parts.headers, inner_hop);
     let h = &mut parts.headers;
     headers::strip_hop_by_hop(h, upgrade);
     headers::add_via(h, parts.version);
     headers::add_forwarded(h, peer.ip(), "http", original_host.as_deref());
-    h.insert(HOST, endpoint.host.clone());
-    h.insert(&headers::X_HERDGUARD_ATTEMPT, ONE);
-    parts.uri = endpoint.uri(parts.uri.path_and_query());
-    parts.version = Version::HTTP_11;
-    let upstream_req = Request::from_parts(parts, RequestBody::stream(body));
-
-    let sent =
-        tokio::time::timeout(route.per_try_timeout, upstream.client.request(upstream_req)).await;
-    let mut resp = match sent {
-        Err(_) => {
-            route.metrics.attempt(Outcome::Timeout);
-            return LocalError::Timeout.response(&format!(
-                "upstream {} sent no response headers within {:?}",
-                upstream.name, route.per_try_timeout
-            ));
-        }
-        Ok(Err(e)) => {
-            let (outcome, local) = if e.is_connect() {
-                (Outcome::ConnectFailure, LocalError::ConnectFailure)
-            } else {
-                (Outcome::Reset, LocalError::Reset)
-            };
-            route.metrics.attempt(outcome);
-            debug!(route = %route.name, upstream = %upstream.name, error = %error_chain(&e), "upstream attempt failed");
-            return local.response(&format!(
-                "upstream {} failed: {}",
-                upstream.name,
-                error_chain(&e)
-            ));
-        }
-        Ok(Ok(resp)) => resp,
+    let out = retry::Outgoing {
+        method: parts.method,
+        path_and_query: parts.uri.path_and_query().cloned(),
+        headers: parts.headers,
+        body,
+        facts,
     };
-    route.metrics.attempt(if resp.status().is_server_error() {
-        Outcome::ServerError
-    } else {
-        Outcome::Ok
-    });
+    let sent = retry::send(route, out, start).await;
+    let attempts = retry::attempt_value(sent.attempts);
+    let (mut resp, slot) = match sent.result {
+        Ok(pair) => pair,
+        Err((error, detail)) => {
+            let mut resp = error.response(&detail);
+            resp.headers_mut()
+                .insert(&headers::X_HERDGUARD_ATTEMPTS, attempts);
+            return resp;
+        }
+    };
 
-    let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
-    if switching {
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(caller) = caller_upgrade {
             let upstream_side = hyper::upgrade::on(&mut resp);
             tokio::spawn(tunnel(caller, upstream_side, slot));
             let (mut parts, _) = resp.into_parts();
-            finish_headers(&mut parts.headers, true);
+            finish_headers(&mut parts.headers, true, attempts);
             return Response::from_parts(parts, ResponseBody::local(bytes::Bytes::new()));
         }
     }
     let (mut parts, body) = resp.into_parts();
-    finish_headers(&mut parts.headers, false);
+    finish_headers(&mut parts.headers, false, attempts);
     Response::from_parts(parts, ResponseBody::upstream(body, slot))
 }
 
-fn finish_headers(h: &mut http::HeaderMap, upgrade: bool) {
+fn finish_headers(h: &mut http::HeaderMap, upgrade: bool, attempts: HeaderValue) {
     headers::strip_hop_by_hop(h, upgrade);
     headers::add_via(h, Version::HTTP_11);
-    h.insert(&headers::X_HERDGUARD_ATTEMPTS, ONE);
+    h.insert(&headers::X_HERDGUARD_ATTEMPTS, attempts);
 }
 
 /// Relays bytes both ways after a 101 Switching Protocols.

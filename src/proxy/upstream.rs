@@ -99,10 +99,14 @@ impl Upstream {
         }))
     }
 
-    /// The next endpoint, round robin.
-    pub fn pick(&self) -> &Endpoint {
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        &self.endpoints[n % self.endpoints.len()]
+    /// The next endpoint, round robin; never `previous` again when there is another.
+    pub fn pick_after(&self, previous: Option<usize>) -> (usize, &Endpoint) {
+        let len = self.endpoints.len();
+        let mut index = self.next.fetch_add(1, Ordering::Relaxed) % len;
+        if len > 1 && previous == Some(index) {
+            index = (index + 1) % len;
+        }
+        (index, &self.endpoints[index])
     }
 
     pub fn in_flight(&self) -> usize {

@@ -1,0 +1,182 @@
+//! The retry budget of a route.
+//!
+//! Why a budget and not only a maximum number of attempts: with `attempts = 3`
+//! alone, an upstream that fails every request receives three times its
+//! normal load exactly when it can least take it — and every layer that
+//! retries multiplies that again. A budget caps retries as a share of
+//! requests: each request deposits `ratio` tokens, each retry withdraws one,
+//! over a sliding window; `min_per_second` lets a quiet route still retry.
+//! Under total failure, attempts stay at most `requests * (1 + ratio) + floor`.
+//!
+//! The window is a ring of slots (one tenth of the window each). A deposit is
+//! one atomic add to the current slot; a withdrawal sums the ring. No locks:
+//! a slot that rolls over is reset by whoever first sees it stale, and the few
+//! counts that race with a reset are lost, which only makes the budget
+//! stricter or looser by a token or two.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::config::BudgetConfig;
+
+const SLOTS: usize = 10;
+
+#[derive(Debug)]
+pub struct Budget {
+    ratio: f64,
+    /// Retries allowed per window whatever the traffic: `min_per_second * window`.
+    floor: f64,
+    slot_width: Duration,
+    start: Instant,
+    slots: [Slot; SLOTS],
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    /// Which slot index (since `start`) this slot currently counts.
+    epoch: AtomicU64,
+    deposits: AtomicU64,
+    withdrawals: AtomicU64,
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum InvalidBudget {
+    #[error("ratio must be from 0.0 to 1.0")]
+    Ratio,
+    #[error("window must be at least 1s")]
+    Window,
+}
+
+impl Budget {
+    pub fn try_new(
+        ratio: f64,
+        min_per_second: u32,
+        window: Duration,
+        now: Instant,
+    ) -> Result<Self, InvalidBudget> {
+        if !(0.0..=1.0).contains(&ratio) {
+            return Err(InvalidBudget::Ratio);
+        }
+        if window < Duration::from_secs(1) {
+            return Err(InvalidBudget::Window);
+        }
+        Ok(Self {
+            ratio,
+            floor: f64::from(min_per_second) * window.as_secs_f64(),
+            slot_width: window / SLOTS as u32,
+            start: now,
+            slots: Default::default(),
+        })
+    }
+
+    pub fn from_config(c: &BudgetConfig, now: Instant) -> Result<Self, InvalidBudget> {
+        Self::try_new(c.ratio, c.min_per_second, c.window, now)
+    }
+
+    /// Records a request. Call once per request, before its first attempt.
+    pub fn deposit(&self, now: Instant) {
+        self.slot(now).deposits.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Takes a token for one retry; `false` when the budget is spent.
+    pub fn withdraw(&self, now: Instant) -> bool {
+        if self.available(now) < 1.0 {
+            return false;
+        }
+        self.slot(now).withdrawals.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Retries the budget would allow now.
+    pub fn available(&self, now: Instant) -> f64 {
+        let current = self.index(now);
+        let (mut deposits, mut withdrawals) = (0u64, 0u64);
+        for slot in &self.slots {
+            let epoch = slot.epoch.load(Ordering::Acquire);
+            if epoch + (SLOTS as u64) > current && epoch <= current {
+                deposits += slot.deposits.load(Ordering::Relaxed);
+                withdrawals += slot.withdrawals.load(Ordering::Relaxed);
+            }
+        }
+        (self.floor + self.ratio * deposits as f64 - withdrawals as f64).max(0.0)
+    }
+
+    fn index(&self, now: Instant) -> u64 {
+        (now.saturating_duration_since(self.start).as_nanos() / self.slot_width.as_nanos()) as u64
+    }
+
+    /// The slot for `now`, reset first if it still counts an older period.
+    fn slot(&self, now: Instant) -> &Slot {
+        let index = self.index(now);
+        let slot = &self.slots[(index % SLOTS as u64) as usize];
+        let epoch = slot.epoch.load(Ordering::Acquire);
+        if epoch != index
+            && slot
+                .epoch
+                .compare_exchange(epoch, index, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            slot.deposits.store(0, Ordering::Relaxed);
+            slot.withdrawals.store(0, Ordering::Relaxed);
+        }
+        slot
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn floor_then_ratio() {
+        let now = Instant::now();
+        let b = Budget::try_new(0.2, 1, Duration::from_secs(10), now).unwrap();
+        // The floor: 1/s over 10 s.
+        let granted = (0..100).filter(|_| b.withdraw(now)).count();
+        assert_eq!(granted, 10);
+        // 100 requests add 20 more.
+        for _ in 0..100 {
+            b.deposit(now);
+        }
+        let granted = (0..100).filter(|_| b.withdraw(now)).count();
+        assert_eq!(granted, 20);
+        assert!(!b.withdraw(now));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn old_slots_slide_out_of_the_window() {
+        let t0 = Instant::now();
+        let b = Budget::try_new(0.5, 0, Duration::from_secs(10), t0).unwrap();
+        for _ in 0..10 {
+            b.deposit(t0);
+        }
+        assert_eq!(b.available(t0), 5.0);
+        assert!(b.withdraw(t0));
+        assert_eq!(
+            b.available(t0 + Duration::from_secs(9)),
+            4.0,
+            "still inside the window"
+        );
+        assert_eq!(b.available(t0 + Duration::from_secs(10)), 0.0, "slid out");
+        // A stale slot is reset on reuse, not summed.
+        let later = t0 + Duration::from_secs(20);
+        b.deposit(later);
+        b.deposit(later);
+        assert_eq!(b.available(later), 1.0);
+    }
+
+    #[test]
+    fn rejects_invalid_parameters() {
+        let now = Instant::now();
+        assert_eq!(
+            Budget::try_new(1.5, 0, Duration::from_secs(1), now).unwrap_err(),
+            InvalidBudget::Ratio
+        );
+        assert_eq!(
+            Budget::try_new(0.1, 0, Duration::from_millis(10), now).unwrap_err(),
+            InvalidBudget::Window
+        );
+    }
+}

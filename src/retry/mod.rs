@@ -1,0 +1,272 @@
+//! Retries: the one async loop that sleeps and resends.
+//!
+//! Every decision it acts on is made elsewhere, by plain functions:
+//! [`policy`] says whether an outcome may be retried, [`backoff`] how long to
+//! wait, [`budget`] whether the route can afford it. This loop only measures
+//! time, sends attempts, and counts and logs what it did and did not do.
+
+pub mod backoff;
+pub mod budget;
+pub mod policy;
+
+use std::time::SystemTime;
+
+use http::uri::PathAndQuery;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, Version};
+use http_body::Body as _;
+use hyper::body::Incoming;
+use rand::Rng;
+use tokio::time::Instant;
+use tracing::debug;
+
+pub use backoff::{Backoff, BackoffState};
+pub use budget::Budget;
+pub use policy::{Failure, Policy, RequestFacts, SkipReason, Verdict};
+
+use crate::metrics::Outcome;
+use crate::proxy::headers::X_HERDGUARD_ATTEMPT;
+use crate::proxy::{error_chain, InFlight, LocalError, ReplayBody, RequestBody, Route};
+
+/// A request ready to go upstream, headers already rewritten for the hop.
+pub struct Outgoing {
+    pub method: Method,
+    pub path_and_query: Option<PathAndQuery>,
+    pub headers: HeaderMap,
+    pub body: Incoming,
+    pub facts: RequestFacts,
+}
+
+/// How the request ended: the response to pass on, or the proxy's own error.
+pub struct Sent {
+    pub attempts: u32,
+    pub result: Result<(Response<Incoming>, InFlight), (LocalError, String)>,
+}
+
+/// Sends `out` to the route's upstream, retrying as the route's policy allows.
+pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
+    let policy = &route.policy;
+    let upstream = &route.upstream;
+    let facts = out.facts;
+    let deadline = start + policy.timeout;
+    route.budget.deposit(start);
+
+    let retrying = policy.may_retry(&facts);
+    let mut body = if out.body.is_end_stream() {
+        AttemptBody::Empty
+    } else if retrying {
+        AttemptBody::Replay(ReplayBody::new(out.body, policy.max_replay_body))
+    } else {
+        AttemptBody::Once(Some(out.body))
+    };
+    // Without retries the headers are moved into the one attempt, not copied.
+    let mut headers = Some(out.headers);
+    let mut backoff = BackoffState::default();
+    let mut endpoint = None;
+    let mut attempt = 0u32;
+
+    loop {
+        attempt += 1;
+        let Some(slot) = upstream.try_acquire() else {
+            let detail = format!("upstream {} is at its in-flight limit", upstream.name);
+            if attempt > 1 {
+                skip(route, attempt - 1, SkipReason::Overloaded);
+            }
+            return Sent {
+                attempts: attempt - 1,
+                result: Err((LocalError::Overloaded, detail)),
+            };
+        };
+        let (index, target) = upstream.pick_after(endpoint);
+        endpoint = Some(index);
+
+        let mut req = Request::new(match &mut body {
+            AttemptBody::Empty => RequestBody::Empty,
+            AttemptBody::Replay(replay) => RequestBody::Replay {
+                body: replay.replay(),
+            },
+            AttemptBody::Once(once) => once
+                .take()
+                .map_or(RequestBody::Empty, |body| RequestBody::Stream { body }),
+        });
+        *req.method_mut() = out.method.clone();
+        *req.uri_mut() = target.uri(out.path_and_query.as_ref());
+        *req.version_mut() = Version::HTTP_11;
+        *req.headers_mut() = if retrying {
+            headers.clone().expect("kept for retries")
+        } else {
+            headers.take().expect("one attempt")
+        };
+        let h = req.headers_mut();
+        h.insert(http::header::HOST, target.host.clone());
+        if !facts.inner_hop {
+            h.insert(&X_HERDGUARD_ATTEMPT, attempt_value(attempt));
+        }
+
+        let now = Instant::now();
+        let per_try = policy
+            .per_try_timeout
+            .min(deadline.saturating_duration_since(now));
+        let sent = tokio::time::timeout(per_try, upstream.client.request(req)).await;
+        let (failure, outcome, result) = classify(route, sent, slot, per_try);
+        route.metrics.attempt(outcome);
+
+        let replayable = match &body {
+            AttemptBody::Replay(replay) => replay.is_replayable(),
+            AttemptBody::Empty => true,
+            AttemptBody::Once(_) => false,
+        };
+        let cause = match policy.verdict(failure, attempt, &facts, replayable) {
+            Verdict::Done => {
+                return Sent {
+                    attempts: attempt,
+                    result,
+                }
+            }
+            Verdict::Skip(_, reason) => {
+                skip(route, attempt, reason);
+                return Sent {
+                    attempts: attempt,
+                    result,
+                };
+            }
+            Verdict::Retry(cause) => cause,
+        };
+
+        let server_delay = match &result {
+            Ok((resp, _)) => policy.retry_after(resp.headers(), SystemTime::now()),
+            Err(_) => Ok(None),
+        };
+        let delay = match server_delay {
+            Err(reason) => {
+                skip(route, attempt, reason);
+                return Sent {
+                    attempts: attempt,
+                    result,
+                };
+            }
+            // The server's delay, plus up to a tenth more so that callers told
+            // the same Retry-After do not all come back at once.
+            Ok(Some(d)) => d + rand::rng().random_range(std::time::Duration::ZERO..=d / 10),
+            Ok(None) => policy.backoff.next_delay(&mut backoff, &mut rand::rng()),
+        };
+        let now = Instant::now();
+        if now + delay >= deadline {
+            skip(route, attempt, SkipReason::Deadline);
+            return Sent {
+                attempts: attempt,
+                result,
+            };
+        }
+        if !route.budget.withdraw(now) {
+            skip(route, attempt, SkipReason::Budget);
+            return Sent {
+                attempts: attempt,
+                result,
+            };
+        }
+        route.metrics.retry(cause, delay);
+        debug!(
+            route = %route.name,
+            retry.attempt = attempt + 1,
+            delay_ms = delay.as_millis() as u64,
+            cause = cause.label(),
+            "retrying"
+        );
+        // Let go of the failed attempt (and its connection) before waiting.
+        drop(result);
+        tokio::time::sleep(delay).await;
+    }
+}
+
+enum AttemptBody {
+    Empty,
+    Replay(ReplayBody),
+    /// Sent once, never retried: taken by the first attempt.
+    Once(Option<Incoming>),
+}
+
+fn skip(route: &Route, attempt: u32, reason: SkipReason) {
+    route.metrics.skipped(reason);
+    debug!(route = %route.name, attempt, reason = reason.as_str(), "retry skipped");
+}
+
+type Attempted = Result<
+    Result<Response<Incoming>, hyper_util::client::legacy::Error>,
+    tokio::time::error::Elapsed,
+>;
+
+/// What an attempt's outcome means: the failure (if `retry_on` could name
+/// it), the metric outcome, and what to pass on if no retry follows.
+fn classify(
+    route: &Route,
+    sent: Attempted,
+    slot: InFlight,
+    per_try: std::time::Duration,
+) -> (
+    Option<Failure>,
+    Outcome,
+    Result<(Response<Incoming>, InFlight), (LocalError, String)>,
+) {
+    let upstream = &route.upstream.name;
+    match sent {
+        Ok(Ok(resp)) => {
+            let failure = route.policy.status_failure(resp.status());
+            let outcome = if resp.status().is_server_error() {
+                Outcome::ServerError
+            } else {
+                Outcome::Ok
+            };
+            (failure, outcome, Ok((resp, slot)))
+        }
+        Err(_) => (
+            Some(Failure::Timeout),
+            Outcome::Timeout,
+            Err((
+                LocalError::Timeout,
+                format!("upstream {upstream} sent no response headers within {per_try:?}"),
+            )),
+        ),
+        Ok(Err(e)) => {
+            let failure = client_failure(&e);
+            let (outcome, local) = match failure {
+                Failure::ConnectFailure => (Outcome::ConnectFailure, LocalError::ConnectFailure),
+                _ => (Outcome::Reset, LocalError::Reset),
+            };
+            let detail = format!("upstream {upstream} failed: {}", error_chain(&e));
+            debug!(route = %route.name, upstream = %upstream, error = %detail, "upstream attempt failed");
+            (Some(failure), outcome, Err((local, detail)))
+        }
+    }
+}
+
+/// Sorts a client error into what retrying needs to know.
+fn client_failure(e: &hyper_util::client::legacy::Error) -> Failure {
+    if e.is_connect() {
+        return Failure::ConnectFailure;
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(h) = s.downcast_ref::<hyper::Error>() {
+            // The request was never written: its pooled connection closed first.
+            if h.is_canceled() {
+                return Failure::ConnectFailure;
+            }
+        }
+        if let Some(h2) = s.downcast_ref::<h2::Error>() {
+            if h2.reason() == Some(h2::Reason::REFUSED_STREAM) {
+                return Failure::RefusedStream;
+            }
+        }
+        source = s.source();
+    }
+    Failure::Reset
+}
+
+/// `x-herdguard-attempt: N`, without formatting for the usual small N.
+pub(crate) fn attempt_value(n: u32) -> HeaderValue {
+    const SMALL: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
+    match SMALL.get(n as usize) {
+        Some(s) => HeaderValue::from_static(s),
+        None => HeaderValue::from(n),
+    }
+}

@@ -36,10 +36,14 @@ pub struct Outgoing {
     pub facts: RequestFacts,
 }
 
-/// How the request ended: the response to pass on, or the proxy's own error.
+/// The response to pass on with the upstream slot it holds, or the proxy's
+/// own error with its detail.
+pub type Answer = Result<(Response<Incoming>, InFlight), (LocalError, String)>;
+
+/// How the request ended.
 pub struct Sent {
     pub attempts: u32,
-    pub result: Result<(Response<Incoming>, InFlight), (LocalError, String)>,
+    pub result: Answer,
 }
 
 /// Sends `out` to the route's upstream, retrying as the route's policy allows.
@@ -202,11 +206,7 @@ fn classify(
     sent: Attempted,
     slot: InFlight,
     per_try: std::time::Duration,
-) -> (
-    Option<Failure>,
-    Outcome,
-    Result<(Response<Incoming>, InFlight), (LocalError, String)>,
-) {
+) -> (Option<Failure>, Outcome, Answer) {
     let upstream = &route.upstream.name;
     match sent {
         Ok(Ok(resp)) => {

@@ -62,6 +62,8 @@ impl State {
 }
 
 impl ReplayBody {
+    /// The source of every attempt's body: it holds none of the body itself,
+    /// each [`replay`](Self::replay) takes the shared state in turn.
     pub fn new(body: Incoming, max_bytes: u64) -> Self {
         let exact_len = body.size_hint().exact();
         // A body declared larger than the limit is never copied at all.
@@ -77,13 +79,13 @@ impl ReplayBody {
         Self {
             shared: Arc::new(Shared {
                 slot: Mutex::new(Slot {
-                    state: None,
+                    state: Some(state),
                     waiting: None,
                     replayable: true,
                 }),
                 max_bytes,
             }),
-            state: Some(state),
+            state: None,
             position: 0,
             trailers_sent: false,
             exact_len,

@@ -99,13 +99,15 @@ impl Upstream {
         }))
     }
 
-    /// The next endpoint, round robin; never `previous` again when there is another.
+    /// A first attempt takes the next endpoint, round robin; a retry takes the
+    /// one after the endpoint that failed, so it goes elsewhere when it can,
+    /// without shifting the rotation of first attempts.
     pub fn pick_after(&self, previous: Option<usize>) -> (usize, &Endpoint) {
         let len = self.endpoints.len();
-        let mut index = self.next.fetch_add(1, Ordering::Relaxed) % len;
-        if len > 1 && previous == Some(index) {
-            index = (index + 1) % len;
-        }
+        let index = match previous {
+            Some(previous) => (previous + 1) % len,
+            None => self.next.fetch_add(1, Ordering::Relaxed) % len,
+        };
         (index, &self.endpoints[index])
     }
 

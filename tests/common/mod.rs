@@ -2,7 +2,6 @@
 //! 127.0.0.1:0, the whole proxy started in-process, and a plain client.
 #![allow(dead_code)]
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -23,7 +22,8 @@ use tokio::net::TcpListener;
 use herdguard::app::Server;
 use herdguard::config::Config;
 
-pub type Body = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type Body = BoxBody<Bytes, BoxError>;
 
 pub fn full(data: impl Into<Bytes>) -> Body {
     Full::new(data.into())
@@ -76,6 +76,20 @@ where
     F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Response<Body>> + Send + 'static,
 {
+    fallible_upstream(move |req| {
+        let fut = handler(req);
+        async move { Ok(fut.await) }
+    })
+    .await
+}
+
+/// Starts an upstream whose `handler` may fail: the connection is then
+/// closed without a response (a reset before response headers).
+pub async fn fallible_upstream<F, Fut>(handler: F) -> Upstream
+where
+    F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Response<Body>, BoxError>> + Send + 'static,
+{
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -101,8 +115,7 @@ where
                             headers: req.headers().clone(),
                         });
                         hits.fetch_add(1, Ordering::SeqCst);
-                        let fut = handler(req);
-                        async move { Ok::<_, Infallible>(fut.await) }
+                        handler(req)
                     });
                     let _ = auto::Builder::new(TokioExecutor::new())
                         .serve_connection_with_upgrades(TokioIo::new(stream), service)

@@ -6,10 +6,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use herdguard::app::Server;
-use herdguard::config::Config;
+use herdguard::config::{Checked, Config};
 use herdguard::telemetry::{self, LogFormat};
 use tokio::signal::unix::{signal, SignalKind};
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 /// A sidecar retrying HTTP reverse proxy: budgeted, jittered retries behind a
 /// circuit breaker, at one layer.
@@ -64,10 +64,17 @@ fn main() -> ExitCode {
 }
 
 fn check(path: &std::path::Path) -> ExitCode {
-    match Config::from_file(path) {
-        Ok(config) => {
-            print!("{}", config.to_toml());
-            eprintln!("{}: ok", path.display());
+    match Config::check_file(path) {
+        Ok(checked) => {
+            print!("{}", checked.config.to_toml());
+            for w in &checked.warnings {
+                eprintln!("warning: {w}");
+            }
+            eprintln!(
+                "{}: ok ({} warnings)",
+                path.display(),
+                checked.warnings.len()
+            );
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -78,31 +85,36 @@ fn check(path: &std::path::Path) -> ExitCode {
 }
 
 fn run(cli: Cli) -> ExitCode {
-    let config = match (&cli.config, &cli.upstream) {
-        (Some(path), _) => Config::from_file(path)
-            .map_err(|e| e.to_string())
-            .map(|mut c| {
-                if let Some(listen) = cli.listen {
-                    c.listen.address = listen;
-                }
-                if let Some(admin) = cli.admin {
-                    c.admin.address = admin;
-                }
-                c
-            }),
-        (None, Some(url)) => {
-            Config::for_upstream(url, cli.listen, cli.admin).map_err(|e| format!("--upstream: {e}"))
-        }
+    let checked = match (&cli.config, &cli.upstream) {
+        (Some(path), _) => Config::check_file(path).map_err(|e| e.to_string()),
+        (None, Some(url)) => Config::for_upstream(url, None, None)
+            .map(|config| Checked {
+                config,
+                warnings: Vec::new(),
+            })
+            .map_err(|e| format!("--upstream: {e}")),
         (None, None) => Err("give --config FILE or --upstream URL (see --help)".to_owned()),
     };
-    let config = match config {
+    let Checked {
+        mut config,
+        warnings,
+    } = match checked {
         Ok(c) => c,
         Err(e) => {
             eprintln!("herdguard: {e}");
             return ExitCode::from(2);
         }
     };
+    if let Some(listen) = cli.listen {
+        config.listen.address = listen;
+    }
+    if let Some(admin) = cli.admin {
+        config.admin.address = admin;
+    }
     telemetry::init(cli.log_format);
+    for w in &warnings {
+        warn!(warning = %w, "config");
+    }
 
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     rt.enable_all();

@@ -179,9 +179,55 @@ fn every_shipped_config_file_is_valid() {
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "toml") {
-            Config::from_file(&path).unwrap_or_else(|e| panic!("{e}"));
+            let checked = Config::check_file(&path).unwrap_or_else(|e| panic!("{e}"));
+            assert!(checked.warnings.is_empty(), "{}: {:?}", path.display(), checked.warnings);
             seen += 1;
         }
     }
     assert!(seen >= 3, "expected the example configs in {dir}");
+}
+
+#[test]
+fn check_warns_about_risky_but_valid_settings() {
+    let src = format!(
+        "{BASE}
+[[routes]]
+name = \"a\"
+upstream = \"api\"
+[routes.retry]
+methods = [\"GET\", \"POST\"]
+retry_on = [\"503\", \"404\", \"429\", \"408\"]
+attempts = 4
+per_try_timeout = \"3s\"
+timeout = \"10s\"
+"
+    );
+    let checked = Config::check_str(&src).unwrap();
+    let w: Vec<String> = checked.warnings.iter().map(ToString::to_string).collect();
+    assert!(
+        w.iter()
+            .any(|w| w.starts_with("routes[0].retry.methods[1] (line 9): POST is not idempotent")),
+        "{w:#?}"
+    );
+    assert!(
+        w.iter()
+            .any(|w| w.starts_with("routes[0].retry.retry_on[1] (line 10): 404 is a client error")),
+        "{w:#?}"
+    );
+    assert!(
+        !w.iter()
+            .any(|w| w.contains("429 is") || w.contains("408 is")),
+        "{w:#?}"
+    );
+    assert!(
+        w.iter().any(|w| w.starts_with(
+            "routes[0].retry.timeout (line 13): 4 attempts of per_try_timeout 3s plus up to 700ms"
+        )),
+        "{w:#?}"
+    );
+    assert_eq!(w.len(), 3, "{w:#?}");
+    assert!(
+        Config::check_str(BASE).unwrap().warnings.is_empty(),
+        "the defaults raise no warning"
+    );
 }

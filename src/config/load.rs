@@ -138,16 +138,28 @@ impl fmt::Display for KeyPath {
     }
 }
 
+/// A valid config, and what in it is allowed but probably not meant.
+#[derive(Debug, Clone)]
+pub struct Checked {
+    pub config: Config,
+    pub warnings: Vec<ConfigError>,
+}
+
 impl Config {
     /// Reads and validates a config file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Config, LoadError> {
+        Config::check_file(path).map(|c| c.config)
+    }
+
+    /// Reads and validates a config file, keeping the warnings.
+    pub fn check_file(path: impl AsRef<Path>) -> Result<Checked, LoadError> {
         let path = path.as_ref();
         let display = path.display().to_string();
         let src = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
             path: display.clone(),
             source,
         })?;
-        Config::parse(&src).map_err(|errors| LoadError::Invalid {
+        Config::check_str(&src).map_err(|errors| LoadError::Invalid {
             path: display,
             errors,
         })
@@ -155,6 +167,11 @@ impl Config {
 
     /// Parses and validates config text, reporting every error found.
     pub fn parse(src: &str) -> Result<Config, ConfigErrors> {
+        Config::check_str(src).map(|c| c.config)
+    }
+
+    /// Parses and validates config text, keeping the warnings.
+    pub fn check_str(src: &str) -> Result<Checked, ConfigErrors> {
         let mut root = DeTable::parse(src).map_err(|e| {
             ConfigErrors(vec![ConfigError {
                 path: KeyPath::root(),
@@ -172,16 +189,32 @@ impl Config {
         validate::validate(&config, &mut |path, message| {
             loader.error(path, None, message)
         });
-        let mut errors = loader.errors;
-        if errors.is_empty() {
-            return Ok(config);
+        let errors = loader.errors;
+        if !errors.is_empty() {
+            return Err(ConfigErrors(tidy(errors)));
         }
-        // An invalid inherited value is reported once, not once per route.
-        let mut seen = std::collections::HashSet::new();
-        errors.retain(|e| e.line.is_none() || seen.insert((e.line, e.message.clone())));
-        errors.sort_by_key(|e| e.line.unwrap_or(usize::MAX));
-        Err(ConfigErrors(errors))
+        let mut warnings = Vec::new();
+        validate::warnings(&config, &mut |path, message| {
+            let span = locate(&root, &path);
+            warnings.push(ConfigError {
+                line: span.map(|s| line_of(src, s.start)),
+                path,
+                message,
+            })
+        });
+        Ok(Checked {
+            config,
+            warnings: tidy(warnings),
+        })
     }
+}
+
+/// Reports an inherited value once, not once per route, in file order.
+fn tidy(mut errors: Vec<ConfigError>) -> Vec<ConfigError> {
+    let mut seen = std::collections::HashSet::new();
+    errors.retain(|e| e.line.is_none() || seen.insert((e.line, e.message.clone())));
+    errors.sort_by_key(|e| e.line.unwrap_or(usize::MAX));
+    errors
 }
 
 struct Loader<'a, 'i> {

@@ -6,7 +6,7 @@ mod schema;
 pub mod units;
 mod validate;
 
-pub use load::{ConfigError, ConfigErrors, KeyPath, LoadError};
+pub use load::{Checked, ConfigError, ConfigErrors, KeyPath, LoadError};
 pub use schema::*;
 
 use std::net::SocketAddr;

@@ -8,7 +8,8 @@ use http::{HeaderName, HeaderValue, Method, Uri};
 
 use super::load::KeyPath;
 use super::schema::{
-    BackoffConfig, BreakerConfig, BudgetConfig, Config, MatchConfig, RetryConfig, UpstreamConfig,
+    BackoffConfig, BreakerConfig, BudgetConfig, Config, MatchConfig, RetryConfig, RetryOn,
+    UpstreamConfig,
 };
 
 type Report<'a> = dyn FnMut(KeyPath, String) + 'a;
@@ -287,5 +288,68 @@ fn list(items: &[&str]) -> String {
         "none".to_owned()
     } else {
         items.join(", ")
+    }
+}
+
+/// Things a config may say but probably does not mean. `check` prints them;
+/// the proxy logs them at start-up; neither refuses the config.
+pub(super) fn warnings(config: &Config, report: &mut Report<'_>) {
+    let root = KeyPath::root();
+    retry_warnings(
+        report,
+        &root.key("defaults").key("retry"),
+        &config.defaults.retry,
+    );
+    for (i, route) in config.routes.iter().enumerate() {
+        retry_warnings(
+            report,
+            &root.key("routes").index(i).key("retry"),
+            &route.retry,
+        );
+    }
+}
+
+fn retry_warnings(report: &mut Report<'_>, path: &KeyPath, r: &RetryConfig) {
+    for (i, m) in r.methods.iter().enumerate() {
+        if matches!(m.as_str(), "POST" | "PATCH") {
+            report(
+                path.key("methods").index(i),
+                format!(
+                    "{m} is not idempotent: a retry may repeat its effect; leave it out and let callers send {:?} instead",
+                    r.idempotency_header
+                ),
+            );
+        }
+    }
+    for (i, on) in r.retry_on.iter().enumerate() {
+        if let RetryOn::Status(code @ 400..=499) = on {
+            if !matches!(code, 408 | 429) {
+                report(
+                    path.key("retry_on").index(i),
+                    format!(
+                        "{code} is a client error: the same request will fail the same way again"
+                    ),
+                );
+            }
+        }
+    }
+    if r.attempts > 1 {
+        if let Ok(backoff) = crate::retry::Backoff::from_config(&r.backoff) {
+            let waits: Duration = (1..r.attempts).map(|n| backoff.ceiling(n)).sum();
+            let worst = r.per_try_timeout * r.attempts + waits;
+            if worst > r.timeout {
+                report(
+                    path.key("timeout"),
+                    format!(
+                        "{} attempts of per_try_timeout {} plus up to {} of backoff come to {}, over timeout {}: late retries will be cut short or skipped",
+                        r.attempts,
+                        super::units::format_duration(r.per_try_timeout),
+                        super::units::format_duration(waits),
+                        super::units::format_duration(worst),
+                        super::units::format_duration(r.timeout),
+                    ),
+                );
+            }
+        }
     }
 }

@@ -82,6 +82,10 @@ impl Backoff {
         self.cap
     }
 
+    pub fn jitter(&self) -> Jitter {
+        self.jitter
+    }
+
     /// `min(cap, base * multiplier^(n-1))` for retry `n >= 1`; never overflows.
     pub fn ceiling(&self, n: u32) -> Duration {
         let exp = n.saturating_sub(1).min(i32::MAX as u32) as i32;

@@ -28,6 +28,12 @@ if ! need wrk || ! need nginx; then
 fi
 cargo build --release --quiet
 
+for p in $UP_PORT $NGINX_PORT $HG_PORT $HG_ADMIN $HG_PORT_NORETRY $HG_ADMIN_NORETRY; do
+  if (exec 3<>/dev/tcp/127.0.0.1/"$p") 2>/dev/null; then
+    echo "port $p is already in use (a previous run still going?); stop it first" >&2; exit 1
+  fi
+done
+
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
 PIDS=()
@@ -77,7 +83,7 @@ spawn 0 nginx -c "$WORK/upstream.conf"; PIDS+=($!)
 nginx_conf reference $NGINX_PORT \
   "upstream backend { server 127.0.0.1:$UP_PORT; keepalive 128; }" \
   'location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; }'
-spawn 1 nginx -c "$WORK/reference.conf"; PIDS+=($!)
+spawn 1 nginx -c "$WORK/reference.conf"; NGINX_PID=$!; PIDS+=($NGINX_PID)
 
 # herdguard with its default policies (retries configured, none triggered), CPU 1.
 hg_conf() { # name port admin attempts
@@ -111,7 +117,7 @@ for p in $UP_PORT $NGINX_PORT $HG_PORT $HG_PORT_NORETRY; do wait_port "$p"; done
 
 pid_on_port() { # the nginx worker (child) or herdguard process serving a port
   case $1 in
-    $NGINX_PORT) pgrep -P "$(cat "$WORK/reference.pid")" | head -1 ;;
+    $NGINX_PORT) pgrep -P "$NGINX_PID" | head -1 ;;
     $HG_PORT) echo "$HG_PID" ;;
     $HG_PORT_NORETRY) echo "$HG2_PID" ;;
     *) echo "" ;;

@@ -22,7 +22,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::Config;
 use crate::metrics::Metrics;
-use crate::proxy::{BuildError, Proxy, Runtime};
+use crate::proxy::{BuildError, Caller, Proxy, Runtime};
 
 /// Why the proxy could not start.
 #[derive(Debug, thiserror::Error)]
@@ -78,6 +78,7 @@ impl Server {
         });
         let (shutdown, shutdown_rx) = watch::channel(false);
         let mut drain_rx = shutdown_rx.clone();
+        let shutdown_rx_upkeep = shutdown_rx.clone();
         let (admin_stop, admin_stop_rx) = watch::channel(false);
 
         let proxy_loop = {
@@ -89,9 +90,11 @@ impl Server {
             };
             accept_loop("listen", listener, limits, shutdown_rx, move |peer| {
                 let proxy = proxy.clone();
+                let caller = Arc::new(Caller::new(peer));
                 service_fn(move |req: Request<Incoming>| {
                     let proxy = proxy.clone();
-                    async move { Ok::<_, Infallible>(proxy.handle(req, peer).await) }
+                    let caller = caller.clone();
+                    async move { Ok::<_, Infallible>(proxy.handle(req, &caller).await) }
                 })
             })
         };
@@ -110,9 +113,26 @@ impl Server {
                 })
             })
         };
+        let upkeep = {
+            let metrics = shared.proxy.metrics().clone();
+            let mut stop = shutdown_rx_upkeep;
+            async move {
+                // Histograms keep raw samples until drained: drain them often,
+                // so memory stays flat between scrapes.
+                let mut tick = tokio::time::interval(Duration::from_secs(1));
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        _ = stopped(&mut stop) => break,
+                        _ = tick.tick() => metrics.upkeep(),
+                    }
+                }
+            }
+        };
         let task = {
             let shared = shared.clone();
             tokio::spawn(async move {
+                let upkeep = tokio::spawn(upkeep);
                 let admin = tokio::spawn(admin_loop);
                 // Readiness turns 503 as soon as shutdown is asked for.
                 let draining = async {
@@ -122,6 +142,7 @@ impl Server {
                 tokio::join!(proxy_loop, draining);
                 let _ = admin_stop.send(true);
                 let _ = admin.await;
+                let _ = upkeep.await;
             })
         };
         info!(listen = %proxy_addr, admin = %admin_addr, routes = config.routes.len(), "herdguard serving");

@@ -116,11 +116,18 @@ fn run(cli: Cli) -> ExitCode {
         warn!(warning = %w, "config");
     }
 
-    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    // One thread: the lighter current-thread scheduler does the same work
+    // with no cross-thread queues.
+    let mut rt = match cli.threads {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(n) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n.into());
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
     rt.enable_all();
-    if let Some(n) = cli.threads {
-        rt.worker_threads(n.into());
-    }
     let rt = match rt.build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -126,8 +126,12 @@ impl Metrics {
 
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
-        self.handle.run_upkeep();
         self.handle.render()
+    }
+
+    /// Folds recorded histogram samples into their buckets, freeing them.
+    pub fn upkeep(&self) {
+        self.handle.run_upkeep();
     }
 
     pub fn counter(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Counter {

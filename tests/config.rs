@@ -180,7 +180,12 @@ fn every_shipped_config_file_is_valid() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "toml") {
             let checked = Config::check_file(&path).unwrap_or_else(|e| panic!("{e}"));
-            assert!(checked.warnings.is_empty(), "{}: {:?}", path.display(), checked.warnings);
+            assert!(
+                checked.warnings.is_empty(),
+                "{}: {:?}",
+                path.display(),
+                checked.warnings
+            );
             seen += 1;
         }
     }

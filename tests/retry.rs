@@ -3,104 +3,13 @@
 
 mod common;
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
+use common::scripted::*;
 use common::*;
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
-
-/// One scripted answer.
-#[derive(Clone, Debug)]
-enum Act {
-    Status(u16),
-    StatusRetryAfter(u16, String),
-    /// Close the connection without answering.
-    Reset,
-}
-
-/// What a scripted upstream saw of one request.
-#[derive(Debug, Clone)]
-struct Hit {
-    at: Instant,
-    attempt: Option<String>,
-    body: Bytes,
-}
-
-struct Scripted {
-    upstream: Upstream,
-    hits: Arc<Mutex<Vec<Hit>>>,
-}
-
-impl Scripted {
-    fn hits(&self) -> Vec<Hit> {
-        self.hits.lock().unwrap().clone()
-    }
-}
-
-/// An upstream that answers with `script` in order, then 200 "ok" forever.
-async fn scripted(script: &[Act]) -> Scripted {
-    let script = Arc::new(Mutex::new(script.iter().cloned().collect::<VecDeque<_>>()));
-    let hits = Arc::new(Mutex::new(Vec::new()));
-    let log = hits.clone();
-    let upstream = fallible_upstream(move |req: Request<Incoming>| {
-        let script = script.clone();
-        let log = log.clone();
-        async move {
-            let attempt = req
-                .headers()
-                .get("x-herdguard-attempt")
-                .map(|v| v.to_str().unwrap().to_owned());
-            let body = req.into_body().collect().await?.to_bytes();
-            log.lock().unwrap().push(Hit {
-                at: Instant::now(),
-                attempt,
-                body,
-            });
-            let act = script.lock().unwrap().pop_front();
-            match act {
-                None => Ok(Response::new(full("ok"))),
-                Some(Act::Status(code)) => Ok(Response::builder()
-                    .status(code)
-                    .body(full("scripted"))
-                    .unwrap()),
-                Some(Act::StatusRetryAfter(code, after)) => Ok(Response::builder()
-                    .status(code)
-                    .header("retry-after", after)
-                    .body(full("scripted"))
-                    .unwrap()),
-                Some(Act::Reset) => Err("scripted reset".into()),
-            }
-        }
-    })
-    .await;
-    Scripted { upstream, hits }
-}
-
-/// A proxy with one route `r` to `url` and `retry` as its inline retry table.
-async fn proxy_with(urls: &[String], retry: &str) -> herdguard::app::Server {
-    let endpoints: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
-    proxy(&format!(
-        "[upstreams.u]\nendpoints = [{}]\n[defaults.retry.backoff]\nbase = \"5ms\"\ncap = \"20ms\"\n[[routes]]\nname = \"r\"\nupstream = \"u\"\nretry = {{ {retry} }}\n",
-        endpoints.join(", ")
-    ))
-    .await
-}
-
-async fn call(
-    server: &herdguard::app::Server,
-    req: http::request::Builder,
-    body: Body,
-) -> (StatusCode, http::HeaderMap, Bytes) {
-    let req = req
-        .uri(format!("http://{}/r", server.proxy_addr()))
-        .body(body)
-        .unwrap();
-    send(&client(), req).await
-}
 
 async fn metrics(server: &herdguard::app::Server) -> String {
     admin(server, "/metrics").await.1
@@ -415,67 +324,4 @@ async fn the_budget_bounds_attempts_under_total_failure() {
     );
     let available = metric(&text, "herdguard_retry_budget_available{route=\"r\"}").unwrap();
     assert!(available < 1.0, "the budget is spent: {available}");
-}
-
-/// Captures the proxy's log lines: a current-thread test runtime runs every
-/// task on this thread, so a thread-local subscriber sees them all.
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-#[tokio::test]
-async fn every_retry_and_skipped_retry_is_logged_with_its_reason() {
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::DEBUG)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-
-    let up = scripted(&[
-        Act::Status(503),
-        Act::Status(503),
-        Act::Status(503),
-        Act::StatusRetryAfter(503, "600".into()),
-    ])
-    .await;
-    let server = proxy_with(&[up.upstream.url()], "attempts = 2").await;
-    call(&server, Request::get("/"), empty()).await; // retried once, then attempts exhausted
-    call(&server, Request::post("/"), full("x")).await; // non-idempotent
-    call(&server, Request::get("/"), empty()).await; // Retry-After too long
-
-    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
-    let lines: Vec<&str> = text.lines().collect();
-    let has = |needle: &[&str]| lines.iter().any(|l| needle.iter().all(|n| l.contains(n)));
-    assert!(
-        has(&[
-            "retrying",
-            "route=r",
-            "retry.attempt=2",
-            "delay_ms=",
-            "cause=\"503\""
-        ]),
-        "{text}"
-    );
-    for reason in [
-        "attempts_exhausted",
-        "non_idempotent",
-        "retry_after_too_long",
-    ] {
-        assert!(
-            has(&["retry skipped", "route=r", &format!("reason=\"{reason}\"")]),
-            "{reason} not logged:\n{text}"
-        );
-    }
 }

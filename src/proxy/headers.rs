@@ -85,23 +85,36 @@ pub fn add_via(headers: &mut HeaderMap, version: Version) {
 }
 
 /// Sets `X-Forwarded-For` (appending the caller), `-Proto` and `-Host`.
+/// `caller` is the caller's IP as a header value, made once per connection.
 pub fn add_forwarded(
     headers: &mut HeaderMap,
-    peer: IpAddr,
+    caller: &HeaderValue,
     proto: &'static str,
-    host: Option<&str>,
+    host: Option<HeaderValue>,
 ) {
-    let value = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-        Some(prior) if !prior.trim().is_empty() => format!("{prior}, {peer}"),
-        _ => peer.to_string(),
+    let prior = headers
+        .get(&X_FORWARDED_FOR)
+        .filter(|v| !v.as_bytes().trim_ascii().is_empty());
+    let value = match prior {
+        Some(prior) => {
+            let mut joined = Vec::with_capacity(prior.len() + 2 + caller.len());
+            joined.extend_from_slice(prior.as_bytes());
+            joined.extend_from_slice(b", ");
+            joined.extend_from_slice(caller.as_bytes());
+            HeaderValue::from_bytes(&joined).unwrap_or_else(|_| caller.clone())
+        }
+        None => caller.clone(),
     };
-    if let Ok(value) = HeaderValue::from_str(&value) {
-        headers.insert(&X_FORWARDED_FOR, value);
-    }
+    headers.insert(&X_FORWARDED_FOR, value);
     headers.insert(&X_FORWARDED_PROTO, HeaderValue::from_static(proto));
-    if let Some(host) = host.and_then(|h| HeaderValue::from_str(h).ok()) {
+    if let Some(host) = host {
         headers.insert(&X_FORWARDED_HOST, host);
     }
+}
+
+/// The caller's IP as a header value, for `X-Forwarded-For`.
+pub fn ip_value(ip: IpAddr) -> HeaderValue {
+    HeaderValue::from_str(&ip.to_string()).expect("an IP address is a valid header value")
 }
 
 #[cfg(test)]
@@ -162,11 +175,12 @@ mod tests {
             ("x-forwarded-for", "10.0.0.1"),
             ("x-forwarded-proto", "https"),
         ]);
+        let caller = ip_value("127.0.0.2".parse().unwrap());
         add_forwarded(
             &mut h,
-            "127.0.0.2".parse().unwrap(),
+            &caller,
             "http",
-            Some("api.local"),
+            Some(HeaderValue::from_static("api.local")),
         );
         assert_eq!(h["x-forwarded-for"], "10.0.0.1, 127.0.0.2");
         assert_eq!(h["x-forwarded-proto"], "http");

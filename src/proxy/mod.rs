@@ -75,6 +75,7 @@ impl Runtime {
                 .metrics
                 .budget_available
                 .set(route.budget.available(now));
+            route.upstream.refresh_gauges();
         }
     }
 
@@ -106,6 +107,23 @@ impl Route {
     }
 }
 
+/// Who is calling: one per caller connection.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    pub addr: SocketAddr,
+    /// The caller's IP as a header value, for `X-Forwarded-For`.
+    ip: HeaderValue,
+}
+
+impl Caller {
+    pub fn new(addr: SocketAddr) -> Self {
+        Self {
+            addr,
+            ip: headers::ip_value(addr.ip()),
+        }
+    }
+}
+
 /// The proxy: shared by every connection.
 pub struct Proxy {
     runtime: ArcSwap<Runtime>,
@@ -128,8 +146,8 @@ impl Proxy {
         &self.metrics
     }
 
-    /// Answers one request from a caller at `peer`.
-    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ResponseBody> {
+    /// Answers one request from `caller`.
+    pub async fn handle(&self, req: Request<Incoming>, caller: &Caller) -> Response<ResponseBody> {
         let start = Instant::now();
         if req.method() == Method::CONNECT {
             let resp = LocalError::BadRequest
@@ -158,7 +176,7 @@ impl Proxy {
             metrics::unrouted(&self.metrics, resp.status());
             return resp;
         };
-        let resp = forward(&route, req, peer, start).await;
+        let resp = forward(&route, req, caller, start).await;
         route.metrics.request(resp.status(), start.elapsed());
         resp
     }
@@ -174,20 +192,23 @@ fn request_host<'a>(uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Option<
 async fn forward(
     route: &Route,
     mut req: Request<Incoming>,
-    peer: SocketAddr,
+    caller: &Caller,
     start: Instant,
 ) -> Response<ResponseBody> {
     let upgrade = headers::requested_upgrade(req.version(), req.headers());
     let caller_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
 
     let (mut parts, body) = req.into_parts();
-    let original_host = request_host(&parts.uri, &parts.headers).map(str::to_owned);
+    let original_host = match parts.uri.authority() {
+        Some(authority) => HeaderValue::from_str(authority.as_str()).ok(),
+        None => parts.headers.get(HOST).cloned(),
+    };
     let inner_hop = parts.headers.contains_key(&headers::X_HERDGUARD_ATTEMPT);
     let facts = route.policy.facts(&parts.method, &parts.headers, inner_hop);
     let h = &mut parts.headers;
     headers::strip_hop_by_hop(h, upgrade);
     headers::add_via(h, parts.version);
-    headers::add_forwarded(h, peer.ip(), "http", original_host.as_deref());
+    headers::add_forwarded(h, &caller.ip, "http", original_host);
     let out = retry::Outgoing {
         method: parts.method,
         path_and_query: parts.uri.path_and_query().cloned(),

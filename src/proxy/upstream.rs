@@ -115,6 +115,11 @@ impl Upstream {
         self.in_flight.load(Ordering::Relaxed)
     }
 
+    /// Sets `herdguard_in_flight` from the live count (at scrape time, not per request).
+    pub fn refresh_gauges(&self) {
+        self.metrics.in_flight.set(self.in_flight() as f64);
+    }
+
     /// Takes a slot for one request, or `None` when the upstream is full.
     pub fn try_acquire(self: &Arc<Self>) -> Option<InFlight> {
         let prior = self.in_flight.fetch_add(1, Ordering::AcqRel);
@@ -123,7 +128,6 @@ impl Upstream {
             self.metrics.shed.increment(1);
             return None;
         }
-        self.metrics.in_flight.increment(1.0);
         Some(InFlight {
             upstream: self.clone(),
         })
@@ -138,7 +142,6 @@ pub struct InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.upstream.in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.upstream.metrics.in_flight.decrement(1.0);
     }
 }
 

@@ -29,6 +29,8 @@ pub struct ReplayBody {
     trailers_sent: bool,
     /// Exact length of the whole body, when the caller declared one.
     exact_len: Option<u64>,
+    /// Data bytes this clone has sent.
+    sent: u64,
 }
 
 struct Shared {
@@ -89,6 +91,7 @@ impl ReplayBody {
             position: 0,
             trailers_sent: false,
             exact_len,
+            sent: 0,
         }
     }
 
@@ -114,6 +117,7 @@ impl ReplayBody {
             position: 0,
             trailers_sent: false,
             exact_len: self.exact_len,
+            sent: 0,
         }
     }
 
@@ -167,6 +171,7 @@ impl Body for ReplayBody {
         if this.position < state.buffer.len() {
             let chunk = state.buffer[this.position].clone();
             this.position += 1;
+            this.sent += chunk.len() as u64;
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
         }
         // Then the rest of the caller's body.
@@ -182,6 +187,7 @@ impl Body for ReplayBody {
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                     Ok(data) => {
                         state.consumed = true;
+                        this.sent += data.len() as u64;
                         if state.buffering {
                             state.buffered += data.len() as u64;
                             if state.buffered > max_bytes {
@@ -215,8 +221,12 @@ impl Body for ReplayBody {
         Poll::Ready(None)
     }
 
+    /// With a declared length, the body ends once that many bytes were sent,
+    /// so the connection need not poll once more to learn it. (A body with a
+    /// declared length and trailers, possible only over HTTP/2, loses its
+    /// trailers on a replay; gRPC declares no length.)
     fn is_end_stream(&self) -> bool {
-        self.exact_len == Some(0)
+        self.exact_len == Some(self.sent)
     }
 
     fn size_hint(&self) -> SizeHint {

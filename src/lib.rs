@@ -6,7 +6,9 @@
 
 pub mod admin;
 pub mod app;
+pub mod breaker;
 pub mod config;
+pub mod limit;
 pub mod metrics;
 pub mod proxy;
 pub mod retry;

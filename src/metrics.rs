@@ -8,6 +8,7 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use crate::breaker::State as BreakerState;
 use crate::retry::{Failure, SkipReason};
 use http::StatusCode;
 use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder, SharedString, Unit};
@@ -27,6 +28,7 @@ pub const BREAKER_TRANSITIONS: &str = "herdguard_breaker_transitions_total";
 pub const IN_FLIGHT: &str = "herdguard_in_flight";
 pub const SHED_TOTAL: &str = "herdguard_shed_total";
 pub const CONFIG_RELOADS: &str = "herdguard_config_reloads_total";
+pub const CONCURRENCY_LIMIT: &str = "herdguard_concurrency_limit";
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -108,6 +110,11 @@ impl Metrics {
                 "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
             ),
             (IN_FLIGHT, Count, "Requests in flight to the upstream."),
+            (
+                CONCURRENCY_LIMIT,
+                Count,
+                "Requests the upstream may have in flight now (adaptive limit).",
+            ),
         ];
         for (name, unit, help) in gauges {
             r.describe_gauge(name.into(), Some(unit), help.into());
@@ -235,6 +242,9 @@ pub struct RouteMetrics {
     skipped: [Counter; SkipReason::ALL.len()],
     backoff: Histogram,
     pub budget_available: Gauge,
+    breaker_state: Gauge,
+    /// `herdguard_breaker_transitions_total` by new state: closed, half_open, open.
+    transitions: [Counter; 3],
 }
 
 impl RouteMetrics {
@@ -264,6 +274,15 @@ impl RouteMetrics {
             skipped,
             backoff: registry.histogram(BACKOFF_SECONDS, &[("route", route)]),
             budget_available: registry.gauge(RETRY_BUDGET_AVAILABLE, &[("route", route)]),
+            breaker_state: registry.gauge(BREAKER_STATE, &[("route", route)]),
+            transitions: [
+                BreakerState::Closed,
+                BreakerState::HalfOpen,
+                BreakerState::Open,
+            ]
+            .map(|s| {
+                registry.counter(BREAKER_TRANSITIONS, &[("route", route), ("to", s.as_str())])
+            }),
         }
     }
 
@@ -292,6 +311,17 @@ impl RouteMetrics {
         self.backoff.record(delay.as_secs_f64());
     }
 
+    /// Counts a breaker state change and sets the state gauge.
+    pub fn breaker(&self, to: BreakerState) {
+        let i = match to {
+            BreakerState::Closed => 0,
+            BreakerState::HalfOpen => 1,
+            BreakerState::Open => 2,
+        };
+        self.transitions[i].increment(1);
+        self.breaker_state.set(to.gauge());
+    }
+
     pub fn skipped(&self, reason: SkipReason) {
         self.skipped[reason as usize].increment(1);
     }
@@ -318,6 +348,7 @@ pub fn unrouted(registry: &Metrics, status: StatusCode) {
 pub struct UpstreamMetrics {
     pub in_flight: Gauge,
     pub shed: Counter,
+    pub limit: Gauge,
 }
 
 impl UpstreamMetrics {
@@ -325,6 +356,7 @@ impl UpstreamMetrics {
         Self {
             in_flight: registry.gauge(IN_FLIGHT, &[("upstream", upstream)]),
             shed: registry.counter(SHED_TOTAL, &[("upstream", upstream)]),
+            limit: registry.gauge(CONCURRENCY_LIMIT, &[("upstream", upstream)]),
         }
     }
 }

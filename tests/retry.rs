@@ -301,7 +301,7 @@ async fn the_budget_bounds_attempts_under_total_failure() {
     // Every request fails; without a budget, 200 requests would make 600 attempts.
     let up = upstream(|_| async { Response::builder().status(503).body(empty()).unwrap() }).await;
     let server = proxy(&format!(
-        "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n[routes.retry]\nattempts = 3\n[routes.retry.backoff]\nbase = \"1ms\"\ncap = \"2ms\"\n[routes.retry.budget]\nratio = 0.2\nmin_per_second = 1\nwindow = \"10s\"\n",
+        "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n[routes.retry]\nattempts = 3\n[routes.retry.backoff]\nbase = \"1ms\"\ncap = \"2ms\"\n[routes.retry.budget]\nratio = 0.2\nmin_per_second = 1\nwindow = \"10s\"\n[routes.breaker]\nconsecutive_failures = 1000000\nmin_requests = 1000000\n",
         up.url()
     ))
     .await;

@@ -96,6 +96,36 @@ pub struct UpstreamConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client_key: Option<PathBuf>,
     pub http2: Http2Mode,
+    /// The adaptive concurrency limit, on top of `max_in_flight`.
+    pub adaptive_concurrency: AdaptiveConfig,
+}
+
+/// `[upstreams.NAME.adaptive_concurrency]`: a limit on requests in flight
+/// that follows the upstream's latency (see `limit.rs`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdaptiveConfig {
+    pub enabled: bool,
+    /// The limit never falls below this.
+    pub min_limit: usize,
+    /// The limit at start-up (at most `max_in_flight`).
+    pub initial_limit: usize,
+    /// Latency up to this many times the long-run average counts as normal.
+    pub tolerance: f64,
+    /// How far each sample moves the limit toward its new value (0, 1].
+    pub smoothing: f64,
+}
+
+impl Default for AdaptiveConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            min_limit: 8,
+            initial_limit: 100,
+            tolerance: 2.0,
+            smoothing: 0.2,
+        }
+    }
 }
 
 impl Default for UpstreamConfig {
@@ -110,6 +140,7 @@ impl Default for UpstreamConfig {
             client_cert: None,
             client_key: None,
             http2: Http2Mode::Auto,
+            adaptive_concurrency: AdaptiveConfig::default(),
         }
     }
 }

@@ -95,6 +95,29 @@ fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) 
     if u.max_in_flight == 0 {
         report(path.key("max_in_flight"), "must be at least 1".into());
     }
+    let a = &u.adaptive_concurrency;
+    let apath = path.key("adaptive_concurrency");
+    if a.min_limit == 0 {
+        report(apath.key("min_limit"), "must be at least 1".into());
+    }
+    if a.initial_limit < a.min_limit {
+        report(
+            apath.key("initial_limit"),
+            "must not be below min_limit".into(),
+        );
+    }
+    if !(a.tolerance.is_finite() && a.tolerance >= 1.0) {
+        report(
+            apath.key("tolerance"),
+            format!("{} must be at least 1.0", a.tolerance),
+        );
+    }
+    if !(a.smoothing > 0.0 && a.smoothing <= 1.0) {
+        report(
+            apath.key("smoothing"),
+            format!("{} is out of range (0.0, 1.0]", a.smoothing),
+        );
+    }
     match (&u.client_cert, &u.client_key) {
         (Some(_), None) => report(
             path.key("client_key"),

@@ -1,6 +1,8 @@
 //! Responses the proxy makes itself. Each carries `x-herdguard-error` with a
 //! machine-readable reason and a short text body for people.
 
+use std::time::Duration;
+
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, Response, StatusCode};
 use rand::Rng;
@@ -57,6 +59,15 @@ impl LocalError {
 
     /// The response, with `detail` as the first line of its body.
     pub fn response(self, detail: &str) -> Response<ResponseBody> {
+        self.response_with(detail, None)
+    }
+
+    /// The response, telling the caller when to come back when `retry_after` is known.
+    pub fn response_with(
+        self,
+        detail: &str,
+        retry_after: Option<Duration>,
+    ) -> Response<ResponseBody> {
         let mut resp = Response::new(ResponseBody::local(format!("herdguard: {detail}\n")));
         *resp.status_mut() = self.status();
         let h = resp.headers_mut();
@@ -65,7 +76,11 @@ impl LocalError {
             CONTENT_TYPE,
             HeaderValue::from_static("text/plain; charset=utf-8"),
         );
-        if matches!(self, LocalError::Overloaded | LocalError::CircuitOpen) {
+        if let Some(after) = retry_after {
+            // Whole seconds, rounded up: never sooner than asked.
+            let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+            h.insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));
+        } else if matches!(self, LocalError::Overloaded | LocalError::CircuitOpen) {
             // Jittered, so that callers told to come back do not come back together.
             let secs: u32 = rand::rng().random_range(1..=3);
             h.insert(RETRY_AFTER, HeaderValue::from(secs));

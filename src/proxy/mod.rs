@@ -8,7 +8,7 @@ mod replay;
 mod upstream;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
 use http::header::HOST;
@@ -16,13 +16,16 @@ use http::{HeaderValue, Method, Request, Response, StatusCode, Version};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
-use tracing::debug;
+use tracing::{debug, info};
 
 pub use body::{BoxError, RequestBody, ResponseBody};
 pub use error::LocalError;
 pub use replay::ReplayBody;
 pub use upstream::{InFlight, Upstream, UpstreamError};
 
+use crate::breaker::{
+    Admit, Breaker, Outcome as BreakerOutcome, Snapshot, State as BreakerState, Transition,
+};
 use crate::config::{Config, RouteConfig};
 use crate::metrics::{self, Metrics, RouteMetrics};
 use crate::retry::{self, Budget, Policy};
@@ -50,6 +53,7 @@ pub struct Route {
     pub upstream: Arc<Upstream>,
     pub policy: Policy,
     pub budget: Budget,
+    breaker: Mutex<Breaker>,
     pub metrics: RouteMetrics,
 }
 
@@ -103,7 +107,58 @@ impl Route {
                 .map_err(|e| invalid(format!("retry: {e}")))?,
             budget: Budget::from_config(&config.retry.budget, Instant::now())
                 .map_err(|e| invalid(format!("retry.budget: {e}")))?,
+            breaker: Mutex::new(
+                Breaker::try_new(&config.breaker, Instant::now())
+                    .map_err(|e| invalid(format!("breaker: {e}")))?,
+            ),
         })
+    }
+
+    fn breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
+        // The breaker's state stays consistent even if a holder panicked.
+        self.breaker.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Asks the breaker whether an attempt may go now.
+    pub fn admit(&self) -> Admit {
+        let (admit, transition) = self.breaker().admit(Instant::now(), &mut rand::rng());
+        self.transitioned(transition);
+        admit
+    }
+
+    /// Tells the breaker how an admitted attempt ended.
+    pub fn record(&self, probe: bool, outcome: BreakerOutcome) {
+        let transition = self
+            .breaker()
+            .record(Instant::now(), probe, outcome, &mut rand::rng());
+        self.transitioned(transition);
+    }
+
+    /// Whether the breaker is open now (without admitting anything).
+    pub fn breaker_open(&self) -> bool {
+        self.breaker().state() == BreakerState::Open
+    }
+
+    /// Operator override from the admin endpoint: open, close, or `None` to reset.
+    pub fn force_breaker(&self, state: Option<BreakerState>) -> Snapshot {
+        let now = Instant::now();
+        let mut breaker = self.breaker();
+        let transition = breaker.force(now, state);
+        let snapshot = breaker.snapshot(now);
+        drop(breaker);
+        self.transitioned(transition);
+        snapshot
+    }
+
+    pub fn breaker_snapshot(&self) -> Snapshot {
+        self.breaker().snapshot(Instant::now())
+    }
+
+    fn transitioned(&self, transition: Option<Transition>) {
+        if let Some(t) = transition {
+            self.metrics.breaker(t.to);
+            info!(route = %self.name, upstream = %self.upstream.name, to = t.to.as_str(), "circuit breaker");
+        }
     }
 }
 
@@ -220,8 +275,10 @@ async fn forward(
     let attempts = retry::attempt_value(sent.attempts);
     let (mut resp, slot) = match sent.result {
         Ok(pair) => pair,
-        Err((error, detail)) => {
-            let mut resp = error.response(&detail);
+        Err(refusal) => {
+            let mut resp = refusal
+                .error
+                .response_with(&refusal.detail, refusal.retry_after);
             resp.headers_mut()
                 .insert(&headers::X_HERDGUARD_ATTEMPTS, attempts);
             return resp;

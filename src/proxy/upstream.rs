@@ -3,7 +3,7 @@
 //! that sheds load above `max_in_flight`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderValue, Uri};
@@ -16,6 +16,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::{ClientConfig, RootCertStore};
 
 use crate::config::{Http2Mode, UpstreamConfig};
+use crate::limit::{Limiter, Sample};
 use crate::metrics::{Metrics, UpstreamMetrics};
 
 use super::body::RequestBody;
@@ -25,6 +26,8 @@ pub type HttpClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
 /// Why an upstream could not be built from its (validated) config.
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
+    #[error("upstreams.{upstream}.adaptive_concurrency: {message}")]
+    Limit { upstream: String, message: String },
     #[error("upstreams.{upstream}.{key}: {message}")]
     Tls {
         upstream: String,
@@ -74,6 +77,9 @@ pub struct Upstream {
     pub client: HttpClient,
     in_flight: AtomicUsize,
     max_in_flight: usize,
+    /// The adaptive limit, when on; `limit` mirrors it for lock-free admission.
+    limiter: Option<Mutex<Limiter>>,
+    limit: AtomicUsize,
     pub metrics: UpstreamMetrics,
 }
 
@@ -83,6 +89,15 @@ impl Upstream {
         config: &UpstreamConfig,
         registry: &Metrics,
     ) -> Result<Arc<Self>, UpstreamError> {
+        let limiter = match &config.adaptive_concurrency {
+            a if a.enabled => Some(Limiter::try_new(a, config.max_in_flight).map_err(|e| {
+                UpstreamError::Limit {
+                    upstream: name.to_owned(),
+                    message: e.to_string(),
+                }
+            })?),
+            _ => None,
+        };
         let endpoints = config
             .endpoints
             .iter()
@@ -95,6 +110,12 @@ impl Upstream {
             client: client(name, config)?,
             in_flight: AtomicUsize::new(0),
             max_in_flight: config.max_in_flight,
+            limit: AtomicUsize::new(
+                limiter
+                    .as_ref()
+                    .map_or(config.max_in_flight, Limiter::limit),
+            ),
+            limiter: limiter.map(Mutex::new),
             metrics: UpstreamMetrics::new(registry, name),
         }))
     }
@@ -115,15 +136,34 @@ impl Upstream {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Sets `herdguard_in_flight` from the live count (at scrape time, not per request).
+    /// Requests allowed in flight now: the adaptive limit, or `max_in_flight`.
+    pub fn limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    pub fn max_in_flight(&self) -> usize {
+        self.max_in_flight
+    }
+
+    /// Feeds an attempt's outcome to the adaptive limit.
+    pub fn observe(&self, sample: Sample) {
+        if let Some(limiter) = &self.limiter {
+            let mut limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
+            limiter.update(sample, self.in_flight());
+            self.limit.store(limiter.limit(), Ordering::Relaxed);
+        }
+    }
+
+    /// Sets the gauges from live values (at scrape time, not per request).
     pub fn refresh_gauges(&self) {
         self.metrics.in_flight.set(self.in_flight() as f64);
+        self.metrics.limit.set(self.limit() as f64);
     }
 
     /// Takes a slot for one request, or `None` when the upstream is full.
     pub fn try_acquire(self: &Arc<Self>) -> Option<InFlight> {
         let prior = self.in_flight.fetch_add(1, Ordering::AcqRel);
-        if prior >= self.max_in_flight {
+        if prior >= self.limit.load(Ordering::Relaxed) {
             self.in_flight.fetch_sub(1, Ordering::AcqRel);
             self.metrics.shed.increment(1);
             return None;

@@ -9,7 +9,7 @@ pub mod backoff;
 pub mod budget;
 pub mod policy;
 
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Version};
@@ -23,6 +23,8 @@ pub use backoff::{Backoff, BackoffState};
 pub use budget::Budget;
 pub use policy::{Failure, Policy, RequestFacts, SkipReason, Verdict};
 
+use crate::breaker::{Admit, Outcome as BreakerOutcome};
+use crate::limit::Sample;
 use crate::metrics::Outcome;
 use crate::proxy::headers::X_HERDGUARD_ATTEMPT;
 use crate::proxy::{error_chain, InFlight, LocalError, ReplayBody, RequestBody, Route};
@@ -36,9 +38,17 @@ pub struct Outgoing {
     pub facts: RequestFacts,
 }
 
-/// The response to pass on with the upstream slot it holds, or the proxy's
-/// own error with its detail.
-pub type Answer = Result<(Response<Incoming>, InFlight), (LocalError, String)>;
+/// The proxy's own answer when it does not pass an upstream response on.
+#[derive(Debug)]
+pub struct Refusal {
+    pub error: LocalError,
+    pub detail: String,
+    /// When the caller may come back (circuit open, shed).
+    pub retry_after: Option<Duration>,
+}
+
+/// The response to pass on with the upstream slot it holds, or the proxy's own answer.
+pub type Answer = Result<(Response<Incoming>, InFlight), Refusal>;
 
 /// How the request ended.
 pub struct Sent {
@@ -47,6 +57,8 @@ pub struct Sent {
 }
 
 /// Sends `out` to the route's upstream, retrying as the route's policy allows.
+/// Every attempt asks the breaker, takes an in-flight slot under the
+/// upstream's limits, and is counted, whether it is a first try, a retry or a probe.
 pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
     let policy = &route.policy;
     let upstream = &route.upstream;
@@ -67,18 +79,37 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
     let mut backoff = BackoffState::default();
     let mut endpoint = None;
     let mut attempt = 0u32;
+    let done = |attempts, result| Sent { attempts, result };
 
     loop {
         attempt += 1;
+        let probe = match route.admit() {
+            Admit::Yes { probe } => probe,
+            Admit::No { retry_after } => {
+                if attempt > 1 {
+                    skip(route, attempt - 1, SkipReason::BreakerOpen);
+                }
+                let detail = format!("the circuit breaker of route {} is open", route.name);
+                return done(
+                    attempt - 1,
+                    Err(refusal(LocalError::CircuitOpen, detail, Some(retry_after))),
+                );
+            }
+        };
         let Some(slot) = upstream.try_acquire() else {
-            let detail = format!("upstream {} is at its in-flight limit", upstream.name);
+            route.record(probe, BreakerOutcome::Unknown);
             if attempt > 1 {
                 skip(route, attempt - 1, SkipReason::Overloaded);
             }
-            return Sent {
-                attempts: attempt - 1,
-                result: Err((LocalError::Overloaded, detail)),
-            };
+            let detail = format!(
+                "upstream {} is at its in-flight limit ({})",
+                upstream.name,
+                upstream.limit()
+            );
+            return done(
+                attempt - 1,
+                Err(refusal(LocalError::Overloaded, detail, None)),
+            );
         };
         let (index, target) = upstream.pick_after(endpoint);
         endpoint = Some(index);
@@ -106,13 +137,22 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
             h.insert(&X_HERDGUARD_ATTEMPT, attempt_value(attempt));
         }
 
-        let now = Instant::now();
+        let sent_at = Instant::now();
         let per_try = policy
             .per_try_timeout
-            .min(deadline.saturating_duration_since(now));
+            .min(deadline.saturating_duration_since(sent_at));
+        // A timed-out attempt is dropped here, which closes its connection:
+        // the upstream is not left working on a request nobody waits for.
         let sent = tokio::time::timeout(per_try, upstream.client.request(req)).await;
+        let elapsed = sent_at.elapsed();
         let (failure, outcome, result) = classify(route, sent, slot, per_try);
         route.metrics.attempt(outcome);
+        route.record(probe, breaker_outcome(outcome));
+        match outcome {
+            Outcome::Timeout => upstream.observe(Sample::Dropped),
+            Outcome::Ok | Outcome::ServerError => upstream.observe(Sample::Latency(elapsed)),
+            Outcome::ConnectFailure | Outcome::Reset => {}
+        }
 
         let replayable = match &body {
             AttemptBody::Replay(replay) => replay.is_replayable(),
@@ -120,18 +160,10 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
             AttemptBody::Once(_) => false,
         };
         let cause = match policy.verdict(failure, attempt, &facts, replayable) {
-            Verdict::Done => {
-                return Sent {
-                    attempts: attempt,
-                    result,
-                }
-            }
+            Verdict::Done => return done(attempt, result),
             Verdict::Skip(_, reason) => {
                 skip(route, attempt, reason);
-                return Sent {
-                    attempts: attempt,
-                    result,
-                };
+                return done(attempt, result);
             }
             Verdict::Retry(cause) => cause,
         };
@@ -143,30 +175,25 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
         let delay = match server_delay {
             Err(reason) => {
                 skip(route, attempt, reason);
-                return Sent {
-                    attempts: attempt,
-                    result,
-                };
+                return done(attempt, result);
             }
             // The server's delay, plus up to a tenth more so that callers told
             // the same Retry-After do not all come back at once.
-            Ok(Some(d)) => d + rand::rng().random_range(std::time::Duration::ZERO..=d / 10),
+            Ok(Some(d)) => d + rand::rng().random_range(Duration::ZERO..=d / 10),
             Ok(None) => policy.backoff.next_delay(&mut backoff, &mut rand::rng()),
         };
         let now = Instant::now();
         if now + delay >= deadline {
             skip(route, attempt, SkipReason::Deadline);
-            return Sent {
-                attempts: attempt,
-                result,
-            };
+            return done(attempt, result);
+        }
+        if route.breaker_open() {
+            skip(route, attempt, SkipReason::BreakerOpen);
+            return done(attempt, result);
         }
         if !route.budget.withdraw(now) {
             skip(route, attempt, SkipReason::Budget);
-            return Sent {
-                attempts: attempt,
-                result,
-            };
+            return done(attempt, result);
         }
         route.metrics.retry(cause, delay);
         debug!(
@@ -179,6 +206,24 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
         // Let go of the failed attempt (and its connection) before waiting.
         drop(result);
         tokio::time::sleep(delay).await;
+    }
+}
+
+fn refusal(error: LocalError, detail: String, retry_after: Option<Duration>) -> Refusal {
+    Refusal {
+        error,
+        detail,
+        retry_after,
+    }
+}
+
+/// What the breaker counts: 4xx are answers, not the upstream failing.
+fn breaker_outcome(outcome: Outcome) -> BreakerOutcome {
+    match outcome {
+        Outcome::Ok => BreakerOutcome::Success,
+        Outcome::ServerError | Outcome::ConnectFailure | Outcome::Reset | Outcome::Timeout => {
+            BreakerOutcome::Failure
+        }
     }
 }
 
@@ -221,9 +266,10 @@ fn classify(
         Err(_) => (
             Some(Failure::Timeout),
             Outcome::Timeout,
-            Err((
+            Err(refusal(
                 LocalError::Timeout,
                 format!("upstream {upstream} sent no response headers within {per_try:?}"),
+                None,
             )),
         ),
         Ok(Err(e)) => {
@@ -234,7 +280,7 @@ fn classify(
             };
             let detail = format!("upstream {upstream} failed: {}", error_chain(&e));
             debug!(route = %route.name, upstream = %upstream, error = %detail, "upstream attempt failed");
-            (Some(failure), outcome, Err((local, detail)))
+            (Some(failure), outcome, Err(refusal(local, detail, None)))
         }
     }
 }

@@ -1,0 +1,569 @@
+//! The circuit breaker of a route: Closed -> Open -> HalfOpen -> Closed.
+//!
+//! Why: a retry layer must never be what keeps an upstream down. When a
+//! route's upstream keeps failing, the breaker stops sending to it at all
+//! for a while, answering callers at once with 503 and a jittered
+//! Retry-After; then it lets a few probes through and closes only when they
+//! succeed. Every attempt — first, retry, probe — asks it first.
+//!
+//! It trips on `consecutive_failures` in a row, or when `failure_rate` of the
+//! attempts in `window` failed once `min_requests` were seen. It stays open
+//! for `open_for`, doubled per consecutive trip up to `max_open_for`, times a
+//! random factor in [0.75, 1.25) so that a fleet of sidecars does not probe in
+//! lockstep. Failures are 5xx, connect failures, resets and timeouts; 4xx and
+//! the proxy's own shedding are not the upstream failing.
+//!
+//! A pure state machine: the clock and the randomness are passed in; the
+//! route keeps it behind a mutex held for a few instructions.
+
+use std::time::Duration;
+
+use rand::Rng;
+use tokio::time::Instant;
+
+use crate::config::BreakerConfig;
+
+const SLOTS: usize = 10;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    Closed,
+    Open,
+    HalfOpen,
+}
+
+impl State {
+    /// The `herdguard_breaker_state` value.
+    pub fn gauge(self) -> f64 {
+        match self {
+            State::Closed => 0.0,
+            State::HalfOpen => 1.0,
+            State::Open => 2.0,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Closed => "closed",
+            State::Open => "open",
+            State::HalfOpen => "half_open",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum InvalidBreaker {
+    #[error("consecutive_failures, min_requests and half_open_probes must be at least 1")]
+    Zero,
+    #[error("failure_rate must be in (0, 1]")]
+    Rate,
+    #[error("window and open_for must be longer than zero, and max_open_for not below open_for")]
+    Durations,
+}
+
+/// What `admit` answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admit {
+    /// Go ahead; a half-open probe when `probe` is true.
+    Yes { probe: bool },
+    /// Open: try again after this long.
+    No { retry_after: Duration },
+}
+
+/// What happened to an admitted attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Success,
+    Failure,
+    /// It ended without telling (cancelled, shed): frees a probe slot, counts nothing.
+    Unknown,
+}
+
+#[derive(Debug)]
+pub struct Breaker {
+    consecutive_limit: u32,
+    failure_rate: f64,
+    min_requests: u32,
+    slot_width: Duration,
+    open_for: Duration,
+    max_open_for: Duration,
+    half_open_probes: u32,
+
+    state: State,
+    since: Instant,
+    /// Until when the breaker stays open.
+    open_until: Instant,
+    /// Consecutive trips without closing in between.
+    trips: u32,
+    consecutive_failures: u32,
+    /// Probes let through and not yet answered, and probe successes, in HalfOpen.
+    probes_in_flight: u32,
+    probe_successes: u32,
+    /// (epoch, successes, failures) per slot of the window.
+    slots: [(u64, u32, u32); SLOTS],
+    start: Instant,
+    /// Set when an operator forced the state; automatic transitions resume on reset.
+    forced: bool,
+}
+
+/// A state change, to count and log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transition {
+    pub to: State,
+}
+
+/// What /breakers shows.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Snapshot {
+    pub state: &'static str,
+    pub since_seconds: f64,
+    pub consecutive_failures: u32,
+    pub window_requests: u32,
+    pub window_failures: u32,
+    pub trips: u32,
+    pub open_remaining_seconds: f64,
+    pub forced: bool,
+}
+
+impl Breaker {
+    pub fn try_new(c: &BreakerConfig, now: Instant) -> Result<Self, InvalidBreaker> {
+        if c.consecutive_failures == 0 || c.min_requests == 0 || c.half_open_probes == 0 {
+            return Err(InvalidBreaker::Zero);
+        }
+        if !(c.failure_rate > 0.0 && c.failure_rate <= 1.0) {
+            return Err(InvalidBreaker::Rate);
+        }
+        if c.window.is_zero() || c.open_for.is_zero() || c.max_open_for < c.open_for {
+            return Err(InvalidBreaker::Durations);
+        }
+        Ok(Self {
+            consecutive_limit: c.consecutive_failures,
+            failure_rate: c.failure_rate,
+            min_requests: c.min_requests,
+            slot_width: (c.window / SLOTS as u32).max(Duration::from_millis(1)),
+            open_for: c.open_for,
+            max_open_for: c.max_open_for,
+            half_open_probes: c.half_open_probes,
+            state: State::Closed,
+            since: now,
+            open_until: now,
+            trips: 0,
+            consecutive_failures: 0,
+            probes_in_flight: 0,
+            probe_successes: 0,
+            slots: [(0, 0, 0); SLOTS],
+            start: now,
+            forced: false,
+        })
+    }
+
+    pub fn state(&self) -> State {
+        self.state
+    }
+
+    /// May an attempt go now? Moves Open to HalfOpen once the open time is over.
+    pub fn admit<R: Rng + ?Sized>(
+        &mut self,
+        now: Instant,
+        rng: &mut R,
+    ) -> (Admit, Option<Transition>) {
+        match self.state {
+            State::Closed => (Admit::Yes { probe: false }, None),
+            State::Open if self.forced || now < self.open_until => {
+                let remaining = self.open_until.saturating_duration_since(now);
+                // Spread the callers we turn away, too.
+                let spread = remaining + Duration::from_millis(rng.random_range(0..=1000));
+                (
+                    Admit::No {
+                        retry_after: spread,
+                    },
+                    None,
+                )
+            }
+            State::Open => {
+                let t = self.enter(State::HalfOpen, now);
+                let _ = self.admit_probe(now, rng);
+                (Admit::Yes { probe: true }, t)
+            }
+            State::HalfOpen => self.admit_probe(now, rng),
+        }
+    }
+
+    fn admit_probe<R: Rng + ?Sized>(
+        &mut self,
+        _now: Instant,
+        rng: &mut R,
+    ) -> (Admit, Option<Transition>) {
+        if self.probes_in_flight < self.half_open_probes {
+            self.probes_in_flight += 1;
+            (Admit::Yes { probe: true }, None)
+        } else {
+            let retry_after = Duration::from_millis(rng.random_range(500..=1500));
+            (Admit::No { retry_after }, None)
+        }
+    }
+
+    /// Records how an admitted attempt ended.
+    pub fn record<R: Rng + ?Sized>(
+        &mut self,
+        now: Instant,
+        probe: bool,
+        outcome: Outcome,
+        rng: &mut R,
+    ) -> Option<Transition> {
+        if probe && self.state == State::HalfOpen {
+            self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
+        }
+        if outcome == Outcome::Unknown {
+            return None;
+        }
+        let failed = outcome == Outcome::Failure;
+        self.count(now, failed);
+        if self.forced {
+            return None;
+        }
+        match self.state {
+            State::Closed => {
+                if failed {
+                    self.consecutive_failures += 1;
+                    if self.consecutive_failures >= self.consecutive_limit
+                        || self.rate_exceeded(now)
+                    {
+                        return self.trip(now, rng);
+                    }
+                } else {
+                    self.consecutive_failures = 0;
+                }
+                None
+            }
+            State::HalfOpen if probe => {
+                if failed {
+                    return self.trip(now, rng);
+                }
+                self.probe_successes += 1;
+                if self.probe_successes >= self.half_open_probes {
+                    self.trips = 0;
+                    return self.enter(State::Closed, now);
+                }
+                None
+            }
+            // Late answers of attempts admitted before a state change.
+            _ => None,
+        }
+    }
+
+    /// Operator overrides: open (held until reset), close (held until reset), reset.
+    pub fn force(&mut self, now: Instant, state: Option<State>) -> Option<Transition> {
+        match state {
+            Some(State::Open) => {
+                self.forced = true;
+                self.open_until = now;
+                self.enter(State::Open, now)
+            }
+            Some(State::Closed) | Some(State::HalfOpen) => {
+                self.forced = true;
+                self.enter(State::Closed, now)
+            }
+            None => {
+                self.forced = false;
+                self.trips = 0;
+                self.slots = [(0, 0, 0); SLOTS];
+                self.enter(State::Closed, now)
+            }
+        }
+    }
+
+    pub fn snapshot(&self, now: Instant) -> Snapshot {
+        let (requests, failures) = self.window(now);
+        Snapshot {
+            state: self.state.as_str(),
+            since_seconds: now.saturating_duration_since(self.since).as_secs_f64(),
+            consecutive_failures: self.consecutive_failures,
+            window_requests: requests,
+            window_failures: failures,
+            trips: self.trips,
+            open_remaining_seconds: match self.state {
+                State::Open => self.open_until.saturating_duration_since(now).as_secs_f64(),
+                _ => 0.0,
+            },
+            forced: self.forced,
+        }
+    }
+
+    /// How long the next trip keeps the breaker open, before jitter.
+    pub fn open_time(&self, trip: u32) -> Duration {
+        let doublings = trip.saturating_sub(1).min(32);
+        self.open_for
+            .saturating_mul(1u32 << doublings.min(31))
+            .min(self.max_open_for)
+    }
+
+    fn trip<R: Rng + ?Sized>(&mut self, now: Instant, rng: &mut R) -> Option<Transition> {
+        self.trips = self.trips.saturating_add(1);
+        let base = self.open_time(self.trips);
+        let factor: f64 = rng.random_range(0.75..1.25);
+        let open = base.mul_f64(factor).min(self.max_open_for.mul_f64(1.25));
+        self.open_until = now + open;
+        self.enter(State::Open, now)
+    }
+
+    fn enter(&mut self, state: State, now: Instant) -> Option<Transition> {
+        self.consecutive_failures = 0;
+        self.probes_in_flight = 0;
+        self.probe_successes = 0;
+        if state == State::Closed {
+            self.slots = [(0, 0, 0); SLOTS];
+        }
+        if self.state == state {
+            return None;
+        }
+        self.state = state;
+        self.since = now;
+        Some(Transition { to: state })
+    }
+
+    fn index(&self, now: Instant) -> u64 {
+        (now.saturating_duration_since(self.start).as_nanos() / self.slot_width.as_nanos()) as u64
+    }
+
+    fn count(&mut self, now: Instant, failed: bool) {
+        let index = self.index(now);
+        let slot = &mut self.slots[(index % SLOTS as u64) as usize];
+        if slot.0 != index {
+            *slot = (index, 0, 0);
+        }
+        if failed {
+            slot.2 += 1;
+        } else {
+            slot.1 += 1;
+        }
+    }
+
+    fn window(&self, now: Instant) -> (u32, u32) {
+        let current = self.index(now);
+        self.slots
+            .iter()
+            .filter(|(epoch, _, _)| *epoch <= current && epoch + SLOTS as u64 > current)
+            .fold((0, 0), |(r, f), (_, s, fl)| (r + s + fl, f + fl))
+    }
+
+    fn rate_exceeded(&self, now: Instant) -> bool {
+        let (requests, failures) = self.window(now);
+        requests >= self.min_requests
+            && f64::from(failures) >= self.failure_rate * f64::from(requests)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::SmallRng;
+    use rand::SeedableRng;
+
+    fn config() -> BreakerConfig {
+        BreakerConfig {
+            consecutive_failures: 3,
+            failure_rate: 0.5,
+            min_requests: 10,
+            window: Duration::from_secs(10),
+            open_for: Duration::from_secs(5),
+            max_open_for: Duration::from_secs(60),
+            half_open_probes: 2,
+        }
+    }
+
+    fn rng() -> SmallRng {
+        SmallRng::seed_from_u64(9)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn trips_on_consecutive_failures_and_recovers_through_half_open() {
+        let (mut b, mut r) = (Breaker::try_new(&config(), Instant::now()).unwrap(), rng());
+        let now = Instant::now();
+        for _ in 0..2 {
+            assert_eq!(b.record(now, false, Outcome::Failure, &mut r), None);
+        }
+        assert_eq!(
+            b.record(now, false, Outcome::Success, &mut r),
+            None,
+            "a success breaks the run"
+        );
+        for _ in 0..2 {
+            b.record(now, false, Outcome::Failure, &mut r);
+        }
+        assert_eq!(
+            b.record(now, false, Outcome::Failure, &mut r),
+            Some(Transition { to: State::Open })
+        );
+        let (admit, _) = b.admit(now, &mut r);
+        let Admit::No { retry_after } = admit else {
+            panic!("open admits nothing")
+        };
+        assert!(
+            retry_after >= Duration::from_millis(3750)
+                && retry_after <= Duration::from_millis(7250)
+        );
+
+        tokio::time::advance(Duration::from_secs(7)).await;
+        let now = Instant::now();
+        assert_eq!(
+            b.admit(now, &mut r),
+            (
+                Admit::Yes { probe: true },
+                Some(Transition {
+                    to: State::HalfOpen
+                })
+            )
+        );
+        assert_eq!(b.admit(now, &mut r).0, Admit::Yes { probe: true });
+        assert!(
+            matches!(b.admit(now, &mut r).0, Admit::No { .. }),
+            "only half_open_probes at once"
+        );
+        assert_eq!(b.record(now, true, Outcome::Success, &mut r), None);
+        assert_eq!(
+            b.record(now, true, Outcome::Success, &mut r),
+            Some(Transition { to: State::Closed })
+        );
+        assert_eq!(b.admit(now, &mut r).0, Admit::Yes { probe: false });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_probe_reopens_for_longer() {
+        let (mut b, mut r) = (Breaker::try_new(&config(), Instant::now()).unwrap(), rng());
+        for _ in 0..3 {
+            b.record(Instant::now(), false, Outcome::Failure, &mut r);
+        }
+        assert_eq!(b.state(), State::Open);
+        tokio::time::advance(Duration::from_secs(7)).await;
+        assert_eq!(
+            b.admit(Instant::now(), &mut r).0,
+            Admit::Yes { probe: true }
+        );
+        assert_eq!(
+            b.record(Instant::now(), true, Outcome::Failure, &mut r),
+            Some(Transition { to: State::Open })
+        );
+        let remaining = b.snapshot(Instant::now()).open_remaining_seconds;
+        assert!(
+            (7.5..12.5).contains(&remaining),
+            "second trip opens for 10s +-25%: {remaining}"
+        );
+        assert_eq!(b.snapshot(Instant::now()).trips, 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn cancelled_probe_frees_its_slot() {
+        let (mut b, mut r) = (Breaker::try_new(&config(), Instant::now()).unwrap(), rng());
+        for _ in 0..3 {
+            b.record(Instant::now(), false, Outcome::Failure, &mut r);
+        }
+        tokio::time::advance(Duration::from_secs(7)).await;
+        let now = Instant::now();
+        b.admit(now, &mut r);
+        b.admit(now, &mut r);
+        assert!(matches!(b.admit(now, &mut r).0, Admit::No { .. }));
+        b.record(now, true, Outcome::Unknown, &mut r);
+        assert_eq!(b.admit(now, &mut r).0, Admit::Yes { probe: true });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn trips_on_failure_rate_once_min_requests_seen() {
+        let c = BreakerConfig {
+            consecutive_failures: 100,
+            ..config()
+        };
+        let (mut b, mut r) = (Breaker::try_new(&c, Instant::now()).unwrap(), rng());
+        let now = Instant::now();
+        // Alternate: 50% failures, never two in a row.
+        for i in 0..9 {
+            let outcome = if i % 2 == 0 {
+                Outcome::Failure
+            } else {
+                Outcome::Success
+            };
+            assert_eq!(
+                b.record(now, false, outcome, &mut r),
+                None,
+                "not before min_requests"
+            );
+        }
+        assert_eq!(
+            b.record(now, false, Outcome::Success, &mut r),
+            None,
+            "5 of 10 failed but this one succeeded"
+        );
+        assert_eq!(
+            b.record(now, false, Outcome::Failure, &mut r),
+            Some(Transition { to: State::Open })
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn old_failures_leave_the_window() {
+        let c = BreakerConfig {
+            consecutive_failures: 100,
+            min_requests: 4,
+            ..config()
+        };
+        let (mut b, mut r) = (Breaker::try_new(&c, Instant::now()).unwrap(), rng());
+        for _ in 0..3 {
+            b.record(Instant::now(), false, Outcome::Failure, &mut r);
+        }
+        tokio::time::advance(Duration::from_secs(11)).await;
+        assert_eq!(
+            b.record(Instant::now(), false, Outcome::Failure, &mut r),
+            None,
+            "the old three slid out"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn open_time_doubles_and_is_capped_and_jittered() {
+        let b = Breaker::try_new(&config(), Instant::now()).unwrap();
+        let secs: Vec<u64> = (1..=6).map(|t| b.open_time(t).as_secs()).collect();
+        assert_eq!(secs, [5, 10, 20, 40, 60, 60]);
+        assert_eq!(b.open_time(u32::MAX).as_secs(), 60);
+        // The jittered open time stays within [0.75, 1.25) of the base and varies.
+        let mut seen = std::collections::HashSet::new();
+        for seed in 0..200 {
+            let mut b = Breaker::try_new(&config(), Instant::now()).unwrap();
+            let mut r = SmallRng::seed_from_u64(seed);
+            for _ in 0..3 {
+                b.record(Instant::now(), false, Outcome::Failure, &mut r);
+            }
+            let open = b.snapshot(Instant::now()).open_remaining_seconds;
+            assert!((3.75..6.25).contains(&open), "{open}");
+            seen.insert((open * 10.0) as u64);
+        }
+        assert!(
+            seen.len() > 20,
+            "open times are spread, not equal: {}",
+            seen.len()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn forced_states_hold_until_reset() {
+        let (mut b, mut r) = (Breaker::try_new(&config(), Instant::now()).unwrap(), rng());
+        assert_eq!(
+            b.force(Instant::now(), Some(State::Open)),
+            Some(Transition { to: State::Open })
+        );
+        tokio::time::advance(Duration::from_secs(600)).await;
+        assert!(
+            matches!(b.admit(Instant::now(), &mut r).0, Admit::No { .. }),
+            "forced open holds"
+        );
+        b.force(Instant::now(), Some(State::Closed));
+        for _ in 0..10 {
+            b.record(Instant::now(), false, Outcome::Failure, &mut r);
+        }
+        assert_eq!(b.state(), State::Closed, "forced closed holds");
+        b.force(Instant::now(), None);
+        for _ in 0..3 {
+            b.record(Instant::now(), false, Outcome::Failure, &mut r);
+        }
+        assert_eq!(b.state(), State::Open, "automatic again after reset");
+    }
+}

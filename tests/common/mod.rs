@@ -218,3 +218,28 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
             .and_then(|rest| rest.trim().parse().ok())
     })
 }
+
+/// POSTs to a path on the admin listener and returns status and body text.
+pub async fn admin_post(server: &Server, path: &str) -> (http::StatusCode, String) {
+    let req = Request::post(format!("http://{}{path}", server.admin_addr()))
+        .body(empty())
+        .unwrap();
+    let (status, _, body) = send(&client(), req).await;
+    (status, String::from_utf8(body.to_vec()).unwrap())
+}
+
+/// Polls `check` every 10 ms until it holds, for at most `limit`; panics after.
+pub async fn eventually<F, Fut>(limit: std::time::Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    while tokio::time::Instant::now() < deadline {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("not within {limit:?}: {what}");
+}

@@ -174,15 +174,18 @@ pub enum Outcome {
     ConnectFailure,
     Reset,
     Timeout,
+    /// The caller went away before the answer came.
+    Cancelled,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 5] = [
+    pub const ALL: [Outcome; 6] = [
         Outcome::Ok,
         Outcome::ServerError,
         Outcome::ConnectFailure,
         Outcome::Reset,
         Outcome::Timeout,
+        Outcome::Cancelled,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -192,6 +195,7 @@ impl Outcome {
             Outcome::ConnectFailure => "connect-failure",
             Outcome::Reset => "reset",
             Outcome::Timeout => "timeout",
+            Outcome::Cancelled => "cancelled",
         }
     }
 }

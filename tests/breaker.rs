@@ -399,3 +399,77 @@ async fn a_stalled_upstream_gets_bounded_load_and_service_recovers_after_it_resu
     assert!(ok >= 45, "{ok}/50 succeeded after recovery");
     println!("stall: {during_stall} upstream attempts; recovery after {recovery:?}; {requests} caller requests");
 }
+
+#[tokio::test]
+async fn a_probe_whose_caller_hangs_up_frees_its_slot() {
+    // 0: fail, 1: hang (and say so), 2: succeed.
+    let mode = Arc::new(AtomicUsize::new(0));
+    let hanging = Arc::new(Notify::new());
+    let up = {
+        let (mode, hanging) = (mode.clone(), hanging.clone());
+        upstream(move |_| {
+            let (mode, hanging) = (mode.clone(), hanging.clone());
+            async move {
+                match mode.load(Ordering::SeqCst) {
+                    0 => Response::builder().status(503).body(full("down")).unwrap(),
+                    1 => {
+                        hanging.notify_one();
+                        std::future::pending::<()>().await;
+                        unreachable!()
+                    }
+                    _ => Response::new(full("up")),
+                }
+            }
+        })
+        .await
+    };
+    let server = proxy(&route(
+        &up.url(),
+        "",
+        "retry = { attempts = 1, per_try_timeout = \"30s\" }\nbreaker = { consecutive_failures = 1, open_for = \"100ms\", half_open_probes = 1 }",
+    ))
+    .await;
+    assert_eq!(get(&server, "/").await.0, StatusCode::SERVICE_UNAVAILABLE);
+    mode.store(1, Ordering::SeqCst);
+    // Once half-open, the one probe hangs upstream; its caller gives up.
+    let addr = server.proxy_addr();
+    let server_ref = &server;
+    let hanging_ref = &hanging;
+    eventually(
+        Duration::from_secs(5),
+        "a probe reached the hanging upstream",
+        || async move {
+            let probe = tokio::spawn(async move {
+                let req = http::Request::get(format!("http://{addr}/"))
+                    .body(empty())
+                    .unwrap();
+                send(&client(), req).await
+            });
+            let reached = tokio::select! {
+                _ = hanging_ref.notified() => true,
+                _ = tokio::time::sleep(Duration::from_millis(50)) => false,
+            };
+            probe.abort();
+            let _ = probe.await;
+            let _ = server_ref;
+            reached
+        },
+    )
+    .await;
+    mode.store(2, Ordering::SeqCst);
+    eventually(
+        Duration::from_secs(5),
+        "a new probe is admitted and closes the breaker",
+        || async move { get(server_ref, "/").await.0 == StatusCode::OK },
+    )
+    .await;
+    let text = admin(&server, "/metrics").await.1;
+    assert_eq!(
+        metric(
+            &text,
+            "herdguard_upstream_attempts_total{route=\"r\",upstream=\"u\",outcome=\"cancelled\"}"
+        ),
+        Some(1.0),
+        "{text}"
+    );
+}

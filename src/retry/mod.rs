@@ -143,7 +143,11 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
             .min(deadline.saturating_duration_since(sent_at));
         // A timed-out attempt is dropped here, which closes its connection:
         // the upstream is not left working on a request nobody waits for.
+        // Should the caller go away first, the whole loop is dropped, and the
+        // guard still tells the breaker and the limiter.
+        let guard = Unanswered { route, probe };
         let sent = tokio::time::timeout(per_try, upstream.client.request(req)).await;
+        std::mem::forget(guard);
         let elapsed = sent_at.elapsed();
         let (failure, outcome, result) = classify(route, sent, slot, per_try);
         route.metrics.attempt(outcome);
@@ -151,7 +155,7 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
         match outcome {
             Outcome::Timeout => upstream.observe(Sample::Dropped),
             Outcome::Ok | Outcome::ServerError => upstream.observe(Sample::Latency(elapsed)),
-            Outcome::ConnectFailure | Outcome::Reset => {}
+            Outcome::ConnectFailure | Outcome::Reset | Outcome::Cancelled => {}
         }
 
         let replayable = match &body {
@@ -209,6 +213,22 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
     }
 }
 
+/// Held while an attempt waits for its answer. Dropped only when the caller
+/// went away mid-attempt: the attempt's breaker probe slot is freed, and the
+/// limiter hears that the upstream was slower than the caller would wait.
+struct Unanswered<'a> {
+    route: &'a Route,
+    probe: bool,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        self.route.record(self.probe, BreakerOutcome::Unknown);
+        self.route.upstream.observe(Sample::Dropped);
+        self.route.metrics.attempt(Outcome::Cancelled);
+    }
+}
+
 fn refusal(error: LocalError, detail: String, retry_after: Option<Duration>) -> Refusal {
     Refusal {
         error,
@@ -221,6 +241,7 @@ fn refusal(error: LocalError, detail: String, retry_after: Option<Duration>) -> 
 fn breaker_outcome(outcome: Outcome) -> BreakerOutcome {
     match outcome {
         Outcome::Ok => BreakerOutcome::Success,
+        Outcome::Cancelled => BreakerOutcome::Unknown,
         Outcome::ServerError | Outcome::ConnectFailure | Outcome::Reset | Outcome::Timeout => {
             BreakerOutcome::Failure
         }

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use herdguard::app::Server;
 use herdguard::config::{Checked, Config};
+use herdguard::lab::outage;
 use herdguard::telemetry::{self, LogFormat};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info, warn};
@@ -53,14 +54,88 @@ enum Command {
         #[arg(long, env = "HERDGUARD_CONFIG")]
         config: PathBuf,
     },
+    /// Reproducible experiments on loopback.
+    #[command(subcommand)]
+    Lab(Lab),
+}
+
+#[derive(Debug, Subcommand)]
+enum Lab {
+    /// An upstream that slows with load stalls under naive retrying callers,
+    /// then resumes: peak concurrency and time to recovery, per setup.
+    Outage {
+        /// Concurrent callers.
+        #[arg(long, default_value_t = 200)]
+        callers: usize,
+        #[arg(long, default_value = "5s", value_parser = duration)]
+        warmup: std::time::Duration,
+        /// How long the upstream stalls.
+        #[arg(long, default_value = "10s", value_parser = duration)]
+        stall: std::time::Duration,
+        /// How long the run goes on after the upstream resumes.
+        #[arg(long, default_value = "20s", value_parser = duration)]
+        after: std::time::Duration,
+        /// Setups to run, comma-separated: direct, naive, defaults, no-adaptive.
+        #[arg(long, value_delimiter = ',', default_value = "direct,naive,defaults,no-adaptive")]
+        setups: Vec<String>,
+        /// Directory for the CSV files and the summary.
+        #[arg(long, default_value = "lab-results")]
+        out: PathBuf,
+    },
+}
+
+fn duration(text: &str) -> Result<std::time::Duration, String> {
+    herdguard::config::units::parse_duration(text)
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Some(Command::Check { config }) => check(&config),
+        Some(Command::Lab(lab)) => run_lab(lab),
         None => run(cli),
     }
+}
+
+fn run_lab(lab: Lab) -> ExitCode {
+    let Lab::Outage { callers, warmup, stall, after, setups, out } = lab;
+    let mut chosen = Vec::new();
+    for name in &setups {
+        match outage::Setup::parse(name) {
+            Some(s) => chosen.push(s),
+            None => {
+                eprintln!("herdguard lab outage: unknown setup {name:?} (use direct, naive, defaults, no-adaptive)");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let params = outage::Params { callers, warmup, stall, after, ..outage::Params::default() };
+    if let Err(e) = std::fs::create_dir_all(&out) {
+        eprintln!("herdguard lab: cannot create {}: {e}", out.display());
+        return ExitCode::FAILURE;
+    }
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("herdguard lab: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut reports = Vec::new();
+    for setup in chosen {
+        eprintln!("outage: {} ({} callers, stall {:?})...", setup.name(), params.callers, params.stall);
+        let report = rt.block_on(outage::run(setup, &params));
+        let path = out.join(format!("outage-{}.csv", setup.name()));
+        if let Err(e) = std::fs::write(&path, report.csv()) {
+            eprintln!("herdguard lab: cannot write {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+        reports.push(report);
+    }
+    let table = outage::table(&reports);
+    print!("{table}");
+    let _ = std::fs::write(out.join("outage-summary.txt"), &table);
+    ExitCode::SUCCESS
 }
 
 fn check(path: &std::path::Path) -> ExitCode {

@@ -145,7 +145,12 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
         // the upstream is not left working on a request nobody waits for.
         // Should the caller go away first, the whole loop is dropped, and the
         // guard still tells the breaker and the limiter.
-        let guard = Unanswered { route, probe };
+        let guard = Unanswered {
+            route,
+            probe,
+            sent_at,
+            patience: (per_try / 2).min(Duration::from_millis(500)),
+        };
         let sent = tokio::time::timeout(per_try, upstream.client.request(req)).await;
         std::mem::forget(guard);
         let elapsed = sent_at.elapsed();
@@ -214,17 +219,25 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
 }
 
 /// Held while an attempt waits for its answer. Dropped only when the caller
-/// went away mid-attempt: the attempt's breaker probe slot is freed, and the
-/// limiter hears that the upstream was slower than the caller would wait.
+/// went away mid-attempt. A caller that waited long (half the per-try
+/// timeout, at most 500 ms) and gave up is a caller the upstream was too
+/// slow for: the breaker counts a failure and the limiter a drop. A quick
+/// hang-up counts for nothing, but still frees a probe slot.
 struct Unanswered<'a> {
     route: &'a Route,
     probe: bool,
+    sent_at: Instant,
+    patience: Duration,
 }
 
 impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
-        self.route.record(self.probe, BreakerOutcome::Unknown);
-        self.route.upstream.observe(Sample::Dropped);
+        let slow = self.sent_at.elapsed() >= self.patience;
+        let outcome = if slow { BreakerOutcome::Failure } else { BreakerOutcome::Unknown };
+        self.route.record(self.probe, outcome);
+        if slow {
+            self.route.upstream.observe(Sample::Dropped);
+        }
         self.route.metrics.attempt(Outcome::Cancelled);
     }
 }

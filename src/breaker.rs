@@ -10,8 +10,10 @@
 //! attempts in `window` failed once `min_requests` were seen. It stays open
 //! for `open_for`, doubled per consecutive trip up to `max_open_for`, times a
 //! random factor in [0.75, 1.25) so that a fleet of sidecars does not probe in
-//! lockstep. Failures are 5xx, connect failures, resets and timeouts; 4xx and
-//! the proxy's own shedding are not the upstream failing.
+//! lockstep. Then it lets `half_open_probes` requests through at a time: when
+//! a majority of them succeed it closes, when a majority fail it opens again.
+//! Failures are 5xx, connect failures, resets and timeouts; 4xx and the
+//! proxy's own shedding are not the upstream failing.
 //!
 //! A pure state machine: the clock and the randomness are passed in; the
 //! route keeps it behind a mutex held for a few instructions.
@@ -96,9 +98,10 @@ pub struct Breaker {
     /// Consecutive trips without closing in between.
     trips: u32,
     consecutive_failures: u32,
-    /// Probes let through and not yet answered, and probe successes, in HalfOpen.
+    /// Probes let through and not yet answered, and probe results, in HalfOpen.
     probes_in_flight: u32,
     probe_successes: u32,
+    probe_failures: u32,
     /// (epoch, successes, failures) per slot of the window.
     slots: [(u64, u32, u32); SLOTS],
     start: Instant,
@@ -151,6 +154,7 @@ impl Breaker {
             consecutive_failures: 0,
             probes_in_flight: 0,
             probe_successes: 0,
+            probe_failures: 0,
             slots: [(0, 0, 0); SLOTS],
             start: now,
             forced: false,
@@ -236,14 +240,21 @@ impl Breaker {
                 }
                 None
             }
+            // A majority of the probes decides: an upstream that is back but
+            // still fails now and then is not sent back to Open by one failure.
             State::HalfOpen if probe => {
+                let majority = self.half_open_probes / 2 + 1;
                 if failed {
-                    return self.trip(now, rng);
-                }
-                self.probe_successes += 1;
-                if self.probe_successes >= self.half_open_probes {
-                    self.trips = 0;
-                    return self.enter(State::Closed, now);
+                    self.probe_failures += 1;
+                    if self.probe_failures >= majority {
+                        return self.trip(now, rng);
+                    }
+                } else {
+                    self.probe_successes += 1;
+                    if self.probe_successes >= majority {
+                        self.trips = 0;
+                        return self.enter(State::Closed, now);
+                    }
                 }
                 None
             }
@@ -311,6 +322,7 @@ impl Breaker {
         self.consecutive_failures = 0;
         self.probes_in_flight = 0;
         self.probe_successes = 0;
+        self.probe_failures = 0;
         if state == State::Closed {
             self.slots = [(0, 0, 0); SLOTS];
         }
@@ -420,7 +432,18 @@ mod tests {
             matches!(b.admit(now, &mut r).0, Admit::No { .. }),
             "only half_open_probes at once"
         );
+        // Two probes: a majority is both.
+        assert_eq!(
+            b.record(now, true, Outcome::Failure, &mut r),
+            None,
+            "one failure of two is no majority"
+        );
         assert_eq!(b.record(now, true, Outcome::Success, &mut r), None);
+        assert_eq!(
+            b.admit(now, &mut r).0,
+            Admit::Yes { probe: true },
+            "answered probe slots are free again"
+        );
         assert_eq!(
             b.record(now, true, Outcome::Success, &mut r),
             Some(Transition { to: State::Closed })
@@ -439,6 +462,10 @@ mod tests {
         assert_eq!(
             b.admit(Instant::now(), &mut r).0,
             Admit::Yes { probe: true }
+        );
+        assert_eq!(
+            b.record(Instant::now(), true, Outcome::Failure, &mut r),
+            None
         );
         assert_eq!(
             b.record(Instant::now(), true, Outcome::Failure, &mut r),

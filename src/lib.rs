@@ -8,6 +8,7 @@ pub mod admin;
 pub mod app;
 pub mod breaker;
 pub mod config;
+pub mod demo;
 pub mod lab;
 pub mod limit;
 pub mod metrics;

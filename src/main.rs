@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use herdguard::app::Server;
 use herdguard::config::{Checked, Config};
+use herdguard::demo;
 use herdguard::lab::outage;
 use herdguard::telemetry::{self, LogFormat};
 use tokio::signal::unix::{signal, SignalKind};
@@ -54,6 +55,16 @@ enum Command {
         #[arg(long, env = "HERDGUARD_CONFIG")]
         config: PathBuf,
     },
+    /// Start a flaky API in-process, herdguard with default policies in front
+    /// of it, send traffic for about 15 s, and show what the proxy absorbed.
+    Demo {
+        /// Concurrent callers.
+        #[arg(long, default_value_t = 16)]
+        callers: usize,
+        /// How long the traffic runs.
+        #[arg(long, default_value = "15s", value_parser = duration)]
+        duration: std::time::Duration,
+    },
     /// Reproducible experiments on loopback.
     #[command(subcommand)]
     Lab(Lab),
@@ -76,7 +87,11 @@ enum Lab {
         #[arg(long, default_value = "20s", value_parser = duration)]
         after: std::time::Duration,
         /// Setups to run, comma-separated: direct, naive, defaults, no-adaptive.
-        #[arg(long, value_delimiter = ',', default_value = "direct,naive,defaults,no-adaptive")]
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "direct,naive,defaults,no-adaptive"
+        )]
         setups: Vec<String>,
         /// Directory for the CSV files and the summary.
         #[arg(long, default_value = "lab-results")]
@@ -93,12 +108,63 @@ fn main() -> ExitCode {
     match cli.command {
         Some(Command::Check { config }) => check(&config),
         Some(Command::Lab(lab)) => run_lab(lab),
+        Some(Command::Demo { callers, duration }) => run_demo(callers, duration),
         None => run(cli),
     }
 }
 
+fn run_demo(callers: usize, duration: std::time::Duration) -> ExitCode {
+    telemetry::init(LogFormat::Text);
+    let outage_at = duration.mul_f64(0.4);
+    let params = demo::Params {
+        callers,
+        duration,
+        outage_at,
+        outage_for: duration.mul_f64(0.2),
+        ..demo::Params::default()
+    };
+    println!(
+        "herdguard demo: a flaky API (10% 503s, a third with Retry-After; 3% connection resets; an outage \
+         from {}s to {}s), herdguard with default policies in front, {} callers for {}s.\n",
+        params.outage_at.as_secs(),
+        (params.outage_at + params.outage_for).as_secs(),
+        params.callers,
+        params.duration.as_secs()
+    );
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("herdguard demo: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let summary = rt.block_on(demo::run(&params, |elapsed, second, upstream, metrics| {
+        println!(
+            "{}",
+            demo::progress_line(elapsed, second, upstream, metrics)
+        );
+    }));
+    match summary {
+        Ok(summary) => {
+            println!("\n{}", summary.render());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("herdguard demo: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn run_lab(lab: Lab) -> ExitCode {
-    let Lab::Outage { callers, warmup, stall, after, setups, out } = lab;
+    let Lab::Outage {
+        callers,
+        warmup,
+        stall,
+        after,
+        setups,
+        out,
+    } = lab;
     let mut chosen = Vec::new();
     for name in &setups {
         match outage::Setup::parse(name) {
@@ -109,7 +175,13 @@ fn run_lab(lab: Lab) -> ExitCode {
             }
         }
     }
-    let params = outage::Params { callers, warmup, stall, after, ..outage::Params::default() };
+    let params = outage::Params {
+        callers,
+        warmup,
+        stall,
+        after,
+        ..outage::Params::default()
+    };
     if let Err(e) = std::fs::create_dir_all(&out) {
         eprintln!("herdguard lab: cannot create {}: {e}", out.display());
         return ExitCode::FAILURE;
@@ -123,7 +195,12 @@ fn run_lab(lab: Lab) -> ExitCode {
     };
     let mut reports = Vec::new();
     for setup in chosen {
-        eprintln!("outage: {} ({} callers, stall {:?})...", setup.name(), params.callers, params.stall);
+        eprintln!(
+            "outage: {} ({} callers, stall {:?})...",
+            setup.name(),
+            params.callers,
+            params.stall
+        );
         let report = rt.block_on(outage::run(setup, &params));
         let path = out.join(format!("outage-{}.csv", setup.name()));
         if let Err(e) = std::fs::write(&path, report.csv()) {

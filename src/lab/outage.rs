@@ -77,7 +77,12 @@ pub enum Setup {
 }
 
 impl Setup {
-    pub const ALL: [Setup; 4] = [Setup::Direct, Setup::NaiveProxy, Setup::Defaults, Setup::NoAdaptive];
+    pub const ALL: [Setup; 4] = [
+        Setup::Direct,
+        Setup::NaiveProxy,
+        Setup::Defaults,
+        Setup::NoAdaptive,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -89,7 +94,9 @@ impl Setup {
     }
 
     pub fn parse(text: &str) -> Option<Setup> {
-        Setup::ALL.into_iter().find(|s| s.name() == text || s.name().trim_start_matches("herdguard-") == text)
+        Setup::ALL
+            .into_iter()
+            .find(|s| s.name() == text || s.name().trim_start_matches("herdguard-") == text)
     }
 
     fn config(self, upstream: SocketAddr) -> Option<String> {
@@ -146,13 +153,17 @@ pub fn latency(n: usize) -> Duration {
 }
 
 async fn start_upstream(stalled: watch::Receiver<bool>) -> (SocketAddr, Arc<Upstream>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
     let addr = listener.local_addr().expect("bound");
     let state = Arc::new(Upstream::default());
     let shared = state.clone();
     tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else { return };
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
             let (state, stalled) = (shared.clone(), stalled.clone());
             tokio::spawn(async move {
                 let service = service_fn(move |_req: Request<Incoming>| {
@@ -194,12 +205,18 @@ pub async fn run(setup: Setup, p: &Params) -> Report {
     let server = match setup.config(upstream_addr) {
         Some(toml) => {
             let config = Config::parse(&toml).expect("the lab's configs are valid");
-            Some(Server::start(config).await.expect("the proxy starts on loopback"))
+            Some(
+                Server::start(config)
+                    .await
+                    .expect("the proxy starts on loopback"),
+            )
         }
         None => None,
     };
     let target = server.as_ref().map_or(upstream_addr, Server::proxy_addr);
-    let url: http::Uri = format!("http://{target}/work").parse().expect("a loopback URL");
+    let url: http::Uri = format!("http://{target}/work")
+        .parse()
+        .expect("a loopback URL");
 
     let counters = Arc::new(Counters::default());
     let stop = Arc::new(AtomicBool::new(false));
@@ -208,13 +225,21 @@ pub async fn run(setup: Setup, p: &Params) -> Report {
         .build_http();
     let mut callers = Vec::with_capacity(p.callers);
     for i in 0..p.callers {
-        let (client, url, counters, stop, p) = (client.clone(), url.clone(), counters.clone(), stop.clone(), p.clone());
+        let (client, url, counters, stop, p) = (
+            client.clone(),
+            url.clone(),
+            counters.clone(),
+            stop.clone(),
+            p.clone(),
+        );
         // Callers start spread over one think time, as a steady population would be.
         let offset = p.think.mul_f64(i as f64 / p.callers as f64);
         callers.push(tokio::spawn(async move {
             tokio::time::sleep(offset).await;
             while !stop.load(Ordering::Relaxed) {
-                let req = Request::get(url.clone()).body(Empty::new()).expect("a valid request");
+                let req = Request::get(url.clone())
+                    .body(Empty::new())
+                    .expect("a valid request");
                 let answer = tokio::time::timeout(p.caller_timeout, async {
                     let resp = client.request(req).await.ok()?;
                     let ok = resp.status().is_success();
@@ -259,7 +284,9 @@ pub async fn run(setup: Setup, p: &Params) -> Report {
         seconds.push(Second {
             t,
             stalled: tick > stall_at && tick <= resume_at,
-            upstream_peak: upstream.peak.swap(upstream.in_flight.load(Ordering::SeqCst), Ordering::SeqCst),
+            upstream_peak: upstream
+                .peak
+                .swap(upstream.in_flight.load(Ordering::SeqCst), Ordering::SeqCst),
             goodput: counters.goodput.swap(0, Ordering::Relaxed),
             timeouts: counters.timeouts.swap(0, Ordering::Relaxed),
             errors: counters.errors.swap(0, Ordering::Relaxed),
@@ -284,11 +311,19 @@ fn summarize(setup: Setup, seconds: Vec<Second>, p: &Params) -> Report {
     let baseline = if baseline_seconds.is_empty() {
         0.0
     } else {
-        baseline_seconds.iter().map(|s| s.goodput as f64).sum::<f64>() / baseline_seconds.len() as f64
+        baseline_seconds
+            .iter()
+            .map(|s| s.goodput as f64)
+            .sum::<f64>()
+            / baseline_seconds.len() as f64
     };
     let resume = (p.warmup + p.stall).as_secs() as usize;
     let recovery = (resume..seconds.len().saturating_sub(2))
-        .find(|&i| seconds[i..i + 3].iter().all(|s| s.goodput as f64 >= 0.9 * baseline))
+        .find(|&i| {
+            seconds[i..i + 3]
+                .iter()
+                .all(|s| s.goodput as f64 >= 0.9 * baseline)
+        })
         .map(|i| Duration::from_secs((i - resume) as u64));
     Report {
         setup,
@@ -303,7 +338,16 @@ impl Report {
     pub fn csv(&self) -> String {
         let mut out = String::from("t,stalled,upstream_peak_concurrency,goodput,timeouts,errors\n");
         for s in &self.seconds {
-            let _ = writeln!(out, "{},{},{},{},{},{}", s.t, u8::from(s.stalled), s.upstream_peak, s.goodput, s.timeouts, s.errors);
+            let _ = writeln!(
+                out,
+                "{},{},{},{},{},{}",
+                s.t,
+                u8::from(s.stalled),
+                s.upstream_peak,
+                s.goodput,
+                s.timeouts,
+                s.errors
+            );
         }
         out
     }
@@ -316,10 +360,18 @@ pub fn table(reports: &[Report]) -> String {
         "setup", "baseline req/s", "peak upstream conc.", "recovery after resume"
     );
     for r in reports {
-        let recovery = r
-            .recovery
-            .map_or_else(|| "not within the run".to_owned(), |d| format!("{} s", d.as_secs()));
-        let _ = writeln!(out, "{:<24} {:>14.0} {:>18} {:>22}", r.setup.name(), r.baseline, r.peak_concurrency, recovery);
+        let recovery = r.recovery.map_or_else(
+            || "not within the run".to_owned(),
+            |d| format!("{} s", d.as_secs()),
+        );
+        let _ = writeln!(
+            out,
+            "{:<24} {:>14.0} {:>18} {:>22}",
+            r.setup.name(),
+            r.baseline,
+            r.peak_concurrency,
+            recovery
+        );
     }
     out
 }

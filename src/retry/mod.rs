@@ -233,7 +233,11 @@ struct Unanswered<'a> {
 impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
         let slow = self.sent_at.elapsed() >= self.patience;
-        let outcome = if slow { BreakerOutcome::Failure } else { BreakerOutcome::Unknown };
+        let outcome = if slow {
+            BreakerOutcome::Failure
+        } else {
+            BreakerOutcome::Unknown
+        };
         self.route.record(self.probe, outcome);
         if slow {
             self.route.upstream.observe(Sample::Dropped);

@@ -1,0 +1,83 @@
+//! `herdguard demo` runs to completion, and what it reports agrees with the
+//! proxy's own metrics.
+
+use std::time::Duration;
+
+use herdguard::demo::{self, Params, Summary};
+
+fn agrees_with_metrics(summary: &Summary) {
+    let requests = summary.sum("herdguard_requests_total", "");
+    assert_eq!(
+        requests, summary.callers.requests as f64,
+        "every caller request was counted once"
+    );
+    let ok = summary.sum("herdguard_requests_total", "code=\"200\"");
+    assert_eq!(ok, summary.callers.ok as f64, "successes agree");
+    let reached: f64 = ["ok", "5xx", "reset", "timeout"]
+        .iter()
+        .map(|o| {
+            summary.sum(
+                "herdguard_upstream_attempts_total",
+                &format!("outcome=\"{o}\""),
+            )
+        })
+        .sum();
+    assert_eq!(
+        reached, summary.upstream_requests as f64,
+        "attempts that reached the upstream agree"
+    );
+    let text = summary.render();
+    for line in [
+        "callers:",
+        "upstream:",
+        "retries made:",
+        "retries skipped:",
+        "retry budget left:",
+        "breaker transitions:",
+    ] {
+        assert!(text.contains(line), "{line} missing:\n{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_completes_and_agrees_with_the_metrics() {
+    let flaky = Params {
+        callers: 8,
+        duration: Duration::from_secs(6),
+        outage_for: Duration::ZERO,
+        ..Params::default()
+    };
+    let outage = Params {
+        callers: 8,
+        duration: Duration::from_secs(5),
+        outage_at: Duration::from_secs(1),
+        outage_for: Duration::from_secs(2),
+        ..Params::default()
+    };
+    let mut ticks = 0;
+    let (flaky, outage) = tokio::join!(
+        demo::run(&flaky, |_, _, _, _| ticks += 1),
+        demo::run(&outage, |_, _, _, _| {})
+    );
+    let (flaky, outage) = (flaky.unwrap(), outage.unwrap());
+    assert!(ticks >= 5, "live progress every second: {ticks}");
+
+    agrees_with_metrics(&flaky);
+    assert!(flaky.callers.requests > 100);
+    // Outside an outage the proxy absorbs the flakiness: callers do better than the upstream.
+    assert!(
+        flaky.caller_success() > flaky.upstream_success(),
+        "{}",
+        flaky.render()
+    );
+    assert!(flaky.caller_success() > 0.95, "{}", flaky.render());
+    assert!(flaky.sum("herdguard_retries_total", "") > 0.0);
+
+    agrees_with_metrics(&outage);
+    // In an outage the breaker opens rather than pile retries on the upstream.
+    assert!(
+        outage.sum("herdguard_breaker_transitions_total", "to=\"open\"") >= 1.0,
+        "{}",
+        outage.render()
+    );
+}

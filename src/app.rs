@@ -5,6 +5,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,7 +19,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::config::Config;
 use crate::metrics::Metrics;
@@ -167,6 +168,52 @@ impl Server {
         &self.shared.proxy
     }
 
+    /// Replaces routes and policies with those of `config` (see [`Reloader::reload`]).
+    pub fn reload(&self, config: Config) -> Result<(), BuildError> {
+        self.reloader().reload(config)
+    }
+
+    /// Reads, checks and applies a config file (see [`Reloader::reload_file`]).
+    pub fn reload_file(&self, path: &Path) -> Result<(), String> {
+        self.reloader().reload_file(path)
+    }
+
+    /// A handle that reloads this server from other tasks (signal handlers).
+    pub fn reloader(&self) -> Reloader {
+        Reloader {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Watches `path` and reloads when its content changes and then stays the
+    /// same for one more `every` (so a file being written is not read half
+    /// way). Runs until the server shuts down.
+    pub fn watch(&self, path: PathBuf, every: Duration) -> JoinHandle<()> {
+        let reloader = self.reloader();
+        let mut stop = self.shutdown.subscribe();
+        // What is there now is what runs: read before returning, so that a
+        // change made right after this call is seen as a change.
+        let mut loaded = std::fs::read(&path).ok();
+        tokio::spawn(async move {
+            let mut seen = loaded.clone();
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = stopped(&mut stop) => return,
+                    _ = tick.tick() => {}
+                }
+                let now = tokio::fs::read(&path).await.ok();
+                if now.is_some() && now == seen && now != loaded {
+                    info!(path = %path.display(), "config file changed");
+                    let _ = reloader.reload_file(&path);
+                    loaded = now.clone();
+                }
+                seen = now;
+            }
+        })
+    }
+
     /// Stops accepting and lets in-flight requests finish, up to `drain_timeout`.
     pub fn shutdown(&self) {
         let _ = self.shutdown.send(true);
@@ -181,6 +228,72 @@ impl Server {
 /// Resolves once `stop` turns true (or its sender is gone).
 async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
+}
+
+/// Reloads a running server's config.
+#[derive(Clone)]
+pub struct Reloader {
+    shared: Arc<Shared>,
+}
+
+impl Reloader {
+    /// Replaces routes and policies with those of `config`, at once, keeping
+    /// connections, in-flight requests, and the state of breakers, budgets and
+    /// upstreams the new config keeps (see `Runtime::rebuild`). Listener
+    /// addresses cannot change without a restart: a change is logged and ignored.
+    pub fn reload(&self, mut config: Config) -> Result<(), BuildError> {
+        let proxy = &self.shared.proxy;
+        let current = proxy.runtime();
+        for (what, old, new) in [
+            (
+                "listen.address",
+                current.config.listen.address,
+                &mut config.listen.address,
+            ),
+            (
+                "admin.address",
+                current.config.admin.address,
+                &mut config.admin.address,
+            ),
+        ] {
+            if *new != old {
+                warn!(key = what, running = %old, configured = %new, "a new listen address needs a restart; keeping the running one");
+                *new = old;
+            }
+        }
+        match Runtime::rebuild(Arc::new(config), proxy.metrics(), Some(&current)) {
+            Ok(runtime) => {
+                let routes = runtime.routes.len();
+                proxy.swap(runtime);
+                proxy.metrics().reloaded(true);
+                info!(routes, "config reloaded");
+                Ok(())
+            }
+            Err(e) => {
+                proxy.metrics().reloaded(false);
+                error!(error = %e, "config reload failed; the running config stays");
+                Err(e)
+            }
+        }
+    }
+
+    /// Reads, checks and applies a config file. A file with errors changes
+    /// nothing: the running config keeps serving; the error is logged and counted.
+    pub fn reload_file(&self, path: &Path) -> Result<(), String> {
+        match Config::check_file(path) {
+            Ok(checked) => {
+                for w in &checked.warnings {
+                    warn!(warning = %w, "config");
+                }
+                self.reload(checked.config).map_err(|e| e.to_string())
+            }
+            Err(e) => {
+                self.shared.proxy.metrics().reloaded(false);
+                error!(error = %e, "config reload failed; the running config stays");
+                Err(e.to_string())
+            }
+        }
+    }
 }
 
 fn local_addr(listener: &TcpListener) -> SocketAddr {

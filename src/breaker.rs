@@ -165,6 +165,24 @@ impl Breaker {
         self.state
     }
 
+    /// Takes new thresholds from a reloaded config, keeping the state and
+    /// counts (the window's counts are dropped if its length changed).
+    pub fn reconfigure(&mut self, c: &BreakerConfig, now: Instant) -> Result<(), InvalidBreaker> {
+        let fresh = Breaker::try_new(c, now)?;
+        if fresh.slot_width != self.slot_width {
+            self.slots = [(0, 0, 0); SLOTS];
+            self.start = now;
+            self.slot_width = fresh.slot_width;
+        }
+        self.consecutive_limit = fresh.consecutive_limit;
+        self.failure_rate = fresh.failure_rate;
+        self.min_requests = fresh.min_requests;
+        self.open_for = fresh.open_for;
+        self.max_open_for = fresh.max_open_for;
+        self.half_open_probes = fresh.half_open_probes;
+        Ok(())
+    }
+
     /// May an attempt go now? Moves Open to HalfOpen once the open time is over.
     pub fn admit<R: Rng + ?Sized>(
         &mut self,

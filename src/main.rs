@@ -287,10 +287,12 @@ fn run(cli: Cli) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    rt.block_on(serve(config))
+    rt.block_on(serve(config, cli.config))
 }
 
-async fn serve(config: Config) -> ExitCode {
+/// Runs until SIGTERM or SIGINT. With a config file, SIGHUP and any change
+/// of the file reload it.
+async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
     let server = match Server::start(config).await {
         Ok(s) => s,
         Err(e) => {
@@ -298,16 +300,36 @@ async fn serve(config: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let (Ok(mut term), Ok(mut int)) = (
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
     ) else {
         error!("cannot install signal handlers");
         return ExitCode::FAILURE;
     };
-    tokio::select! {
-        _ = term.recv() => info!(signal = "SIGTERM", "shutting down"),
-        _ = int.recv() => info!(signal = "SIGINT", "shutting down"),
+    if let Some(path) = &path {
+        server.watch(path.clone(), std::time::Duration::from_secs(1));
+    }
+    let reloader = server.reloader();
+    loop {
+        tokio::select! {
+            _ = term.recv() => {
+                info!(signal = "SIGTERM", "shutting down");
+                break;
+            }
+            _ = int.recv() => {
+                info!(signal = "SIGINT", "shutting down");
+                break;
+            }
+            _ = hup.recv() => match &path {
+                Some(path) => {
+                    info!(signal = "SIGHUP", path = %path.display(), "reloading");
+                    let _ = reloader.reload_file(path);
+                }
+                None => warn!(signal = "SIGHUP", "no config file to reload (running with --upstream)"),
+            },
+        }
     }
     server.shutdown();
     server.wait().await;

@@ -129,11 +129,22 @@ impl Metrics {
             Some(Seconds),
             "Delay waited before each retry.".into(),
         );
+        for result in ["ok", "error"] {
+            self.counter(CONFIG_RELOADS, &[("result", result)])
+                .increment(0);
+        }
     }
 
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
         self.handle.render()
+    }
+
+    /// Counts a config reload, by result.
+    pub fn reloaded(&self, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.counter(CONFIG_RELOADS, &[("result", result)])
+            .increment(1);
     }
 
     /// Folds recorded histogram samples into their buckets, freeing them.

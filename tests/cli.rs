@@ -141,3 +141,88 @@ async fn upstream_mode_serves_and_exits_cleanly_on_sigterm() {
     let rest: Vec<String> = rx.iter().collect();
     assert!(rest.iter().any(|l| l.contains("SIGTERM")), "{rest:?}");
 }
+
+#[tokio::test]
+async fn sighup_reloads_the_config_file() {
+    let up = ok_upstream("reloaded").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("herdguard.toml");
+    let base = format!(
+        "[listen]\naddress = \"127.0.0.1:0\"\n[admin]\naddress = \"127.0.0.1:0\"\n[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"a\"\nupstream = \"u\"\nmatch = {{ path = \"/a\" }}\n",
+        up.url()
+    );
+    std::fs::write(&path, &base).unwrap();
+    let mut child = Command::new(BIN)
+        .args(["--config"])
+        .arg(&path)
+        .args(["--log-format", "json"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let (line, rx) = tokio::task::spawn_blocking(move || {
+        let line = rx
+            .iter()
+            .find(|l| l.contains("herdguard serving"))
+            .expect("a start-up line");
+        (line, rx)
+    })
+    .await
+    .unwrap();
+    let log: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let listen = log["listen"].as_str().unwrap().to_owned();
+    assert_eq!(get_at(&listen, "/b").await.0, http::StatusCode::NOT_FOUND);
+
+    std::fs::write(
+        &path,
+        format!("{base}[[routes]]\nname = \"b\"\nupstream = \"u\"\nmatch = {{ path = \"/b\" }}\n"),
+    )
+    .unwrap();
+    let pid = child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let (reloaded, rx) = tokio::task::spawn_blocking(move || {
+        let reloaded = rx
+            .iter()
+            .find(|l| l.contains("config reloaded"))
+            .expect("a reload line");
+        (reloaded, rx)
+    })
+    .await
+    .unwrap();
+    assert!(reloaded.contains("\"routes\":2"), "{reloaded}");
+    let (status, _, body) = get_at(&listen, "/b").await;
+    assert_eq!(
+        (status, &body[..]),
+        (http::StatusCode::OK, &b"reloaded"[..])
+    );
+
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let status = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success());
+    let rest: Vec<String> = rx.iter().collect();
+    assert!(rest.iter().any(|l| l.contains("SIGTERM")), "{rest:?}");
+}
+
+async fn get_at(listen: &str, path: &str) -> (http::StatusCode, http::HeaderMap, bytes::Bytes) {
+    let req = http::Request::get(format!("http://{listen}{path}"))
+        .body(empty())
+        .unwrap();
+    send(&client(), req).await
+}

@@ -52,21 +52,57 @@ pub struct Route {
     matcher: Matcher,
     pub upstream: Arc<Upstream>,
     pub policy: Policy,
-    pub budget: Budget,
-    breaker: Mutex<Breaker>,
+    /// Shared with the runtime this one replaced, when the config kept it.
+    pub budget: Arc<Budget>,
+    breaker: Arc<Mutex<Breaker>>,
     pub metrics: RouteMetrics,
 }
 
 impl Runtime {
     pub fn build(config: Arc<Config>, registry: &Arc<Metrics>) -> Result<Self, BuildError> {
+        Self::rebuild(config, registry, None)
+    }
+
+    /// Builds the runtime of a new config, keeping from `previous` what the
+    /// new config does not change: an upstream with the same name and keys
+    /// keeps its connections, in-flight count and adaptive limit; a route with
+    /// the same name keeps its breaker state (with new thresholds, if any) and
+    /// its retry budget (unless the budget's own keys changed).
+    pub fn rebuild(
+        config: Arc<Config>,
+        registry: &Arc<Metrics>,
+        previous: Option<&Runtime>,
+    ) -> Result<Self, BuildError> {
         let mut upstreams = std::collections::HashMap::new();
         for (name, u) in &config.upstreams {
-            upstreams.insert(name.as_str(), Upstream::new(name, u, registry)?);
+            let kept = previous.and_then(|p| {
+                let same = p.config.upstreams.get(name) == Some(u);
+                same.then(|| {
+                    p.routes
+                        .iter()
+                        .find(|r| &*r.upstream.name == name)
+                        .map(|r| r.upstream.clone())
+                })
+                .flatten()
+            });
+            let upstream = match kept {
+                Some(upstream) => upstream,
+                None => Upstream::new(name, u, registry)?,
+            };
+            upstreams.insert(name.as_str(), upstream);
         }
         let routes = config
             .routes
             .iter()
-            .map(|r| Route::new(r, upstreams[r.upstream.as_str()].clone(), registry).map(Arc::new))
+            .map(|r| {
+                let before = previous.and_then(|p| {
+                    let old = p.routes.iter().find(|o| *o.name == r.name)?;
+                    let old_config = p.config.routes.iter().find(|o| o.name == r.name)?;
+                    Some((&**old, old_config))
+                });
+                Route::new(r, upstreams[r.upstream.as_str()].clone(), registry, before)
+                    .map(Arc::new)
+            })
             .collect::<Result<_, _>>()?;
         Ok(Self { config, routes })
     }
@@ -93,24 +129,42 @@ impl Route {
         config: &RouteConfig,
         upstream: Arc<Upstream>,
         registry: &Arc<Metrics>,
+        before: Option<(&Route, &RouteConfig)>,
     ) -> Result<Self, BuildError> {
         let invalid = |message: String| BuildError::Route {
             route: config.name.clone(),
             message,
         };
+        let budget = match before {
+            Some((old, old_config)) if old_config.retry.budget == config.retry.budget => {
+                old.budget.clone()
+            }
+            _ => Arc::new(
+                Budget::from_config(&config.retry.budget, Instant::now())
+                    .map_err(|e| invalid(format!("retry.budget: {e}")))?,
+            ),
+        };
+        let breaker = match before {
+            Some((old, _)) => {
+                old.breaker()
+                    .reconfigure(&config.breaker, Instant::now())
+                    .map_err(|e| invalid(format!("breaker: {e}")))?;
+                old.breaker.clone()
+            }
+            None => Arc::new(Mutex::new(
+                Breaker::try_new(&config.breaker, Instant::now())
+                    .map_err(|e| invalid(format!("breaker: {e}")))?,
+            )),
+        };
         Ok(Self {
+            budget,
+            breaker,
             name: config.name.as_str().into(),
             matcher: Matcher::new(&config.matcher),
             metrics: RouteMetrics::new(registry, &config.name, &upstream.name),
             upstream,
             policy: Policy::from_config(&config.retry)
                 .map_err(|e| invalid(format!("retry: {e}")))?,
-            budget: Budget::from_config(&config.retry.budget, Instant::now())
-                .map_err(|e| invalid(format!("retry.budget: {e}")))?,
-            breaker: Mutex::new(
-                Breaker::try_new(&config.breaker, Instant::now())
-                    .map_err(|e| invalid(format!("breaker: {e}")))?,
-            ),
         })
     }
 
@@ -195,6 +249,12 @@ impl Proxy {
 
     pub fn runtime(&self) -> Arc<Runtime> {
         self.runtime.load_full()
+    }
+
+    /// Replaces routes and policies at once. Requests already routed finish
+    /// on the runtime they started with; connections are not touched.
+    pub fn swap(&self, runtime: Runtime) {
+        self.runtime.store(Arc::new(runtime));
     }
 
     pub fn metrics(&self) -> &Arc<Metrics> {

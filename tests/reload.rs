@@ -1,0 +1,180 @@
+//! Hot reload: new routes serve, broken files change nothing, in-flight
+//! requests and breaker and budget state survive.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use herdguard::config::Config;
+use http::{Request, Response, StatusCode};
+use tokio::sync::{oneshot, Notify};
+
+fn toml(routes: &[(&str, &str, &str)], upstream: &str) -> String {
+    let mut s = format!(
+        "[listen]\naddress = \"127.0.0.1:0\"\n[admin]\naddress = \"127.0.0.1:0\"\n[upstreams.u]\nendpoints = [\"{upstream}\"]\n"
+    );
+    for (name, prefix, extra) in routes {
+        s.push_str(&format!(
+            "[[routes]]\nname = \"{name}\"\nupstream = \"u\"\nmatch = {{ path_prefix = \"{prefix}\" }}\n{extra}\n"
+        ));
+    }
+    s
+}
+
+async fn start(src: &str) -> herdguard::app::Server {
+    herdguard::app::Server::start(Config::parse(src).unwrap())
+        .await
+        .unwrap()
+}
+
+fn reloads(text: &str, result: &str) -> f64 {
+    metric(
+        text,
+        &format!("herdguard_config_reloads_total{{result=\"{result}\"}}"),
+    )
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_route_added_by_reload_serves() {
+    let up = ok_upstream("ok").await;
+    let server = start(&toml(&[("a", "/a", "")], &up.url())).await;
+    assert_eq!(get(&server, "/b").await.0, StatusCode::NOT_FOUND);
+    let mut config = Config::parse(&toml(&[("a", "/a", ""), ("b", "/b", "")], &up.url())).unwrap();
+    // Listen addresses cannot move on reload; the running ones stay.
+    config.listen.address = "127.0.0.1:1".parse().unwrap();
+    server.reload(config).unwrap();
+    assert_eq!(get(&server, "/b").await.0, StatusCode::OK);
+    assert_eq!(get(&server, "/a").await.0, StatusCode::OK);
+    let text = admin(&server, "/metrics").await.1;
+    assert_eq!(reloads(&text, "ok"), 1.0);
+    assert!(admin(&server, "/config").await.1.contains("name = \"b\""));
+}
+
+#[tokio::test]
+async fn a_broken_file_keeps_the_old_config_and_counts_an_error() {
+    let up = ok_upstream("ok").await;
+    let server = start(&toml(&[("a", "/a", "")], &up.url())).await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("herdguard.toml");
+    std::fs::write(&path, "[[routes]]\nname = \"x\"\nupstream = \"missing\"\n").unwrap();
+    let err = server.reload_file(&path).unwrap_err();
+    assert!(err.contains("routes[0].upstream (line 3)"), "{err}");
+    std::fs::write(&path, "this is not toml").unwrap();
+    assert!(server.reload_file(&path).is_err());
+    assert_eq!(
+        get(&server, "/a").await.0,
+        StatusCode::OK,
+        "the old config still serves"
+    );
+    let text = admin(&server, "/metrics").await.1;
+    assert_eq!((reloads(&text, "ok"), reloads(&text, "error")), (0.0, 2.0));
+}
+
+#[tokio::test]
+async fn a_changed_file_is_reloaded_by_the_watcher() {
+    let up = ok_upstream("ok").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("herdguard.toml");
+    std::fs::write(&path, toml(&[("a", "/a", "")], &up.url())).unwrap();
+    let server = herdguard::app::Server::start(Config::from_file(&path).unwrap())
+        .await
+        .unwrap();
+    server.watch(path.clone(), Duration::from_millis(20));
+    std::fs::write(&path, toml(&[("a", "/a", ""), ("c", "/c", "")], &up.url())).unwrap();
+    let server_ref = &server;
+    eventually(
+        Duration::from_secs(5),
+        "the new route serves",
+        || async move { get(server_ref, "/c").await.0 == StatusCode::OK },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn an_in_flight_request_survives_a_reload() {
+    let release = Arc::new(Notify::new());
+    let arrived = Arc::new(Notify::new());
+    let up = {
+        let (release, arrived) = (release.clone(), arrived.clone());
+        upstream(move |_| {
+            let (release, arrived) = (release.clone(), arrived.clone());
+            async move {
+                arrived.notify_one();
+                release.notified().await;
+                Response::new(full("slow but fine"))
+            }
+        })
+        .await
+    };
+    let server = start(&toml(&[("a", "/a", "")], &up.url())).await;
+    let addr = server.proxy_addr();
+    let (tx, rx) = oneshot::channel();
+    tokio::spawn(async move {
+        let req = Request::get(format!("http://{addr}/a"))
+            .body(empty())
+            .unwrap();
+        let _ = tx.send(send(&client(), req).await);
+    });
+    arrived.notified().await;
+    // The new config drops the route the request came through.
+    server
+        .reload(Config::parse(&toml(&[("z", "/z", "")], &up.url())).unwrap())
+        .unwrap();
+    release.notify_one();
+    let (status, _, body) = rx.await.unwrap();
+    assert_eq!((status, &body[..]), (StatusCode::OK, &b"slow but fine"[..]));
+    assert_eq!(
+        get(&server, "/a").await.0,
+        StatusCode::NOT_FOUND,
+        "new requests see the new routes"
+    );
+}
+
+#[tokio::test]
+async fn breaker_and_budget_state_survive_a_reload() {
+    let up = upstream(|_| async { Response::builder().status(503).body(empty()).unwrap() }).await;
+    let before =
+        "retry = { attempts = 2 }\nbreaker = { consecutive_failures = 4, open_for = \"1m\" }";
+    let server = start(&toml(&[("a", "/a", before)], &up.url())).await;
+    for _ in 0..2 {
+        get(&server, "/a").await; // 2 requests x 2 attempts: trips at the 4th failure
+    }
+    let budget_before = metric(
+        &admin(&server, "/metrics").await.1,
+        "herdguard_retry_budget_available{route=\"a\"}",
+    )
+    .unwrap();
+    let view: serde_json::Value =
+        serde_json::from_str(&admin(&server, "/breakers").await.1).unwrap();
+    assert_eq!(view["routes"]["a"]["state"], "open");
+
+    // Same route name, other retry and breaker thresholds, one more route.
+    let after =
+        "retry = { attempts = 3 }\nbreaker = { consecutive_failures = 9, open_for = \"1m\" }";
+    server
+        .reload(Config::parse(&toml(&[("a", "/a", after), ("b", "/b", "")], &up.url())).unwrap())
+        .unwrap();
+    let view: serde_json::Value =
+        serde_json::from_str(&admin(&server, "/breakers").await.1).unwrap();
+    assert_eq!(view["routes"]["a"]["state"], "open", "{view}");
+    assert_eq!(view["routes"]["a"]["trips"], 1);
+    assert_eq!(view["routes"]["b"]["state"], "closed");
+    assert_eq!(
+        get(&server, "/a").await.1["x-herdguard-error"],
+        "circuit-open"
+    );
+    let budget_after = metric(
+        &admin(&server, "/metrics").await.1,
+        "herdguard_retry_budget_available{route=\"a\"}",
+    )
+    .unwrap();
+    // One more request deposited ratio = 0.2; a fresh budget would hold 100.2.
+    assert!(
+        (budget_after - (budget_before + 0.2)).abs() < 1e-9,
+        "the budget's spending is remembered: {budget_before} -> {budget_after}"
+    );
+    assert_eq!(up.hits(), 4);
+}

@@ -1,0 +1,203 @@
+//! The deploy/ files, checked offline: the manifests parse, and the fields
+//! that matter agree with each other and with the config they carry.
+
+use std::path::Path;
+
+use herdguard::config::Config;
+use yaml_rust2::{Yaml, YamlLoader};
+
+fn load(name: &str) -> Yaml {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy/kubernetes")
+        .join(name);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut docs =
+        YamlLoader::load_from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(docs.len(), 1, "{name}: one document");
+    docs.remove(0)
+}
+
+fn str_of<'a>(y: &'a Yaml, what: &str) -> &'a str {
+    y.as_str()
+        .unwrap_or_else(|| panic!("{what} is not a string: {y:?}"))
+}
+
+/// The config the ConfigMap carries.
+fn sidecar_config() -> Config {
+    let cm = load("configmap.yaml");
+    assert_eq!(str_of(&cm["kind"], "kind"), "ConfigMap");
+    assert_eq!(str_of(&cm["metadata"]["name"], "name"), "herdguard-config");
+    let toml = str_of(&cm["data"]["herdguard.toml"], "data");
+    let checked = Config::check_str(toml).unwrap_or_else(|e| panic!("the ConfigMap's config: {e}"));
+    assert!(checked.warnings.is_empty(), "{:?}", checked.warnings);
+    checked.config
+}
+
+fn check_deployment(name: &str, native: bool) {
+    let config = sidecar_config();
+    let d = load(name);
+    assert_eq!(str_of(&d["kind"], "kind"), "Deployment");
+    let pod = &d["spec"]["template"];
+    let spec = &pod["spec"];
+    let labels = &pod["metadata"]["labels"];
+    assert_eq!(
+        d["spec"]["selector"]["matchLabels"], *labels,
+        "{name}: selector matches the pod"
+    );
+
+    let list = if native {
+        &spec["initContainers"]
+    } else {
+        &spec["containers"]
+    };
+    let herdguard = list
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"].as_str() == Some("herdguard"))
+        .unwrap_or_else(|| panic!("{name}: no herdguard container"));
+    if native {
+        assert_eq!(
+            herdguard["restartPolicy"].as_str(),
+            Some("Always"),
+            "a native sidecar"
+        );
+    } else {
+        assert!(herdguard["restartPolicy"].is_badvalue());
+    }
+
+    // Probes on the admin port, the port the config's admin listener uses.
+    let port = herdguard["ports"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"].as_str() == Some("admin"))
+        .unwrap();
+    assert_eq!(
+        port["containerPort"].as_i64(),
+        Some(i64::from(config.admin.address.port()))
+    );
+    assert!(
+        !config.admin.address.ip().is_loopback(),
+        "the kubelet must reach the admin port"
+    );
+    for (probe, path) in [
+        ("readinessProbe", "/readyz"),
+        ("livenessProbe", "/healthz"),
+        ("startupProbe", "/readyz"),
+    ] {
+        let get = &herdguard[probe]["httpGet"];
+        assert_eq!(
+            (get["path"].as_str(), get["port"].as_str()),
+            (Some(path), Some("admin")),
+            "{name}: {probe}"
+        );
+    }
+    // Prometheus scraping by annotation.
+    let ann = &pod["metadata"]["annotations"];
+    assert_eq!(ann["prometheus.io/scrape"].as_str(), Some("true"));
+    assert_eq!(
+        ann["prometheus.io/port"].as_str(),
+        Some(config.admin.address.port().to_string().as_str())
+    );
+    assert_eq!(ann["prometheus.io/path"].as_str(), Some("/metrics"));
+
+    // Kubernetes waits longer than herdguard drains.
+    let grace = spec["terminationGracePeriodSeconds"].as_i64().unwrap();
+    assert!(
+        grace as u64 > config.listen.drain_timeout.as_secs(),
+        "{name}: grace {grace}s <= drain_timeout"
+    );
+
+    // Non-root, read-only, no privileges.
+    let sc = &herdguard["securityContext"];
+    assert_eq!(sc["runAsNonRoot"].as_bool(), Some(true));
+    assert_eq!(sc["readOnlyRootFilesystem"].as_bool(), Some(true));
+    assert_eq!(sc["allowPrivilegeEscalation"].as_bool(), Some(false));
+
+    // The config comes from the ConfigMap, where the args say it is.
+    let args: Vec<&str> = herdguard["args"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let file = args[args.iter().position(|a| *a == "--config").unwrap() + 1];
+    let mount = herdguard["volumeMounts"].as_vec().unwrap()[0].clone();
+    assert_eq!(
+        Path::new(file).parent().unwrap(),
+        Path::new(mount["mountPath"].as_str().unwrap())
+    );
+    let volume = spec["volumes"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    assert_eq!(
+        volume["configMap"]["name"].as_str(),
+        Some("herdguard-config")
+    );
+    assert!(file.ends_with("herdguard.toml"));
+
+    // The app points at the sidecar's listener.
+    let app = spec["containers"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"].as_str() == Some("app"))
+        .unwrap();
+    let listen = format!("http://{}", config.listen.address);
+    assert!(app["env"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .any(|e| e["value"].as_str() == Some(listen.as_str())));
+}
+
+#[test]
+fn native_sidecar_deployment() {
+    check_deployment("deployment-native-sidecar.yaml", true);
+}
+
+#[test]
+fn classic_sidecar_deployment() {
+    check_deployment("deployment-classic-sidecar.yaml", false);
+}
+
+#[test]
+fn pod_monitor_scrapes_the_admin_port() {
+    let pm = load("podmonitor.yaml");
+    assert_eq!(str_of(&pm["kind"], "kind"), "PodMonitor");
+    let endpoint = &pm["spec"]["podMetricsEndpoints"][0];
+    assert_eq!(
+        (endpoint["port"].as_str(), endpoint["path"].as_str()),
+        (Some("admin"), Some("/metrics"))
+    );
+    let deployment = load("deployment-native-sidecar.yaml");
+    assert_eq!(
+        pm["spec"]["selector"]["matchLabels"],
+        deployment["spec"]["template"]["metadata"]["labels"]
+    );
+}
+
+#[test]
+fn dockerfile_is_multi_stage_and_runs_as_non_root() {
+    let text =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/Dockerfile"))
+            .unwrap();
+    let froms: Vec<&str> = text.lines().filter(|l| l.starts_with("FROM ")).collect();
+    assert_eq!(froms.len(), 2, "build and runtime stages");
+    assert!(
+        froms[1].contains("distroless") && froms[1].contains("nonroot"),
+        "{}",
+        froms[1]
+    );
+    let user = text
+        .lines()
+        .find(|l| l.starts_with("USER "))
+        .expect("a USER line");
+    assert!(!user.contains("root") || user.contains("nonroot"));
+    assert!(user.contains("65532"), "{user}");
+    assert!(text.contains("cargo build --release --locked"));
+}

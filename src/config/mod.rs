@@ -40,6 +40,7 @@ impl Config {
             matcher: MatchConfig::default(),
             retry: config.defaults.retry.clone(),
             breaker: config.defaults.breaker.clone(),
+            fault: None,
         });
         config.check()?;
         Ok(config)

@@ -43,6 +43,8 @@ pub struct ListenConfig {
     pub header_read_timeout: Duration,
     /// Open client connections at most; more wait in the kernel's accept queue.
     pub max_connections: usize,
+    /// Answer `x-herdguard-explain: 1` with the request's attempt trace.
+    pub explain: bool,
 }
 
 impl Default for ListenConfig {
@@ -52,6 +54,7 @@ impl Default for ListenConfig {
             drain_timeout: Duration::from_secs(15),
             header_read_timeout: Duration::from_secs(10),
             max_connections: 10_000,
+            explain: false,
         }
     }
 }
@@ -414,6 +417,33 @@ pub struct RouteConfig {
     pub retry: RetryConfig,
     #[serde(default)]
     pub breaker: BreakerConfig,
+    /// Faults injected into this route's answers, for testing callers. Off unless written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault: Option<FaultConfig>,
+}
+
+/// `fault = { abort = 0.1, abort_status = 503, delay = "200ms", delay_ratio = 0.05 }`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FaultConfig {
+    /// Share of requests answered by the proxy with `abort_status`, not forwarded.
+    pub abort: f64,
+    pub abort_status: u16,
+    /// Extra delay before forwarding, for `delay_ratio` of the requests.
+    #[serde(with = "duration")]
+    pub delay: Duration,
+    pub delay_ratio: f64,
+}
+
+impl Default for FaultConfig {
+    fn default() -> Self {
+        Self {
+            abort: 0.0,
+            abort_status: 503,
+            delay: Duration::ZERO,
+            delay_ratio: 0.0,
+        }
+    }
 }
 
 /// Every condition given must hold; an empty match takes every request.

@@ -74,6 +74,20 @@ pub(super) fn validate(config: &Config, report: &mut Report<'_>) {
             );
         }
         matcher(report, &path.key("match"), &route.matcher);
+        if let Some(f) = &route.fault {
+            let fpath = path.key("fault");
+            for (key, share) in [("abort", f.abort), ("delay_ratio", f.delay_ratio)] {
+                if !(0.0..=1.0).contains(&share) {
+                    report(fpath.key(key), format!("{share} is out of range 0.0..=1.0"));
+                }
+            }
+            if !(200..=599).contains(&f.abort_status) {
+                report(
+                    fpath.key("abort_status"),
+                    format!("{} is not a status from 200 to 599", f.abort_status),
+                );
+            }
+        }
         retry(report, &path.key("retry"), &route.retry);
         breaker(report, &path.key("breaker"), &route.breaker);
     }

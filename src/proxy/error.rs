@@ -88,3 +88,21 @@ impl LocalError {
         resp
     }
 }
+
+/// The answer to a request a route's `fault.abort` picked: never forwarded.
+pub fn fault_response(status: u16) -> Response<ResponseBody> {
+    let mut resp = Response::new(ResponseBody::local(
+        "herdguard: fault injected by the route's config\n",
+    ));
+    *resp.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+    let h = resp.headers_mut();
+    h.insert(
+        &super::headers::X_HERDGUARD_FAULT,
+        HeaderValue::from_static("abort"),
+    );
+    h.insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    resp
+}

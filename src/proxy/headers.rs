@@ -24,6 +24,8 @@ pub static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-h
 pub static X_HERDGUARD_ATTEMPT: HeaderName = HeaderName::from_static("x-herdguard-attempt");
 pub static X_HERDGUARD_ATTEMPTS: HeaderName = HeaderName::from_static("x-herdguard-attempts");
 pub static X_HERDGUARD_ERROR: HeaderName = HeaderName::from_static("x-herdguard-error");
+pub static X_HERDGUARD_EXPLAIN: HeaderName = HeaderName::from_static("x-herdguard-explain");
+pub static X_HERDGUARD_FAULT: HeaderName = HeaderName::from_static("x-herdguard-fault");
 
 /// Removes hop-by-hop fields and every field the `Connection` header names.
 /// With `upgrade`, the `Connection: upgrade` and `Upgrade` pair is kept so an

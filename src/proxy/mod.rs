@@ -30,6 +30,7 @@ use crate::config::{Config, RouteConfig};
 use crate::metrics::{self, Metrics, RouteMetrics};
 use crate::retry::{self, Budget, Policy};
 use crate::route::{Matcher, RequestInfo};
+use rand::Rng;
 
 /// Why a runtime could not be built from a (validated) config.
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +53,9 @@ pub struct Route {
     matcher: Matcher,
     pub upstream: Arc<Upstream>,
     pub policy: Policy,
+    /// `listen.explain`: answer `x-herdguard-explain: 1` with a trace.
+    explain: bool,
+    fault: Option<crate::config::FaultConfig>,
     /// Shared with the runtime this one replaced, when the config kept it.
     pub budget: Arc<Budget>,
     breaker: Arc<Mutex<Breaker>>,
@@ -100,8 +104,14 @@ impl Runtime {
                     let old_config = p.config.routes.iter().find(|o| o.name == r.name)?;
                     Some((&**old, old_config))
                 });
-                Route::new(r, upstreams[r.upstream.as_str()].clone(), registry, before)
-                    .map(Arc::new)
+                Route::new(
+                    r,
+                    upstreams[r.upstream.as_str()].clone(),
+                    registry,
+                    before,
+                    config.listen.explain,
+                )
+                .map(Arc::new)
             })
             .collect::<Result<_, _>>()?;
         Ok(Self { config, routes })
@@ -130,6 +140,7 @@ impl Route {
         upstream: Arc<Upstream>,
         registry: &Arc<Metrics>,
         before: Option<(&Route, &RouteConfig)>,
+        explain: bool,
     ) -> Result<Self, BuildError> {
         let invalid = |message: String| BuildError::Route {
             route: config.name.clone(),
@@ -159,6 +170,8 @@ impl Route {
         Ok(Self {
             budget,
             breaker,
+            explain,
+            fault: config.fault.clone(),
             name: config.name.as_str().into(),
             matcher: Matcher::new(&config.matcher),
             metrics: RouteMetrics::new(registry, &config.name, &upstream.name),
@@ -320,6 +333,28 @@ async fn forward(
     };
     let inner_hop = parts.headers.contains_key(&headers::X_HERDGUARD_ATTEMPT);
     let facts = route.policy.facts(&parts.method, &parts.headers, inner_hop);
+    let explain = parts
+        .headers
+        .remove(&headers::X_HERDGUARD_EXPLAIN)
+        .is_some_and(|v| v == "1")
+        && route.explain;
+    let mut fault_note = None;
+    if let Some(fault) = &route.fault {
+        let (delay, abort) = {
+            let mut rng = rand::rng();
+            (
+                rng.random::<f64>() < fault.delay_ratio,
+                rng.random::<f64>() < fault.abort,
+            )
+        };
+        if delay {
+            tokio::time::sleep(fault.delay).await;
+            fault_note = Some(HeaderValue::from_static("delay"));
+        }
+        if abort {
+            return error::fault_response(fault.abort_status);
+        }
+    }
     let h = &mut parts.headers;
     headers::strip_hop_by_hop(h, upgrade);
     headers::add_via(h, parts.version);
@@ -330,9 +365,23 @@ async fn forward(
         headers: parts.headers,
         body,
         facts,
+        explain,
     };
     let sent = retry::send(route, out, start).await;
     let attempts = retry::attempt_value(sent.attempts);
+    // What the caller is told besides the answer: the trace, an injected delay.
+    let notes = |h: &mut http::HeaderMap| {
+        if let Some(trace) = sent
+            .trace
+            .as_deref()
+            .and_then(|t| HeaderValue::from_str(t).ok())
+        {
+            h.insert(&headers::X_HERDGUARD_EXPLAIN, trace);
+        }
+        if let Some(note) = fault_note.clone() {
+            h.insert(&headers::X_HERDGUARD_FAULT, note);
+        }
+    };
     let (mut resp, slot) = match sent.result {
         Ok(pair) => pair,
         Err(refusal) => {
@@ -341,6 +390,7 @@ async fn forward(
                 .response_with(&refusal.detail, refusal.retry_after);
             resp.headers_mut()
                 .insert(&headers::X_HERDGUARD_ATTEMPTS, attempts);
+            notes(resp.headers_mut());
             return resp;
         }
     };
@@ -356,6 +406,7 @@ async fn forward(
     }
     let (mut parts, body) = resp.into_parts();
     finish_headers(&mut parts.headers, false, attempts);
+    notes(&mut parts.headers);
     Response::from_parts(parts, ResponseBody::upstream(body, slot))
 }
 

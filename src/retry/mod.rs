@@ -36,6 +36,8 @@ pub struct Outgoing {
     pub headers: HeaderMap,
     pub body: Incoming,
     pub facts: RequestFacts,
+    /// Keep a trace of the attempts for `x-herdguard-explain`.
+    pub explain: bool,
 }
 
 /// The proxy's own answer when it does not pass an upstream response on.
@@ -54,6 +56,8 @@ pub type Answer = Result<(Response<Incoming>, InFlight), Refusal>;
 pub struct Sent {
     pub attempts: u32,
     pub result: Answer,
+    /// `1=503@12ms;backoff=40ms;2=200@9ms`, when asked for.
+    pub trace: Option<String>,
 }
 
 /// Sends `out` to the route's upstream, retrying as the route's policy allows.
@@ -79,7 +83,7 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
     let mut backoff = BackoffState::default();
     let mut endpoint = None;
     let mut attempt = 0u32;
-    let done = |attempts, result| Sent { attempts, result };
+    let mut trace = out.explain.then(String::new);
 
     loop {
         attempt += 1;
@@ -90,9 +94,11 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
                     skip(route, attempt - 1, SkipReason::BreakerOpen);
                 }
                 let detail = format!("the circuit breaker of route {} is open", route.name);
+                note(&mut trace, format_args!("{attempt}=circuit-open"));
                 return done(
                     attempt - 1,
                     Err(refusal(LocalError::CircuitOpen, detail, Some(retry_after))),
+                    trace,
                 );
             }
         };
@@ -106,9 +112,11 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
                 upstream.name,
                 upstream.limit()
             );
+            note(&mut trace, format_args!("{attempt}=overloaded"));
             return done(
                 attempt - 1,
                 Err(refusal(LocalError::Overloaded, detail, None)),
+                trace,
             );
         };
         let (index, target) = upstream.pick_after(endpoint);
@@ -156,6 +164,19 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
         let elapsed = sent_at.elapsed();
         let (failure, outcome, result) = classify(route, sent, slot, per_try);
         route.metrics.attempt(outcome);
+        if trace.is_some() {
+            let ms = elapsed.as_millis();
+            match &result {
+                Ok((resp, _)) => note(
+                    &mut trace,
+                    format_args!("{attempt}={}@{ms}ms", resp.status().as_u16()),
+                ),
+                Err(_) => note(
+                    &mut trace,
+                    format_args!("{attempt}={}@{ms}ms", outcome.as_str()),
+                ),
+            }
+        }
         route.record(probe, breaker_outcome(outcome));
         match outcome {
             Outcome::Timeout => upstream.observe(Sample::Dropped),
@@ -169,10 +190,11 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
             AttemptBody::Once(_) => false,
         };
         let cause = match policy.verdict(failure, attempt, &facts, replayable) {
-            Verdict::Done => return done(attempt, result),
+            Verdict::Done => return done(attempt, result, trace),
             Verdict::Skip(_, reason) => {
                 skip(route, attempt, reason);
-                return done(attempt, result);
+                note(&mut trace, format_args!("skip={}", reason.as_str()));
+                return done(attempt, result, trace);
             }
             Verdict::Retry(cause) => cause,
         };
@@ -184,7 +206,8 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
         let delay = match server_delay {
             Err(reason) => {
                 skip(route, attempt, reason);
-                return done(attempt, result);
+                note(&mut trace, format_args!("skip={}", reason.as_str()));
+                return done(attempt, result, trace);
             }
             // The server's delay, plus up to a tenth more so that callers told
             // the same Retry-After do not all come back at once.
@@ -194,15 +217,27 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
         let now = Instant::now();
         if now + delay >= deadline {
             skip(route, attempt, SkipReason::Deadline);
-            return done(attempt, result);
+            note(
+                &mut trace,
+                format_args!("skip={}", SkipReason::Deadline.as_str()),
+            );
+            return done(attempt, result, trace);
         }
         if route.breaker_open() {
             skip(route, attempt, SkipReason::BreakerOpen);
-            return done(attempt, result);
+            note(
+                &mut trace,
+                format_args!("skip={}", SkipReason::BreakerOpen.as_str()),
+            );
+            return done(attempt, result, trace);
         }
         if !route.budget.withdraw(now) {
             skip(route, attempt, SkipReason::Budget);
-            return done(attempt, result);
+            note(
+                &mut trace,
+                format_args!("skip={}", SkipReason::Budget.as_str()),
+            );
+            return done(attempt, result, trace);
         }
         route.metrics.retry(cause, delay);
         debug!(
@@ -214,6 +249,7 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
         );
         // Let go of the failed attempt (and its connection) before waiting.
         drop(result);
+        note(&mut trace, format_args!("backoff={}ms", delay.as_millis()));
         tokio::time::sleep(delay).await;
     }
 }
@@ -243,6 +279,25 @@ impl Drop for Unanswered<'_> {
             self.route.upstream.observe(Sample::Dropped);
         }
         self.route.metrics.attempt(Outcome::Cancelled);
+    }
+}
+
+fn done(attempts: u32, result: Answer, trace: Option<String>) -> Sent {
+    Sent {
+        attempts,
+        result,
+        trace,
+    }
+}
+
+/// Appends one step to the explain trace, if one is kept.
+fn note(trace: &mut Option<String>, step: std::fmt::Arguments<'_>) {
+    use std::fmt::Write as _;
+    if let Some(t) = trace {
+        if !t.is_empty() {
+            t.push(';');
+        }
+        let _ = t.write_fmt(step);
     }
 }
 

@@ -14,6 +14,8 @@
 
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use crate::config::AdaptiveConfig;
 
 #[derive(Debug, Clone)]
@@ -25,6 +27,7 @@ pub struct Limiter {
     smoothing: f64,
     /// Long-run average latency, in seconds (exponentially weighted).
     long_rtt: Option<f64>,
+    window: Option<Window>,
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -46,6 +49,10 @@ pub enum Sample {
 
 /// Samples over which the long-run average mostly forms.
 const LONG_WINDOW: f64 = 500.0;
+/// The limit moves at most once per window of samples this long ...
+const WINDOW: Duration = Duration::from_millis(100);
+/// ... holding at least this many samples (or a timeout).
+const MIN_SAMPLES: u32 = 10;
 
 impl Limiter {
     /// The initial and minimum limits are taken down to `max_in_flight` when above it.
@@ -64,6 +71,7 @@ impl Limiter {
             tolerance: c.tolerance,
             smoothing: c.smoothing,
             long_rtt: None,
+            window: None,
         })
     }
 
@@ -72,40 +80,79 @@ impl Limiter {
         self.limit as usize
     }
 
-    /// Updates the limit after an attempt; `in_flight` counts it too.
-    pub fn update(&mut self, sample: Sample, in_flight: usize) {
-        let new = match sample {
-            // A timeout says the upstream is struggling now: back off at once.
-            Sample::Dropped => {
-                self.limit = (self.limit * 0.9).clamp(self.min_limit, self.max_limit);
-                return;
-            }
+    /// Records an attempt's outcome at `now`; `in_flight` counts it too.
+    ///
+    /// Samples are gathered over a window (100 ms, and at least 10 samples,
+    /// as Netflix's `WindowedLimit` does) and the limit moves once per window
+    /// on the window's average latency: a burst of slow answers caused by a
+    /// hiccup of the proxy itself does not collapse the limit.
+    pub fn update(&mut self, sample: Sample, in_flight: usize, now: Instant) {
+        let w = self.window.get_or_insert(Window {
+            start: now,
+            sum: 0.0,
+            count: 0,
+            max_in_flight: 0,
+            dropped: false,
+        });
+        match sample {
+            Sample::Dropped => w.dropped = true,
             Sample::Latency(rtt) => {
-                let short = rtt.as_secs_f64().max(1e-6);
-                let long = match self.long_rtt {
-                    None => short,
-                    Some(long) => {
-                        let mut long = long + (short - long) / LONG_WINDOW;
-                        // After a slow spell, let the average come back down quickly.
-                        if long > 2.0 * short {
-                            long *= 0.95;
-                        }
-                        long
-                    }
-                };
-                self.long_rtt = Some(long);
-                let gradient = (self.tolerance * long / short).clamp(0.5, 1.0);
-                let mut new = self.limit * gradient + self.limit.sqrt();
-                // Grow only when the limit is what holds requests back.
-                if (in_flight as f64) < self.limit / 2.0 {
-                    new = new.min(self.limit);
+                w.sum += rtt.as_secs_f64();
+                w.count += 1;
+            }
+        }
+        w.max_in_flight = w.max_in_flight.max(in_flight);
+        let ripe = now.saturating_duration_since(w.start) >= WINDOW && w.count >= MIN_SAMPLES;
+        if !(ripe || w.dropped) {
+            return;
+        }
+        let w = self.window.take().expect("just filled");
+        if w.dropped {
+            // A timeout says the upstream is struggling now: back off at once.
+            self.limit = (self.limit * 0.9).clamp(self.min_limit, self.max_limit);
+            return;
+        }
+        self.apply((w.sum / w.count as f64).max(1e-6), w.max_in_flight);
+    }
+
+    fn apply(&mut self, short: f64, in_flight: usize) {
+        let long = match self.long_rtt {
+            None => short,
+            Some(long) => {
+                let mut long = long + (short - long) / LONG_WINDOW;
+                // After a slow spell, let the average come back down quickly.
+                if long > 2.0 * short {
+                    long *= 0.95;
                 }
-                new
+                long
             }
         };
-        let smoothed = self.limit * (1.0 - self.smoothing) + new * self.smoothing;
-        self.limit = smoothed.clamp(self.min_limit, self.max_limit);
+        self.long_rtt = Some(long);
+        let gradient = (self.tolerance * long / short).clamp(0.5, 1.0);
+        let mut new = self.limit * gradient + self.limit.sqrt();
+        // Grow only when the limit is what holds requests back.
+        if (in_flight as f64) < self.limit / 2.0 {
+            new = new.min(self.limit);
+        }
+        // Shrink smoothly (one slow window is not a trend), grow at once:
+        // a recovered upstream gets its traffic back within a second or so.
+        let next = if new < self.limit {
+            self.limit * (1.0 - self.smoothing) + new * self.smoothing
+        } else {
+            new
+        };
+        self.limit = next.clamp(self.min_limit, self.max_limit);
     }
+}
+
+/// Samples gathered since the limit last moved.
+#[derive(Debug, Clone)]
+struct Window {
+    start: Instant,
+    sum: f64,
+    count: u32,
+    max_in_flight: usize,
+    dropped: bool,
 }
 
 #[cfg(test)]
@@ -127,35 +174,43 @@ mod tests {
         Sample::Latency(Duration::from_millis(n))
     }
 
+    /// Feeds `n` windows of `sample`, each window 10 samples over 100 ms.
+    fn feed(
+        l: &mut Limiter,
+        clock: &mut Instant,
+        n: usize,
+        sample: Sample,
+        in_flight: impl Fn(&Limiter) -> usize,
+    ) {
+        for _ in 0..n {
+            for _ in 0..10 {
+                *clock += Duration::from_millis(10);
+                let busy = in_flight(l);
+                l.update(sample, busy, *clock);
+            }
+        }
+    }
+
     #[test]
     fn grows_under_steady_latency_when_in_use() {
-        let mut l = limiter();
-        for _ in 0..200 {
-            l.update(ms(10), l.limit());
-        }
+        let (mut l, mut clock) = (limiter(), Instant::now());
+        feed(&mut l, &mut clock, 150, ms(10), Limiter::limit);
         assert!(l.limit() > 200, "{}", l.limit());
+        feed(&mut l, &mut clock, 2, ms(10), |_| 3); // let the busy window close
         let before = l.limit();
-        for _ in 0..200 {
-            l.update(ms(10), 3);
-        }
+        feed(&mut l, &mut clock, 50, ms(10), |_| 3);
         assert_eq!(l.limit(), before, "an idle limit does not grow");
     }
 
     #[test]
     fn falls_as_latency_rises_and_recovers_when_it_drops() {
-        let mut l = limiter();
-        for _ in 0..300 {
-            l.update(ms(10), l.limit());
-        }
+        let (mut l, mut clock) = (limiter(), Instant::now());
+        feed(&mut l, &mut clock, 60, ms(10), Limiter::limit);
         let healthy = l.limit();
-        for _ in 0..100 {
-            l.update(ms(200), l.limit());
-        }
+        feed(&mut l, &mut clock, 30, ms(200), Limiter::limit);
         let slow = l.limit();
         assert!(slow < healthy / 4, "{slow} vs {healthy}");
-        for _ in 0..400 {
-            l.update(ms(10), l.limit());
-        }
+        feed(&mut l, &mut clock, 100, ms(10), Limiter::limit);
         assert!(
             l.limit() > slow * 4,
             "recovered to {} from {slow}",
@@ -164,20 +219,33 @@ mod tests {
     }
 
     #[test]
+    fn a_single_slow_window_is_not_a_collapse() {
+        let (mut l, mut clock) = (limiter(), Instant::now());
+        feed(&mut l, &mut clock, 60, ms(1), Limiter::limit);
+        let healthy = l.limit();
+        // One hiccup: a whole window of answers five times slower.
+        feed(&mut l, &mut clock, 1, ms(5), Limiter::limit);
+        assert!(
+            l.limit() as f64 > healthy as f64 * 0.85,
+            "{} after a hiccup from {healthy}",
+            l.limit()
+        );
+    }
+
+    #[test]
     fn timeouts_shrink_it_to_the_floor_and_no_further() {
-        let mut l = limiter();
+        let (mut l, mut clock) = (limiter(), Instant::now());
         for _ in 0..100 {
-            l.update(Sample::Dropped, 0);
+            clock += Duration::from_millis(1);
+            l.update(Sample::Dropped, 0, clock);
         }
         assert_eq!(l.limit(), 5);
     }
 
     #[test]
     fn never_above_max_in_flight() {
-        let mut l = limiter();
-        for _ in 0..10_000 {
-            l.update(ms(1), l.limit());
-        }
+        let (mut l, mut clock) = (limiter(), Instant::now());
+        feed(&mut l, &mut clock, 2000, ms(1), Limiter::limit);
         assert_eq!(l.limit(), 1000);
     }
 }

@@ -2,28 +2,17 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use common::*;
-use http::{Request, Response, StatusCode};
-use tokio::sync::{oneshot, Notify};
+use http::{Request, StatusCode};
+use tokio::sync::oneshot;
 
 #[tokio::test]
 async fn in_flight_request_finishes_after_shutdown() {
-    let release = Arc::new(Notify::new());
-    let arrived = Arc::new(Notify::new());
-    let up = {
-        let (release, arrived) = (release.clone(), arrived.clone());
-        upstream(move |_| {
-            let (release, arrived) = (release.clone(), arrived.clone());
-            async move {
-                arrived.notify_one();
-                release.notified().await;
-                Response::new(full("finished"))
-            }
-        })
-        .await
-    };
+    let Held {
+        upstream: up,
+        arrived,
+        release,
+    } = held_upstream("finished").await;
     let server = proxy_to(&up.url()).await;
     let addr = server.proxy_addr();
 

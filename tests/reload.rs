@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::*;
 use herdguard::config::Config;
 use http::{Request, Response, StatusCode};
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::oneshot;
 
 fn toml(routes: &[(&str, &str, &str)], upstream: &str) -> String {
     let mut s = format!(
@@ -95,20 +95,11 @@ async fn a_changed_file_is_reloaded_by_the_watcher() {
 
 #[tokio::test]
 async fn an_in_flight_request_survives_a_reload() {
-    let release = Arc::new(Notify::new());
-    let arrived = Arc::new(Notify::new());
-    let up = {
-        let (release, arrived) = (release.clone(), arrived.clone());
-        upstream(move |_| {
-            let (release, arrived) = (release.clone(), arrived.clone());
-            async move {
-                arrived.notify_one();
-                release.notified().await;
-                Response::new(full("slow but fine"))
-            }
-        })
-        .await
-    };
+    let Held {
+        upstream: up,
+        arrived,
+        release,
+    } = held_upstream("slow but fine").await;
     let server = start(&toml(&[("a", "/a", "")], &up.url())).await;
     let addr = server.proxy_addr();
     let (tx, rx) = oneshot::channel();

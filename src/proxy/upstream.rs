@@ -149,7 +149,7 @@ impl Upstream {
     pub fn observe(&self, sample: Sample) {
         if let Some(limiter) = &self.limiter {
             let mut limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
-            limiter.update(sample, self.in_flight());
+            limiter.update(sample, self.in_flight(), tokio::time::Instant::now());
             self.limit.store(limiter.limit(), Ordering::Relaxed);
         }
     }

@@ -243,3 +243,31 @@ where
     }
     panic!("not within {limit:?}: {what}");
 }
+
+/// An upstream that holds every request until released, and says when one arrived.
+pub struct Held {
+    pub upstream: Upstream,
+    pub arrived: Arc<tokio::sync::Notify>,
+    pub release: Arc<tokio::sync::Notify>,
+}
+
+/// Starts a [`Held`] upstream that answers 200 with `body` once released.
+pub async fn held_upstream(body: &'static str) -> Held {
+    let release = Arc::new(tokio::sync::Notify::new());
+    let arrived = Arc::new(tokio::sync::Notify::new());
+    let (r, a) = (release.clone(), arrived.clone());
+    let upstream = upstream(move |_| {
+        let (release, arrived) = (r.clone(), a.clone());
+        async move {
+            arrived.notify_one();
+            release.notified().await;
+            Response::new(full(body))
+        }
+    })
+    .await;
+    Held {
+        upstream,
+        arrived,
+        release,
+    }
+}

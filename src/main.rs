@@ -293,13 +293,8 @@ fn run(cli: Cli) -> ExitCode {
 /// Runs until SIGTERM or SIGINT. With a config file, SIGHUP and any change
 /// of the file reload it.
 async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
-    let server = match Server::start(config).await {
-        Ok(s) => s,
-        Err(e) => {
-            error!(error = %e, "cannot start");
-            return ExitCode::FAILURE;
-        }
-    };
+    // Handlers first: a signal that arrives once the server says it is
+    // serving must find them (SIGHUP's default action would end the process).
     let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
@@ -307,6 +302,13 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
     ) else {
         error!("cannot install signal handlers");
         return ExitCode::FAILURE;
+    };
+    let server = match Server::start(config).await {
+        Ok(s) => s,
+        Err(e) => {
+            error!(error = %e, "cannot start");
+            return ExitCode::FAILURE;
+        }
     };
     if let Some(path) = &path {
         server.watch(path.clone(), std::time::Duration::from_secs(1));

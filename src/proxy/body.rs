@@ -25,16 +25,6 @@ pin_project! {
     }
 }
 
-impl RequestBody {
-    pub fn stream(body: Incoming) -> Self {
-        if body.is_end_stream() {
-            RequestBody::Empty
-        } else {
-            RequestBody::Stream { body }
-        }
-    }
-}
-
 impl Body for RequestBody {
     type Data = Bytes;
     type Error = hyper::Error;

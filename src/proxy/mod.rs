@@ -130,7 +130,7 @@ impl Runtime {
     }
 
     fn route(&self, req: &RequestInfo<'_>) -> Option<&Arc<Route>> {
-        self.routes.iter().find(|r| r.matcher.matches(req))
+        crate::route::first_match(&self.routes, |r| &r.matcher, req)
     }
 }
 

@@ -72,6 +72,21 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum Lab {
+    /// Clients contending on one resource with optimistic concurrency, per
+    /// backoff strategy: total calls and completion time (a simulation).
+    Backoff {
+        /// Client counts to simulate, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "10,25,50,100,150,200")]
+        clients: Vec<usize>,
+        /// Trials per point, averaged.
+        #[arg(long, default_value_t = 20)]
+        trials: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Directory for the CSV file.
+        #[arg(long, default_value = "lab-results")]
+        out: PathBuf,
+    },
     /// An upstream that slows with load stalls under naive retrying callers,
     /// then resumes: peak concurrency and time to recovery, per setup.
     Outage {
@@ -157,14 +172,34 @@ fn run_demo(callers: usize, duration: std::time::Duration) -> ExitCode {
 }
 
 fn run_lab(lab: Lab) -> ExitCode {
-    let Lab::Outage {
-        callers,
-        warmup,
-        stall,
-        after,
-        setups,
-        out,
-    } = lab;
+    let (callers, warmup, stall, after, setups, out) = match lab {
+        Lab::Outage {
+            callers,
+            warmup,
+            stall,
+            after,
+            setups,
+            out,
+        } => (callers, warmup, stall, after, setups, out),
+        Lab::Backoff {
+            clients,
+            trials,
+            seed,
+            out,
+        } => {
+            let rows = herdguard::lab::backoff::run(&clients, trials.max(1), seed);
+            let table = herdguard::lab::backoff::table(&rows);
+            print!("{table}");
+            let written = std::fs::create_dir_all(&out).and_then(|()| {
+                std::fs::write(out.join("backoff.csv"), herdguard::lab::backoff::csv(&rows))
+            });
+            if let Err(e) = written {
+                eprintln!("herdguard lab: cannot write to {}: {e}", out.display());
+                return ExitCode::FAILURE;
+            }
+            return ExitCode::SUCCESS;
+        }
+    };
     let mut chosen = Vec::new();
     for name in &setups {
         match outage::Setup::parse(name) {

@@ -18,6 +18,8 @@
 //! A pure state machine: the clock and the randomness are passed in; the
 //! route keeps it behind a mutex held for a few instructions.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use rand::Rng;
@@ -384,6 +386,40 @@ impl Breaker {
     }
 }
 
+/// A route's breaker, shared by its requests: the state machine behind a
+/// mutex, plus whether it is closed, readable without the lock. The common
+/// case — a closed breaker admitting an attempt — is one atomic load.
+#[derive(Debug)]
+pub struct SharedBreaker {
+    inner: Mutex<Breaker>,
+    closed: AtomicBool,
+}
+
+impl SharedBreaker {
+    pub fn new(breaker: Breaker) -> Self {
+        let closed = AtomicBool::new(breaker.state() == State::Closed);
+        Self {
+            inner: Mutex::new(breaker),
+            closed,
+        }
+    }
+
+    /// Runs `f` on the breaker under its lock, and keeps the closed flag current.
+    pub fn with<R>(&self, f: impl FnOnce(&mut Breaker) -> R) -> R {
+        // The state stays consistent even if a holder panicked.
+        let mut breaker = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let result = f(&mut breaker);
+        self.closed
+            .store(breaker.state() == State::Closed, Ordering::Release);
+        result
+    }
+
+    /// Closed admits every attempt: no lock, no clock, no randomness needed.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -610,5 +646,27 @@ mod tests {
             b.record(Instant::now(), false, Outcome::Failure, &mut r);
         }
         assert_eq!(b.state(), State::Open, "automatic again after reset");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_closed_flag_follows_every_change() {
+        let mut r = rng();
+        let shared = SharedBreaker::new(Breaker::try_new(&config(), Instant::now()).unwrap());
+        assert!(shared.is_closed());
+        for _ in 0..3 {
+            shared.with(|b| b.record(Instant::now(), false, Outcome::Failure, &mut r));
+        }
+        assert!(!shared.is_closed(), "tripped");
+        tokio::time::advance(Duration::from_secs(7)).await;
+        shared.with(|b| b.admit(Instant::now(), &mut r));
+        assert!(!shared.is_closed(), "half-open is not closed");
+        for _ in 0..2 {
+            shared.with(|b| b.record(Instant::now(), true, Outcome::Success, &mut r));
+        }
+        assert!(shared.is_closed(), "closed again");
+        shared.with(|b| b.force(Instant::now(), Some(State::Open)));
+        assert!(!shared.is_closed(), "forced open");
+        shared.with(|b| b.force(Instant::now(), None));
+        assert!(shared.is_closed(), "reset");
     }
 }

@@ -41,10 +41,14 @@ fn agrees_with_metrics(summary: &Summary) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_completes_and_agrees_with_the_metrics() {
+    // Flaky, but not so flaky that five failures in a row (which trip the
+    // breaker by default) come by chance in a short run: 0.07^5 per attempt.
     let flaky = Params {
         callers: 8,
         duration: Duration::from_secs(6),
         outage_for: Duration::ZERO,
+        error_rate: 0.05,
+        reset_rate: 0.02,
         ..Params::default()
     };
     let outage = Params {

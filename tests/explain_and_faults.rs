@@ -6,21 +6,19 @@ use common::scripted::*;
 use common::*;
 use http::{Request, StatusCode};
 
-fn with(url: &str, listen_extra: &str, route_extra: &str) -> String {
+fn with(url: &str, route_extra: &str) -> String {
     format!(
-        "[upstreams.u]\nendpoints = [\"{url}\"]\n[defaults.retry.backoff]\nbase = \"5ms\"\ncap = \"20ms\"\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n{route_extra}\n{listen_extra}"
+        "[upstreams.u]\nendpoints = [\"{url}\"]\n[defaults.retry.backoff]\nbase = \"5ms\"\ncap = \"20ms\"\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n{route_extra}\n"
     )
 }
 
 async fn explain_proxy(script: &[Act], enabled: bool) -> (Scripted, herdguard::app::Server) {
     let up = scripted(script).await;
-    // `[listen]` comes first in the test harness; the explain key is set by a second table.
-    let mut config = herdguard::config::Config::parse(&format!(
-        "[listen]\naddress = \"127.0.0.1:0\"\n[admin]\naddress = \"127.0.0.1:0\"\n{}",
-        with(&up.upstream.url(), "", "")
+    let config = herdguard::config::Config::parse(&format!(
+        "[listen]\naddress = \"127.0.0.1:0\"\nexplain = {enabled}\n[admin]\naddress = \"127.0.0.1:0\"\n{}",
+        with(&up.upstream.url(), "")
     ))
     .unwrap();
-    config.listen.explain = enabled;
     let server = herdguard::app::Server::start(config).await.unwrap();
     (up, server)
 }
@@ -92,7 +90,6 @@ async fn injected_aborts_come_at_their_rate_and_never_reach_the_upstream() {
     let up = ok_upstream("ok").await;
     let server = proxy(&with(
         &up.url(),
-        "",
         "fault = { abort = 0.3, abort_status = 418 }",
     ))
     .await;
@@ -117,7 +114,6 @@ async fn injected_delays_come_at_their_rate() {
     let up = ok_upstream("ok").await;
     let server = proxy(&with(
         &up.url(),
-        "",
         "fault = { delay = \"20ms\", delay_ratio = 0.25 }",
     ))
     .await;

@@ -8,7 +8,7 @@ mod replay;
 mod upstream;
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use http::header::HOST;
@@ -24,7 +24,8 @@ pub use replay::ReplayBody;
 pub use upstream::{InFlight, Upstream, UpstreamError};
 
 use crate::breaker::{
-    Admit, Breaker, Outcome as BreakerOutcome, Snapshot, State as BreakerState, Transition,
+    Admit, Breaker, Outcome as BreakerOutcome, SharedBreaker, Snapshot, State as BreakerState,
+    Transition,
 };
 use crate::config::{Config, RouteConfig};
 use crate::metrics::{self, Metrics, RouteMetrics};
@@ -58,7 +59,7 @@ pub struct Route {
     fault: Option<crate::config::FaultConfig>,
     /// Shared with the runtime this one replaced, when the config kept it.
     pub budget: Arc<Budget>,
-    breaker: Arc<Mutex<Breaker>>,
+    breaker: Arc<SharedBreaker>,
     pub metrics: RouteMetrics,
 }
 
@@ -157,12 +158,12 @@ impl Route {
         };
         let breaker = match before {
             Some((old, _)) => {
-                old.breaker()
-                    .reconfigure(&config.breaker, Instant::now())
+                old.breaker
+                    .with(|b| b.reconfigure(&config.breaker, Instant::now()))
                     .map_err(|e| invalid(format!("breaker: {e}")))?;
                 old.breaker.clone()
             }
-            None => Arc::new(Mutex::new(
+            None => Arc::new(SharedBreaker::new(
                 Breaker::try_new(&config.breaker, Instant::now())
                     .map_err(|e| invalid(format!("breaker: {e}")))?,
             )),
@@ -181,14 +182,14 @@ impl Route {
         })
     }
 
-    fn breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
-        // The breaker's state stays consistent even if a holder panicked.
-        self.breaker.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Asks the breaker whether an attempt may go now.
     pub fn admit(&self) -> Admit {
-        let (admit, transition) = self.breaker().admit(Instant::now(), &mut rand::rng());
+        if self.breaker.is_closed() {
+            return Admit::Yes { probe: false };
+        }
+        let (admit, transition) = self
+            .breaker
+            .with(|b| b.admit(Instant::now(), &mut rand::rng()));
         self.transitioned(transition);
         admit
     }
@@ -196,29 +197,28 @@ impl Route {
     /// Tells the breaker how an admitted attempt ended.
     pub fn record(&self, probe: bool, outcome: BreakerOutcome) {
         let transition = self
-            .breaker()
-            .record(Instant::now(), probe, outcome, &mut rand::rng());
+            .breaker
+            .with(|b| b.record(Instant::now(), probe, outcome, &mut rand::rng()));
         self.transitioned(transition);
     }
 
     /// Whether the breaker is open now (without admitting anything).
     pub fn breaker_open(&self) -> bool {
-        self.breaker().state() == BreakerState::Open
+        !self.breaker.is_closed() && self.breaker.with(|b| b.state()) == BreakerState::Open
     }
 
     /// Operator override from the admin endpoint: open, close, or `None` to reset.
     pub fn force_breaker(&self, state: Option<BreakerState>) -> Snapshot {
         let now = Instant::now();
-        let mut breaker = self.breaker();
-        let transition = breaker.force(now, state);
-        let snapshot = breaker.snapshot(now);
-        drop(breaker);
+        let (transition, snapshot) = self
+            .breaker
+            .with(|b| (b.force(now, state), b.snapshot(now)));
         self.transitioned(transition);
         snapshot
     }
 
     pub fn breaker_snapshot(&self) -> Snapshot {
-        self.breaker().snapshot(Instant::now())
+        self.breaker.with(|b| b.snapshot(Instant::now()))
     }
 
     fn transitioned(&self, transition: Option<Transition>) {

@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 use herdguard::app::Server;
 use herdguard::config::{Checked, Config};
 use herdguard::demo;
-use herdguard::lab::outage;
+use herdguard::lab::{self, outage};
 use herdguard::telemetry::{self, LogFormat};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info, warn};
@@ -83,7 +83,7 @@ enum Lab {
         trials: u64,
         #[arg(long, default_value_t = 1)]
         seed: u64,
-        /// Directory for the CSV file.
+        /// Directory for the CSV file and the plot.
         #[arg(long, default_value = "lab-results")]
         out: PathBuf,
     },
@@ -108,9 +108,18 @@ enum Lab {
             default_value = "direct,naive,defaults,no-adaptive"
         )]
         setups: Vec<String>,
-        /// Directory for the CSV files and the summary.
+        /// Directory for the CSV files, the summary and the plot.
         #[arg(long, default_value = "lab-results")]
         out: PathBuf,
+    },
+    /// Draws the SVG plots again from the CSV files of earlier runs.
+    Plot {
+        /// Directory holding backoff.csv and outage-*.csv.
+        #[arg(long, default_value = "lab-results")]
+        from: PathBuf,
+        /// Directory for backoff.svg and outage.svg (default: --from).
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
 }
 
@@ -172,7 +181,13 @@ fn run_demo(callers: usize, duration: std::time::Duration) -> ExitCode {
 }
 
 fn run_lab(lab: Lab) -> ExitCode {
-    let (callers, warmup, stall, after, setups, out) = match lab {
+    let result = match lab {
+        Lab::Backoff {
+            clients,
+            trials,
+            seed,
+            out,
+        } => lab_backoff(&clients, trials, seed, &out),
         Lab::Outage {
             callers,
             warmup,
@@ -180,54 +195,86 @@ fn run_lab(lab: Lab) -> ExitCode {
             after,
             setups,
             out,
-        } => (callers, warmup, stall, after, setups, out),
-        Lab::Backoff {
-            clients,
-            trials,
-            seed,
-            out,
         } => {
-            let rows = herdguard::lab::backoff::run(&clients, trials.max(1), seed);
-            let table = herdguard::lab::backoff::table(&rows);
-            print!("{table}");
-            let written = std::fs::create_dir_all(&out).and_then(|()| {
-                std::fs::write(out.join("backoff.csv"), herdguard::lab::backoff::csv(&rows))
-            });
-            if let Err(e) = written {
-                eprintln!("herdguard lab: cannot write to {}: {e}", out.display());
-                return ExitCode::FAILURE;
-            }
-            return ExitCode::SUCCESS;
+            let params = outage::Params {
+                callers,
+                warmup,
+                stall,
+                after,
+                ..outage::Params::default()
+            };
+            lab_outage(&setups, &params, &out)
         }
+        Lab::Plot { from, out } => lab_plot(&from, out.as_deref().unwrap_or(&from)),
     };
-    let mut chosen = Vec::new();
-    for name in &setups {
-        match outage::Setup::parse(name) {
-            Some(s) => chosen.push(s),
-            None => {
-                eprintln!("herdguard lab outage: unknown setup {name:?} (use direct, naive, defaults, no-adaptive)");
-                return ExitCode::from(2);
-            }
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(LabError::Usage(e)) => {
+            eprintln!("herdguard lab: {e}");
+            ExitCode::from(2)
+        }
+        Err(LabError::Failed(e)) => {
+            eprintln!("herdguard lab: {e}");
+            ExitCode::FAILURE
         }
     }
-    let params = outage::Params {
-        callers,
-        warmup,
-        stall,
-        after,
-        ..outage::Params::default()
-    };
-    if let Err(e) = std::fs::create_dir_all(&out) {
-        eprintln!("herdguard lab: cannot create {}: {e}", out.display());
-        return ExitCode::FAILURE;
-    }
-    let rt = match tokio::runtime::Runtime::new() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("herdguard lab: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
+}
+
+enum LabError {
+    Usage(String),
+    Failed(String),
+}
+
+fn write(path: &std::path::Path, contents: &str) -> Result<(), LabError> {
+    std::fs::write(path, contents)
+        .map_err(|e| LabError::Failed(format!("cannot write {}: {e}", path.display())))
+}
+
+fn read(path: &std::path::Path) -> Result<String, LabError> {
+    std::fs::read_to_string(path)
+        .map_err(|e| LabError::Failed(format!("cannot read {}: {e}", path.display())))
+}
+
+fn create_dir(dir: &std::path::Path) -> Result<(), LabError> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| LabError::Failed(format!("cannot create {}: {e}", dir.display())))
+}
+
+fn lab_backoff(
+    clients: &[usize],
+    trials: u64,
+    seed: u64,
+    out: &std::path::Path,
+) -> Result<(), LabError> {
+    let rows = lab::backoff::run(clients, trials.max(1), seed);
+    print!("{}", lab::backoff::table(&rows));
+    create_dir(out)?;
+    let csv = lab::backoff::csv(&rows);
+    write(&out.join("backoff.csv"), &csv)?;
+    // Drawn from the CSV's rounded values, so that `lab plot` redraws it exactly.
+    let rows = lab::backoff::parse_csv(&csv).map_err(LabError::Failed)?;
+    let svg = lab::plot::backoff(&rows).map_err(|e| LabError::Failed(e.to_string()))?;
+    write(&out.join("backoff.svg"), &svg)
+}
+
+fn lab_outage(
+    setups: &[String],
+    params: &outage::Params,
+    out: &std::path::Path,
+) -> Result<(), LabError> {
+    let chosen = setups
+        .iter()
+        .map(|name| {
+            outage::Setup::parse(name).ok_or_else(|| {
+                LabError::Usage(format!(
+                    "unknown outage setup {name:?} (use direct, naive, defaults, no-adaptive)"
+                ))
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    create_dir(out)?;
+    let rt = tokio::runtime::Runtime::new()
+        .map_err(|e| LabError::Failed(format!("cannot start the runtime: {e}")))?;
     let mut reports = Vec::new();
     for setup in chosen {
         eprintln!(
@@ -236,18 +283,59 @@ fn run_lab(lab: Lab) -> ExitCode {
             params.callers,
             params.stall
         );
-        let report = rt.block_on(outage::run(setup, &params));
-        let path = out.join(format!("outage-{}.csv", setup.name()));
-        if let Err(e) = std::fs::write(&path, report.csv()) {
-            eprintln!("herdguard lab: cannot write {}: {e}", path.display());
-            return ExitCode::FAILURE;
-        }
+        let report = rt.block_on(outage::run(setup, params));
+        write(
+            &out.join(format!("outage-{}.csv", setup.name())),
+            &report.csv(),
+        )?;
         reports.push(report);
     }
     let table = outage::table(&reports);
     print!("{table}");
-    let _ = std::fs::write(out.join("outage-summary.txt"), &table);
-    ExitCode::SUCCESS
+    write(&out.join("outage-summary.txt"), &table)?;
+    let runs: Vec<(&str, &[outage::Second])> = reports
+        .iter()
+        .map(|r| (r.setup.name(), r.seconds.as_slice()))
+        .collect();
+    let svg = lab::plot::outage(&runs).map_err(|e| LabError::Failed(e.to_string()))?;
+    write(&out.join("outage.svg"), &svg)
+}
+
+/// Redraws the plots from whatever CSV files `from` holds.
+fn lab_plot(from: &std::path::Path, out: &std::path::Path) -> Result<(), LabError> {
+    let mut drawn = 0;
+    create_dir(out)?;
+    let backoff_csv = from.join("backoff.csv");
+    if backoff_csv.exists() {
+        let rows = lab::backoff::parse_csv(&read(&backoff_csv)?)
+            .map_err(|e| LabError::Failed(format!("{}: {e}", backoff_csv.display())))?;
+        let svg = lab::plot::backoff(&rows).map_err(|e| LabError::Failed(e.to_string()))?;
+        write(&out.join("backoff.svg"), &svg)?;
+        drawn += 1;
+    }
+    let mut runs = Vec::new();
+    for setup in outage::Setup::ALL {
+        let path = from.join(format!("outage-{}.csv", setup.name()));
+        if path.exists() {
+            let seconds = outage::parse_csv(&read(&path)?)
+                .map_err(|e| LabError::Failed(format!("{}: {e}", path.display())))?;
+            runs.push((setup.name(), seconds));
+        }
+    }
+    if !runs.is_empty() {
+        let runs: Vec<(&str, &[outage::Second])> =
+            runs.iter().map(|(n, s)| (*n, s.as_slice())).collect();
+        let svg = lab::plot::outage(&runs).map_err(|e| LabError::Failed(e.to_string()))?;
+        write(&out.join("outage.svg"), &svg)?;
+        drawn += 1;
+    }
+    if drawn == 0 {
+        return Err(LabError::Usage(format!(
+            "{} holds neither backoff.csv nor outage-*.csv",
+            from.display()
+        )));
+    }
+    Ok(())
 }
 
 fn check(path: &std::path::Path) -> ExitCode {

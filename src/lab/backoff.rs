@@ -50,6 +50,10 @@ impl Strategy {
         }
     }
 
+    pub fn parse(name: &str) -> Option<Strategy> {
+        Strategy::ALL.into_iter().find(|s| s.name() == name)
+    }
+
     fn backoff(self) -> Option<Backoff> {
         let jitter = match self {
             Strategy::NoBackoff => return None,
@@ -199,6 +203,27 @@ pub fn csv(rows: &[Row]) -> String {
         );
     }
     out
+}
+
+/// Reads back what [`csv`] wrote.
+pub fn parse_csv(text: &str) -> Result<Vec<Row>, String> {
+    let mut rows = Vec::new();
+    for (i, line) in text.lines().enumerate().skip(1) {
+        let bad = |what: &str| format!("line {}: {what}: {line:?}", i + 1);
+        let fields: Vec<&str> = line.split(',').collect();
+        let [strategy, clients, work, time_ms] = fields[..] else {
+            return Err(bad("expected strategy,clients,work,time_ms"));
+        };
+        rows.push(Row {
+            strategy: Strategy::parse(strategy).ok_or_else(|| bad("unknown strategy"))?,
+            clients: clients.parse().map_err(|_| bad("clients is not a count"))?,
+            work: work.parse().map_err(|_| bad("work is not a number"))?,
+            time_ms: time_ms
+                .parse()
+                .map_err(|_| bad("time_ms is not a number"))?,
+        });
+    }
+    Ok(rows)
 }
 
 pub fn table(rows: &[Row]) -> String {

@@ -3,3 +3,4 @@
 
 pub mod backoff;
 pub mod outage;
+pub mod plot;

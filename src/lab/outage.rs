@@ -353,6 +353,30 @@ impl Report {
     }
 }
 
+/// Reads back what [`Report::csv`] wrote.
+pub fn parse_csv(text: &str) -> Result<Vec<Second>, String> {
+    let mut seconds = Vec::new();
+    for (i, line) in text.lines().enumerate().skip(1) {
+        let bad = |what: &str| format!("line {}: {what}: {line:?}", i + 1);
+        let fields: Result<Vec<u64>, _> = line.split(',').map(str::parse::<u64>).collect();
+        let fields = fields.map_err(|_| bad("expected whole numbers"))?;
+        let [t, stalled, peak, goodput, timeouts, errors] = fields[..] else {
+            return Err(bad(
+                "expected t,stalled,upstream_peak_concurrency,goodput,timeouts,errors",
+            ));
+        };
+        seconds.push(Second {
+            t: u32::try_from(t).map_err(|_| bad("t is too large"))?,
+            stalled: stalled != 0,
+            upstream_peak: usize::try_from(peak).map_err(|_| bad("peak is too large"))?,
+            goodput,
+            timeouts,
+            errors,
+        });
+    }
+    Ok(seconds)
+}
+
 /// The side-by-side table of several runs.
 pub fn table(reports: &[Report]) -> String {
     let mut out = format!(

@@ -1,34 +1,51 @@
 #!/usr/bin/env bash
-# Side-by-side proxy benchmark on loopback: the same upstream, reached
-# directly, through nginx (one worker, the reference) and through herdguard.
-# Each target gets the same wrk load; the table reports req/s, p50, p99 and
-# peak RSS, with ratios against nginx from this same run.
+# Side-by-side proxy benchmark on loopback, one run, one table: the same
+# upstream reached directly, through nginx and HAProxy (the references) and
+# through herdguard (--threads 1 and its default runtime).
 #
-#   benches/proxy.sh                 # default: 3 rounds of 10 s per target, 64 connections
-#   DURATION=20 ROUNDS=5 CONNECTIONS=128 benches/proxy.sh
+#   Closed loop (wrk, 64 connections): maximum req/s, p50, p99.
+#   Open loop (oha at a fixed rate, latency corrected for coordinated
+#   omission): p50, p99, p99.9 at a load every target can carry.
+#   Peak RSS of each proxy, and retries configured vs off (GET and 1 KiB POST).
 #
-# Installs wrk and nginx from Debian when missing (needs root, as on CI).
-# On a 2-core machine the proxy under test is pinned to CPU 1 and the
-# upstream and wrk to CPU 0, so every proxy gets the same single core.
+#   benches/proxy.sh                  # 3 rounds, 10 s per wrk run, 8 s per oha run
+#   DURATION=20 ROUNDS=5 RATE=15000 benches/proxy.sh
+#
+# Installs wrk, nginx and HAProxy from Debian when missing (needs root, as on
+# CI) and oha with cargo (into target/bench-tools, once). On a machine with
+# two cores or more every proxy is pinned to CPU 1, the upstream and the load
+# generators to CPU 0, so each proxy gets the same single core.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DURATION=${DURATION:-10}
+OPEN_DURATION=${OPEN_DURATION:-8}
 CONNECTIONS=${CONNECTIONS:-64}
+RATE=${RATE:-20000}
 WARMUP=${WARMUP:-2}
 ROUNDS=${ROUNDS:-3}
 OUT=${OUT:-bench-results}
-UP_PORT=18181 NGINX_PORT=18182 HG_PORT=18183 HG_ADMIN=18184 HG_PORT_NORETRY=18185 HG_ADMIN_NORETRY=18186
+UP_PORT=18181 NGINX_PORT=18182 HAPROXY_PORT=18187
+HG_PORT=18183 HG_ADMIN=18184 HG_PORT_NORETRY=18185 HG_ADMIN_NORETRY=18186 HG_PORT_MT=18188 HG_ADMIN_MT=18189
+PORTS="$UP_PORT $NGINX_PORT $HAPROXY_PORT $HG_PORT $HG_ADMIN $HG_PORT_NORETRY $HG_ADMIN_NORETRY $HG_PORT_MT $HG_ADMIN_MT"
 
 need() { command -v "$1" >/dev/null 2>&1; }
-if ! need wrk || ! need nginx; then
-  echo "installing wrk and nginx from Debian..." >&2
+if ! need wrk || ! need nginx || ! need haproxy; then
+  echo "installing wrk, nginx and haproxy from Debian..." >&2
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -qq wrk nginx-light >/dev/null 2>&1 || { apt-get update -qq >/dev/null && apt-get install -y -qq wrk nginx-light >/dev/null; }
+  apt-get install -y -qq wrk nginx-light haproxy >/dev/null 2>&1 ||
+    { apt-get update -qq >/dev/null && apt-get install -y -qq wrk nginx-light haproxy >/dev/null; }
 fi
+TOOLS=$PWD/target/bench-tools
+export PATH="$TOOLS/bin:$PATH"
+if ! need oha; then
+  echo "installing oha with cargo (once, a few minutes)..." >&2
+  cargo install oha --version 1.16.0 --locked --quiet --root "$TOOLS"
+fi
+need python3 || { echo "python3 is needed to read oha's JSON" >&2; exit 1; }
 cargo build --release --quiet
 
-for p in $UP_PORT $NGINX_PORT $HG_PORT $HG_ADMIN $HG_PORT_NORETRY $HG_ADMIN_NORETRY; do
+for p in $PORTS; do
   if (exec 3<>/dev/tcp/127.0.0.1/"$p") 2>/dev/null; then
     echo "port $p is already in use (a previous run still going?); stop it first" >&2; exit 1
   fi
@@ -54,7 +71,7 @@ spawn() { # spawn CPU cmd...: start pinned in the background; $! is the command'
 }
 run_pinned() { ( pin "$@" ); }
 
-nginx_conf() { # name port body
+nginx_conf() { # name port http-block-extra server-block
   cat > "$WORK/$1.conf" <<CONF
 worker_processes 1;
 daemon off;
@@ -79,11 +96,30 @@ CONF
 nginx_conf upstream $UP_PORT "" 'location / { return 200 "hello from upstream\n"; }'
 spawn 0 nginx -c "$WORK/upstream.conf"; PIDS+=($!)
 
-# The reference proxy: nginx, one worker, keep-alive to the upstream, CPU 1.
+# Reference 1: nginx, one worker, keep-alive to the upstream, CPU 1.
 nginx_conf reference $NGINX_PORT \
   "upstream backend { server 127.0.0.1:$UP_PORT; keepalive 128; }" \
   'location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; }'
 spawn 1 nginx -c "$WORK/reference.conf"; NGINX_PID=$!; PIDS+=($NGINX_PID)
+
+# Reference 2: HAProxy, one thread, connection reuse to the upstream, CPU 1.
+cat > "$WORK/haproxy.cfg" <<CONF
+global
+  nbthread 1
+  maxconn 8192
+defaults
+  mode http
+  timeout connect 5s
+  timeout client 30s
+  timeout server 30s
+  http-reuse always
+frontend bench
+  bind 127.0.0.1:$HAPROXY_PORT
+  default_backend upstream
+backend upstream
+  server up 127.0.0.1:$UP_PORT
+CONF
+spawn 1 haproxy -db -f "$WORK/haproxy.cfg"; HAPROXY_PID=$!; PIDS+=($HAPROXY_PID)
 
 # herdguard with its default policies (retries configured, none triggered), CPU 1.
 hg_conf() { # name port admin attempts
@@ -102,9 +138,12 @@ CONF
 }
 hg_conf herdguard $HG_PORT $HG_ADMIN 3
 hg_conf herdguard-noretry $HG_PORT_NORETRY $HG_ADMIN_NORETRY 1
+hg_conf herdguard-default $HG_PORT_MT $HG_ADMIN_MT 3
 export RUST_LOG=warn
 spawn 1 ./target/release/herdguard --config "$WORK/herdguard.toml" --threads 1; HG_PID=$!; PIDS+=($HG_PID)
 spawn 1 ./target/release/herdguard --config "$WORK/herdguard-noretry.toml" --threads 1; HG2_PID=$!; PIDS+=($HG2_PID)
+# The default runtime: multi-threaded, one worker per core it may use.
+spawn 1 ./target/release/herdguard --config "$WORK/herdguard-default.toml"; HG3_PID=$!; PIDS+=($HG3_PID)
 
 wait_port() {
   for _ in $(seq 1 100); do
@@ -113,36 +152,56 @@ wait_port() {
   done
   echo "nothing listens on port $1" >&2; exit 1
 }
-for p in $UP_PORT $NGINX_PORT $HG_PORT $HG_PORT_NORETRY; do wait_port "$p"; done
+for p in $UP_PORT $NGINX_PORT $HAPROXY_PORT $HG_PORT $HG_PORT_NORETRY $HG_PORT_MT; do wait_port "$p"; done
 
-pid_on_port() { # the nginx worker (child) or herdguard process serving a port
+pid_on_port() { # the process serving a port (nginx: its worker)
   case $1 in
     $NGINX_PORT) pgrep -P "$NGINX_PID" | head -1 ;;
+    $HAPROXY_PORT) echo "$HAPROXY_PID" ;;
     $HG_PORT) echo "$HG_PID" ;;
     $HG_PORT_NORETRY) echo "$HG2_PID" ;;
+    $HG_PORT_MT) echo "$HG3_PID" ;;
     *) echo "" ;;
   esac
 }
+port_of() {
+  case $1 in
+    direct) echo $UP_PORT ;; nginx*) echo $NGINX_PORT ;; haproxy*) echo $HAPROXY_PORT ;;
+    herdguard-noretry*) echo $HG_PORT_NORETRY ;; herdguard-default*) echo $HG_PORT_MT ;; herdguard*) echo $HG_PORT ;;
+  esac
+}
 
-# run NAME PORT [wrk args...] -> "name rps p50_ms p99_ms rss_kib"
-run() {
-  local name=$1 port=$2; shift 2
-  local url="http://127.0.0.1:$port/bench"
+# closed NAME [wrk args...] -> "NAME rps p50_ms p99_ms non2xx"
+closed() {
+  local name=$1; shift
+  local url="http://127.0.0.1:$(port_of "$name")/bench"
   run_pinned 0 wrk -t1 -c"$CONNECTIONS" -d"${WARMUP}s" "$@" "$url" >/dev/null
   run_pinned 0 wrk -t1 -c"$CONNECTIONS" -d"${DURATION}s" --latency "$@" "$url" > "$OUT/$name.wrk"
-  local pid rss="-"
-  pid=$(pid_on_port "$port")
-  if [ -n "$pid" ] && [ -r "/proc/$pid/status" ]; then
-    rss=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status")
-  fi
-  awk -v name="$name" -v rss="$rss" '
+  awk -v name="$name" '
     function ms(v) { if (v ~ /us$/) return v/1000; if (v ~ /ms$/) return v+0; if (v ~ /s$/) return v*1000; return v }
     /Requests\/sec/ { rps=$2 }
     /^ +50%/ { p50=ms($2) }
     /^ +99%/ { p99=ms($2) }
     /Non-2xx/ { bad=$NF }
-    END { printf "%s %s %s %s %s %s\n", name, rps, p50, p99, rss, (bad==""?0:bad) }
+    END { printf "%s %s %s %s %s\n", name, rps, p50, p99, (bad==""?0:bad) }
   ' "$OUT/$name.wrk"
+}
+
+# open NAME -> "NAME@open rps p50_ms p99_ms p999_ms failed"
+open_loop() {
+  local name=$1
+  local url="http://127.0.0.1:$(port_of "$name")/bench"
+  run_pinned 0 oha --no-tui --output-format json -c "$CONNECTIONS" -q "$RATE" --latency-correction \
+    -z "${OPEN_DURATION}s" "$url" > "$OUT/$name.oha.json"
+  python3 - "$name" "$OUT/$name.oha.json" <<'PY'
+import json, sys
+name, path = sys.argv[1], sys.argv[2]
+r = json.load(open(path))
+p = r["latencyPercentiles"]
+ok = sum(v for k, v in r["statusCodeDistribution"].items() if k.startswith("2"))
+total = sum(r["statusCodeDistribution"].values()) + sum(r.get("errorDistribution", {}).values())
+print(f'{name}@open {r["summary"]["requestsPerSec"]:.0f} {p["p50"]*1e3:.3f} {p["p99"]*1e3:.3f} {p["p99.9"]*1e3:.3f} {total - ok}')
+PY
 }
 
 # A 1 KiB POST body, for the retry-configured-but-not-triggered comparison.
@@ -153,42 +212,66 @@ local f = io.open("$WORK/body", "rb"); wrk.body = f:read("*a"); f:close()
 wrk.headers["Content-Type"] = "application/octet-stream"
 LUA
 
+GET_TARGETS="direct nginx haproxy herdguard herdguard-default herdguard-noretry"
+POST_TARGETS="nginx-post haproxy-post herdguard-post herdguard-noretry-post"
+OPEN_TARGETS="direct nginx haproxy herdguard herdguard-default"
+
 # Rounds interleave the targets so that drift in the machine hits them alike;
 # each figure below is the median over rounds.
 for round in $(seq 1 "$ROUNDS"); do
   echo "round $round/$ROUNDS..." >&2
-  run direct $UP_PORT
-  run nginx $NGINX_PORT
-  run herdguard $HG_PORT
-  run herdguard-noretry $HG_PORT_NORETRY
-  run nginx-post $NGINX_PORT -s "$WORK/post.lua"
-  run herdguard-post $HG_PORT -s "$WORK/post.lua"
-  run herdguard-noretry-post $HG_PORT_NORETRY -s "$WORK/post.lua"
+  for t in $GET_TARGETS; do closed "$t"; done
+  for t in $POST_TARGETS; do closed "$t" -s "$WORK/post.lua"; done
+  for t in $OPEN_TARGETS; do open_loop "$t"; done
 done > "$OUT/rounds.txt"
+
+# Peak RSS over the whole run.
+for t in nginx haproxy herdguard herdguard-default herdguard-noretry; do
+  pid=$(pid_on_port "$(port_of "$t")")
+  echo "$t $(awk '/VmHWM/ {print $2}' "/proc/$pid/status")"
+done > "$OUT/rss.txt"
+
 # Median of each column per target, in first-seen order.
 awk '
   !($1 in seen) { seen[$1]=1; order[++n]=$1 }
-  { k[$1]++; for (c=2; c<=6; c++) v[$1, c, k[$1]] = $c }
+  { k[$1]++; cols[$1]=NF; for (c=2; c<=NF; c++) v[$1, c, k[$1]] = $c }
   function median(name, c,   m, i, j, t, a) {
     m = k[name]; for (i=1; i<=m; i++) a[i] = v[name, c, i]
     for (i=1; i<=m; i++) for (j=i+1; j<=m; j++) if (a[j]+0 < a[i]+0) { t=a[i]; a[i]=a[j]; a[j]=t }
     return a[int((m+1)/2)]
   }
-  END { for (i=1; i<=n; i++) { x=order[i]; printf "%s %s %s %s %s %s\n", x, median(x,2), median(x,3), median(x,4), median(x,5), median(x,6) } }
+  END { for (i=1; i<=n; i++) { x=order[i]; line=x; for (c=2; c<=cols[x]; c++) line=line " " median(x,c); print line } }
 ' "$OUT/rounds.txt" > "$OUT/summary.txt"
 
+{
+echo "$(nproc) cores; proxies pinned to one core (nginx: 1 worker; HAProxy: nbthread 1; herdguard: --threads 1,"
+echo "and its default runtime, which on one core is a one-worker multi-thread runtime); median of $ROUNDS rounds."
 echo
-echo "wrk -t1 -c$CONNECTIONS -d${DURATION}s, median of $ROUNDS rounds, on $(nproc) cores; proxies pinned to one core (nginx: 1 worker; herdguard: --threads 1)"
-awk '
-  { name[NR]=$1; rps[NR]=$2; p50[NR]=$3; p99[NR]=$4; rss[NR]=$5; bad[NR]=$6; idx[$1]=NR }
+echo "Closed loop: wrk -t1 -c$CONNECTIONS -d${DURATION}s"
+awk -v rssfile="$OUT/rss.txt" '
+  BEGIN { while ((getline l < rssfile) > 0) { split(l, f, " "); rss[f[1]] = f[2] } }
+  $1 !~ /@open$/ { n++; name[n]=$1; rps[n]=$2; p50[n]=$3; p99[n]=$4; bad[n]=$5; idx[$1]=n }
   END {
-    printf "%-24s %12s %9s %9s %10s %8s %10s %10s\n", "target", "req/s", "p50 ms", "p99 ms", "RSS MiB", "non-2xx", "rps/nginx", "p99/nginx"
-    for (i = 1; i <= NR; i++) {
-      ref = (name[i] ~ /post$/) ? idx["nginx-post"] : idx["nginx"]
-      r = (rss[i] == "-") ? "-" : sprintf("%.1f", rss[i]/1024)
-      printf "%-24s %12.0f %9.2f %9.2f %10s %8s %10.2f %10.2f\n", name[i], rps[i], p50[i], p99[i], r, bad[i], rps[i]/rps[ref], p99[i]/p99[ref]
+    printf "%-24s %10s %8s %8s %8s %9s %9s %10s %9s\n", "target", "req/s", "p50 ms", "p99 ms", "non-2xx", "RSS MiB", "rps/nginx", "rps/haproxy", "p99/haproxy"
+    for (i = 1; i <= n; i++) {
+      post = (name[i] ~ /post$/)
+      ng = post ? idx["nginx-post"] : idx["nginx"]; hp = post ? idx["haproxy-post"] : idx["haproxy"]
+      base = name[i]; sub(/-post$/, "", base)
+      r = (base in rss) ? sprintf("%.1f", rss[base]/1024) : "-"
+      printf "%-24s %10.0f %8.2f %8.2f %8s %9s %9.2f %10.2f %9.2f\n", name[i], rps[i], p50[i], p99[i], bad[i], r, rps[i]/rps[ng], rps[i]/rps[hp], p99[i]/p99[hp]
     }
-    printf "\nretries configured vs off (GET):  %.3f x req/s\n", rps[idx["herdguard"]]/rps[idx["herdguard-noretry"]]
-    printf "retries configured vs off (POST): %.3f x req/s\n", rps[idx["herdguard-post"]]/rps[idx["herdguard-noretry-post"]]
+    printf "\nretries configured vs off, req/s: GET %.3f x, POST %.3f x\n", rps[idx["herdguard"]]/rps[idx["herdguard-noretry"]], rps[idx["herdguard-post"]]/rps[idx["herdguard-noretry-post"]]
   }
-' "$OUT/summary.txt" | tee "$OUT/table.txt"
+' "$OUT/summary.txt"
+echo
+echo "Open loop: oha -c$CONNECTIONS -q $RATE --latency-correction -z ${OPEN_DURATION}s"
+awk '
+  $1 ~ /@open$/ { n++; name[n]=$1; sub(/@open$/, "", name[n]); rps[n]=$2; p50[n]=$3; p99[n]=$4; p999[n]=$5; bad[n]=$6; idx[name[n]]=n }
+  END {
+    printf "%-24s %10s %8s %8s %9s %8s %9s %9s %11s\n", "target", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "failed", "p99/nginx", "p99/haproxy", "p99.9/haproxy"
+    ng = idx["nginx"]; hp = idx["haproxy"]
+    for (i = 1; i <= n; i++)
+      printf "%-24s %10.0f %8.3f %8.3f %9.3f %8s %9.2f %9.2f %11.2f\n", name[i], rps[i], p50[i], p99[i], p999[i], bad[i], p99[i]/p99[ng], p99[i]/p99[hp], p999[i]/p999[hp]
+  }
+' "$OUT/summary.txt"
+} | tee "$OUT/table.txt"

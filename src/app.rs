@@ -115,7 +115,8 @@ impl Server {
             })
         };
         let upkeep = {
-            let metrics = shared.proxy.metrics().clone();
+            let proxy = shared.proxy.clone();
+            let metrics = proxy.metrics().clone();
             let mut stop = shutdown_rx_upkeep;
             async move {
                 // Histograms keep raw samples until drained: drain them often,
@@ -125,7 +126,10 @@ impl Server {
                 loop {
                     tokio::select! {
                         _ = stopped(&mut stop) => break,
-                        _ = tick.tick() => metrics.upkeep(),
+                        _ = tick.tick() => {
+                            metrics.upkeep();
+                            proxy.runtime().sweep();
+                        }
                     }
                 }
             }

@@ -4,6 +4,7 @@
 mod body;
 mod error;
 pub mod headers;
+mod pool;
 mod replay;
 mod upstream;
 
@@ -20,8 +21,9 @@ use tracing::{debug, info};
 
 pub use body::{BoxError, RequestBody, ResponseBody};
 pub use error::LocalError;
+pub use pool::PoolError;
 pub use replay::ReplayBody;
-pub use upstream::{InFlight, Upstream, UpstreamError};
+pub use upstream::{InFlight, SendError, Upstream, UpstreamError};
 
 use crate::breaker::{
     Admit, Breaker, Outcome as BreakerOutcome, SharedBreaker, Snapshot, State as BreakerState,
@@ -127,6 +129,13 @@ impl Runtime {
                 .budget_available
                 .set(route.budget.available(now));
             route.upstream.refresh_gauges();
+        }
+    }
+
+    /// Closes upstream connections that closed or idled out.
+    pub fn sweep(&self) {
+        for route in &self.routes {
+            route.upstream.sweep();
         }
     }
 

@@ -1,12 +1,14 @@
-//! An upstream: its endpoints, a pooled client that speaks HTTP/1.1, h2c or
-//! TLS (rustls, ring provider), round-robin balancing, and the in-flight count
-//! that sheds load above `max_in_flight`.
+//! An upstream: its endpoints, round-robin balancing, the in-flight count
+//! that sheds load above `max_in_flight`, and two ways to send: plain HTTP/1.1
+//! endpoints get their own lean connection pool (`pool.rs`); TLS (rustls,
+//! ring provider) and HTTP/2 go through hyper-util's pooled client.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{HeaderValue, Uri};
+use http::{HeaderValue, Request, Response, Uri};
+use hyper::body::Incoming;
 use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -20,6 +22,7 @@ use crate::limit::{Limiter, Sample};
 use crate::metrics::{Metrics, UpstreamMetrics};
 
 use super::body::RequestBody;
+use super::pool::{self, H1Pool, PoolError};
 
 pub type HttpClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
 
@@ -36,23 +39,52 @@ pub enum UpstreamError {
     },
 }
 
+/// Why an attempt got no response.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    #[error(transparent)]
+    Pool(PoolError),
+    #[error(transparent)]
+    Client(hyper_util::client::legacy::Error),
+}
+
+impl SendError {
+    /// No connection was made: nothing reached the upstream.
+    pub fn is_connect(&self) -> bool {
+        match self {
+            SendError::Pool(e) => e.is_connect(),
+            SendError::Client(e) => e.is_connect(),
+        }
+    }
+}
+
 /// One `scheme://host:port` of an upstream, pre-parsed.
-#[derive(Debug)]
 pub struct Endpoint {
     scheme: Scheme,
     authority: Authority,
     /// The `Host` header sent to this endpoint.
     pub host: HeaderValue,
+    /// Plain HTTP/1.1 endpoints: their own connection pool.
+    h1: Option<H1Pool>,
 }
 
 impl Endpoint {
-    fn parse(url: &str) -> Option<Self> {
+    fn parse(url: &str, config: &UpstreamConfig) -> Option<Self> {
         let uri: Uri = url.parse().ok()?;
         let authority = uri.authority()?.clone();
+        let scheme = uri.scheme()?.clone();
+        let h1 = (scheme == Scheme::HTTP && config.http2 != Http2Mode::Always).then(|| {
+            H1Pool::new(
+                authority.clone(),
+                config.connect_timeout,
+                config.pool_idle_timeout,
+            )
+        });
         Some(Self {
-            scheme: uri.scheme()?.clone(),
+            scheme,
             host: HeaderValue::from_str(authority.as_str()).ok()?,
             authority,
+            h1,
         })
     }
 
@@ -101,7 +133,7 @@ impl Upstream {
         let endpoints = config
             .endpoints
             .iter()
-            .map(|e| Endpoint::parse(e).expect("validated endpoint"))
+            .map(|e| Endpoint::parse(e, config).expect("validated endpoint"))
             .collect();
         Ok(Arc::new(Self {
             name: name.into(),
@@ -151,6 +183,34 @@ impl Upstream {
             let mut limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
             limiter.update(sample, self.in_flight(), tokio::time::Instant::now());
             self.limit.store(limiter.limit(), Ordering::Relaxed);
+        }
+    }
+
+    /// Sends one attempt to `endpoint`.
+    pub async fn send(
+        &self,
+        endpoint: &Endpoint,
+        path_and_query: Option<&PathAndQuery>,
+        mut req: Request<RequestBody>,
+    ) -> Result<Response<Incoming>, SendError> {
+        match &endpoint.h1 {
+            Some(pool) => {
+                *req.uri_mut() = pool::origin_form(path_and_query);
+                pool.send(req).await.map_err(SendError::Pool)
+            }
+            None => {
+                *req.uri_mut() = endpoint.uri(path_and_query);
+                self.client.request(req).await.map_err(SendError::Client)
+            }
+        }
+    }
+
+    /// Closes connections that closed or idled out (once a second).
+    pub fn sweep(&self) {
+        for e in &self.endpoints {
+            if let Some(pool) = &e.h1 {
+                pool.sweep();
+            }
         }
     }
 

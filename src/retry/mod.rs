@@ -27,7 +27,7 @@ use crate::breaker::{Admit, Outcome as BreakerOutcome};
 use crate::limit::Sample;
 use crate::metrics::Outcome;
 use crate::proxy::headers::X_HERDGUARD_ATTEMPT;
-use crate::proxy::{error_chain, InFlight, LocalError, ReplayBody, RequestBody, Route};
+use crate::proxy::{error_chain, InFlight, LocalError, ReplayBody, RequestBody, Route, SendError};
 
 /// A request ready to go upstream, headers already rewritten for the hop.
 pub struct Outgoing {
@@ -132,7 +132,6 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
                 .map_or(RequestBody::Empty, |body| RequestBody::Stream { body }),
         });
         *req.method_mut() = out.method.clone();
-        *req.uri_mut() = target.uri(out.path_and_query.as_ref());
         *req.version_mut() = Version::HTTP_11;
         *req.headers_mut() = if retrying {
             headers.clone().expect("kept for retries")
@@ -159,7 +158,11 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
             sent_at,
             patience: (per_try / 2).min(Duration::from_millis(500)),
         };
-        let sent = tokio::time::timeout(per_try, upstream.client.request(req)).await;
+        let sent = tokio::time::timeout(
+            per_try,
+            upstream.send(target, out.path_and_query.as_ref(), req),
+        )
+        .await;
         std::mem::forget(guard);
         let elapsed = sent_at.elapsed();
         let (failure, outcome, result) = classify(route, sent, slot, per_try);
@@ -332,10 +335,7 @@ fn skip(route: &Route, attempt: u32, reason: SkipReason) {
     debug!(route = %route.name, attempt, reason = reason.as_str(), "retry skipped");
 }
 
-type Attempted = Result<
-    Result<Response<Incoming>, hyper_util::client::legacy::Error>,
-    tokio::time::error::Elapsed,
->;
+type Attempted = Result<Result<Response<Incoming>, SendError>, tokio::time::error::Elapsed>;
 
 /// What an attempt's outcome means: the failure (if `retry_on` could name
 /// it), the metric outcome, and what to pass on if no retry follows.
@@ -379,11 +379,14 @@ fn classify(
 }
 
 /// Sorts a client error into what retrying needs to know.
-fn client_failure(e: &hyper_util::client::legacy::Error) -> Failure {
+fn client_failure(e: &SendError) -> Failure {
     if e.is_connect() {
         return Failure::ConnectFailure;
     }
-    let mut source = std::error::Error::source(e);
+    let mut source: Option<&(dyn std::error::Error + 'static)> = match e {
+        SendError::Pool(e) => Some(e),
+        SendError::Client(e) => Some(e),
+    };
     while let Some(s) = source {
         if let Some(h) = s.downcast_ref::<hyper::Error>() {
             // The request was never written: its pooled connection closed first.

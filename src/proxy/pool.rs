@@ -1,0 +1,193 @@
+//! HTTP/1.1 connections to one plain-HTTP endpoint, over hyper's connection
+//! API: the hot path of most sidecars, without the general client's pool
+//! keys, checkout futures and per-request URI rewriting.
+//!
+//! Every live connection stays in one list, busy or not. A request takes the
+//! most recently used connection that is ready (idle, its last response read
+//! to the end), or opens a new one when none is; it is written while the
+//! list's lock is held, which takes no longer than queueing it to the
+//! connection's task. Closed connections, and connections idle for longer
+//! than `pool_idle_timeout`, are dropped when a request or the once-a-second
+//! upkeep passes by.
+//!
+//! Nothing here retries: a request that could not be written comes back as
+//! an error like any other, and the retry loop decides.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use http::uri::{Authority, PathAndQuery};
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::client::conn::http1;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+use tracing::debug;
+
+use super::body::RequestBody;
+
+/// Why a request got no response from the pool.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    #[error("connect to {authority} failed")]
+    Connect {
+        authority: Authority,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("connect to {authority} timed out after {timeout:?}")]
+    ConnectTimeout {
+        authority: Authority,
+        timeout: Duration,
+    },
+    #[error("HTTP/1.1 handshake with {authority} failed")]
+    Handshake {
+        authority: Authority,
+        #[source]
+        source: hyper::Error,
+    },
+    #[error("request to {authority} failed")]
+    Request {
+        authority: Authority,
+        #[source]
+        source: hyper::Error,
+    },
+}
+
+impl PoolError {
+    /// No connection was made: nothing reached the upstream.
+    pub fn is_connect(&self) -> bool {
+        !matches!(self, PoolError::Request { .. })
+    }
+}
+
+struct Conn {
+    sender: http1::SendRequest<RequestBody>,
+    last_used: Instant,
+}
+
+pub struct H1Pool {
+    authority: Authority,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+    conns: Mutex<Vec<Conn>>,
+}
+
+impl H1Pool {
+    pub fn new(authority: Authority, connect_timeout: Duration, idle_timeout: Duration) -> Self {
+        Self {
+            authority,
+            connect_timeout,
+            idle_timeout,
+            conns: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Sends `req` (origin-form URI, `Host` set) on a ready connection, or on
+    /// a new one.
+    pub async fn send(&self, req: Request<RequestBody>) -> Result<Response<Incoming>, PoolError> {
+        let mut req = Some(req);
+        if let Some(sent) = self.send_pooled(&mut req) {
+            return sent.await.map_err(|source| PoolError::Request {
+                authority: self.authority.clone(),
+                source,
+            });
+        }
+        let req = req.expect("not taken without a ready connection");
+        let mut sender = self.connect().await?;
+        let sent = sender.send_request(req);
+        self.lock().push(Conn {
+            sender,
+            last_used: Instant::now(),
+        });
+        sent.await.map_err(|source| PoolError::Request {
+            authority: self.authority.clone(),
+            source,
+        })
+    }
+
+    /// Queues `req` on the most recently used ready connection, dropping the
+    /// closed and the long idle ones on the way; leaves it if none is ready.
+    fn send_pooled(
+        &self,
+        req: &mut Option<Request<RequestBody>>,
+    ) -> Option<impl std::future::Future<Output = hyper::Result<Response<Incoming>>>> {
+        let now = Instant::now();
+        let mut conns = self.lock();
+        let mut i = conns.len();
+        while i > 0 {
+            i -= 1;
+            let conn = &conns[i];
+            if conn.sender.is_closed() || self.expired(conn, now) {
+                conns.swap_remove(i);
+                continue;
+            }
+            if conn.sender.is_ready() {
+                let conn = &mut conns[i];
+                conn.last_used = now;
+                return req.take().map(|req| conn.sender.send_request(req));
+            }
+        }
+        None
+    }
+
+    fn expired(&self, conn: &Conn, now: Instant) -> bool {
+        conn.sender.is_ready() && now.saturating_duration_since(conn.last_used) > self.idle_timeout
+    }
+
+    /// Drops closed connections and those idle for longer than the timeout.
+    pub fn sweep(&self) {
+        let now = Instant::now();
+        self.lock()
+            .retain(|c| !c.sender.is_closed() && !self.expired(c, now));
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Conn>> {
+        self.conns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn connect(&self) -> Result<http1::SendRequest<RequestBody>, PoolError> {
+        let host = self.authority.host();
+        let host = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host);
+        let port = self.authority.port_u16().unwrap_or(80);
+        let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect((host, port)))
+            .await
+            .map_err(|_| PoolError::ConnectTimeout {
+                authority: self.authority.clone(),
+                timeout: self.connect_timeout,
+            })?
+            .map_err(|source| PoolError::Connect {
+                authority: self.authority.clone(),
+                source,
+            })?;
+        let _ = stream.set_nodelay(true);
+        let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
+        let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+        let (sender, conn) = http1::Builder::new()
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(|source| PoolError::Handshake {
+                authority: self.authority.clone(),
+                source,
+            })?;
+        let authority = self.authority.clone();
+        tokio::spawn(async move {
+            if let Err(e) = conn.with_upgrades().await {
+                debug!(upstream = %authority, error = %e, "upstream connection ended with an error");
+            }
+        });
+        Ok(sender)
+    }
+}
+
+/// The origin-form target of a request sent on a connection of the pool.
+pub fn origin_form(path_and_query: Option<&PathAndQuery>) -> http::Uri {
+    match path_and_query {
+        Some(pq) => http::Uri::from(pq.clone()),
+        None => http::Uri::from_static("/"),
+    }
+}

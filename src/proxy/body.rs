@@ -21,7 +21,9 @@ pin_project! {
     pub enum RequestBody {
         Empty,
         Stream { #[pin] body: Incoming },
-        Replay { #[pin] body: ReplayBody },
+        // Boxed: every request is moved through hyper's dispatch queue, and a
+        // replay buffer inline would make each of them four times the size.
+        Replay { body: Pin<Box<ReplayBody>> },
     }
 }
 
@@ -36,7 +38,7 @@ impl Body for RequestBody {
         match self.project() {
             RequestBodyProj::Empty => Poll::Ready(None),
             RequestBodyProj::Stream { body } => body.poll_frame(cx),
-            RequestBodyProj::Replay { body } => body.poll_frame(cx),
+            RequestBodyProj::Replay { body } => body.as_mut().poll_frame(cx),
         }
     }
 

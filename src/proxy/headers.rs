@@ -8,7 +8,8 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::Version;
 
 /// Fields that describe one connection, never forwarded (RFC 9110 §7.6.1).
-const HOP_BY_HOP: [HeaderName; 7] = [
+const HOPS: usize = 7;
+const HOP_BY_HOP: [HeaderName; HOPS] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -31,11 +32,28 @@ pub static X_HERDGUARD_FAULT: HeaderName = HeaderName::from_static("x-herdguard-
 /// With `upgrade`, the `Connection: upgrade` and `Upgrade` pair is kept so an
 /// HTTP/1.1 upgrade can pass through.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
+    // Each removal hashes its name, and most messages carry one hop-by-hop
+    // field or none: look at the few fields there are first.
+    let mut present = [false; HOPS];
+    for name in headers.keys() {
+        if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
+            present[i] = true;
+        }
+    }
+    if present == [false; HOPS] {
+        if upgrade {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        }
+        return;
+    }
     if let Some(connection) = headers.get(header::CONNECTION) {
         if let Ok(text) = connection.to_str() {
             let named: Vec<HeaderName> = text
                 .split(',')
-                .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+                .map(|t| t.trim())
+                // A `Keep-Alive` field is hop-by-hop anyway: removed below.
+                .filter(|t| !t.eq_ignore_ascii_case("keep-alive"))
+                .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
                 .collect();
             for name in named {
                 if !(upgrade && name == header::UPGRADE) {
@@ -51,8 +69,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
             .split(|b| *b == b',')
             .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers"))
     });
-    for name in &HOP_BY_HOP {
-        if upgrade && (name == header::CONNECTION || name == header::UPGRADE) {
+    for (name, present) in HOP_BY_HOP.iter().zip(present) {
+        if !present || (upgrade && (name == header::CONNECTION || name == header::UPGRADE)) {
             continue;
         }
         headers.remove(name);
@@ -149,6 +167,22 @@ mod tests {
         ]);
         strip_hop_by_hop(&mut h, false);
         assert_eq!(h, map(&[("x-keep", "yes")]));
+    }
+
+    #[test]
+    fn common_messages_lose_only_their_hop_by_hop_fields() {
+        let plain = map(&[("host", "a"), ("accept", "*/*"), ("x-request-id", "7")]);
+        let mut h = plain.clone();
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h, plain);
+
+        let mut h = map(&[
+            ("content-length", "2"),
+            ("connection", "keep-alive"),
+            ("date", "x"),
+        ]);
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h, map(&[("content-length", "2"), ("date", "x")]));
     }
 
     #[test]

@@ -125,7 +125,7 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
         let mut req = Request::new(match &mut body {
             AttemptBody::Empty => RequestBody::Empty,
             AttemptBody::Replay(replay) => RequestBody::Replay {
-                body: replay.replay(),
+                body: Box::pin(replay.replay()),
             },
             AttemptBody::Once(once) => once
                 .take()

@@ -475,3 +475,37 @@ async fn a_probe_whose_caller_hangs_up_frees_its_slot() {
         "{text}"
     );
 }
+
+#[tokio::test]
+async fn refused_requests_earn_no_retry_budget() {
+    let up = ok_upstream("fine").await;
+    let server = proxy(&route(&up.url(), "", "")).await;
+    let available = |server| async move {
+        let (_, text) = admin(server, "/metrics").await;
+        metric(&text, "herdguard_retry_budget_available{route=\"r\"}").expect("budget gauge")
+    };
+    let floor = available(&server).await;
+
+    assert_eq!(
+        admin_post(&server, "/breakers/r/open").await.0,
+        StatusCode::OK
+    );
+    for _ in 0..50 {
+        assert_eq!(get(&server, "/").await.0, StatusCode::SERVICE_UNAVAILABLE);
+    }
+    assert_eq!(
+        available(&server).await,
+        floor,
+        "refused requests deposited"
+    );
+
+    assert_eq!(
+        admin_post(&server, "/breakers/r/reset").await.0,
+        StatusCode::OK
+    );
+    for _ in 0..50 {
+        assert_eq!(get(&server, "/").await.0, StatusCode::OK);
+    }
+    assert!(available(&server).await > floor, "sent requests deposit");
+    assert_eq!(up.hits(), 50);
+}

@@ -68,7 +68,6 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
     let upstream = &route.upstream;
     let facts = out.facts;
     let deadline = start + policy.timeout;
-    route.budget.deposit(start);
 
     let retrying = policy.may_retry(&facts);
     let mut body = if out.body.is_end_stream() {
@@ -119,6 +118,12 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
                 trace,
             );
         };
+        // A request earns its share of retries when it is sent: one the
+        // breaker or the limits refused never reached the upstream, and must
+        // not make room for more retries against it.
+        if attempt == 1 {
+            route.budget.deposit(start);
+        }
         let (index, target) = upstream.pick_after(endpoint);
         endpoint = Some(index);
 

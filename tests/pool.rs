@@ -239,3 +239,21 @@ async fn connections_the_upstream_closed_are_not_used_again() {
     }
     assert_eq!(accepted.load(Ordering::SeqCst), 10);
 }
+
+#[tokio::test]
+async fn endpoints_named_by_host_name_are_resolved() {
+    let up = counted(|_| async { Response::new(full("by name")) }).await;
+    let url = format!("http://localhost:{}", up.addr.port());
+    let server = proxy(&format!(
+        "[upstreams.u]\nendpoints = [\"{url}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n"
+    ))
+    .await;
+    for _ in 0..3 {
+        let (status, _, body) = get(&server, "/").await;
+        assert_eq!(
+            (status, body),
+            (http::StatusCode::OK, Bytes::from("by name"))
+        );
+    }
+    assert_eq!(up.accepted(), 1);
+}

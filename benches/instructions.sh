@@ -22,26 +22,11 @@ N2=${N2:-22000}
 OUT=${OUT:-bench-results}
 UP_PORT=18301 NGINX_PORT=18302 HAPROXY_PORT=18303 HG_PORT=18304 HG_ADMIN=18305
 
-need() { command -v "$1" >/dev/null 2>&1; }
-if ! need valgrind || ! need nginx || ! need haproxy; then
-  echo "installing valgrind, nginx and haproxy from Debian..." >&2
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -qq valgrind nginx-light haproxy >/dev/null 2>&1 ||
-    { apt-get update -qq >/dev/null && apt-get install -y -qq valgrind nginx-light haproxy >/dev/null; }
-fi
-TOOLS=$PWD/target/bench-tools
-export PATH="$TOOLS/bin:$PATH"
-if ! need oha; then
-  echo "installing oha with cargo (once, a few minutes)..." >&2
-  cargo install oha --version 1.16.0 --locked --quiet --root "$TOOLS"
-fi
+. benches/common.sh
+install_tools valgrind:valgrind nginx:nginx-light haproxy:haproxy
 cargo build --release --quiet
 
-for p in $UP_PORT $NGINX_PORT $HAPROXY_PORT $HG_PORT $HG_ADMIN; do
-  if (exec 3<>/dev/tcp/127.0.0.1/"$p") 2>/dev/null; then
-    echo "port $p is already in use; stop what listens there first" >&2; exit 1
-  fi
-done
+ports_free $UP_PORT $NGINX_PORT $HAPROXY_PORT $HG_PORT $HG_ADMIN
 
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
@@ -53,67 +38,14 @@ cleanup() {
 }
 trap cleanup EXIT
 
-nginx_conf() { # name port master(on|off) http-extra server-block
-  cat > "$WORK/$1.conf" <<CONF
-worker_processes 1;
-master_process $3;
-daemon off;
-pid $WORK/$1.pid;
-error_log $WORK/$1.err warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $WORK/$1-body;
-  proxy_temp_path $WORK/$1-proxy;
-  fastcgi_temp_path $WORK/$1-fcgi;
-  uwsgi_temp_path $WORK/$1-uwsgi;
-  scgi_temp_path $WORK/$1-scgi;
-  keepalive_requests 1000000;
-  $4
-  server { listen 127.0.0.1:$2; $5 }
-}
-CONF
-}
-nginx_conf upstream $UP_PORT on "" 'location / { return 200 "hello from upstream\n"; }'
+nginx_conf upstream $UP_PORT on "" "$NGINX_UPSTREAM_SERVER"
 nginx -c "$WORK/upstream.conf" & UP_PID=$!
 
-nginx_conf nginx $NGINX_PORT off \
-  "upstream backend { server 127.0.0.1:$UP_PORT; keepalive 128; }" \
-  'location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; }'
-cat > "$WORK/haproxy.cfg" <<CONF
-global
-  nbthread 1
-defaults
-  mode http
-  timeout connect 5s
-  timeout client 30s
-  timeout server 30s
-  http-reuse always
-frontend bench
-  bind 127.0.0.1:$HAPROXY_PORT
-  default_backend upstream
-backend upstream
-  server up 127.0.0.1:$UP_PORT
-CONF
-cat > "$WORK/herdguard.toml" <<CONF
-[listen]
-address = "127.0.0.1:$HG_PORT"
-[admin]
-address = "127.0.0.1:$HG_ADMIN"
-[upstreams.up]
-endpoints = ["http://127.0.0.1:$UP_PORT"]
-[[routes]]
-name = "all"
-upstream = "up"
-CONF
+nginx_proxy_to $UP_PORT
+nginx_conf nginx $NGINX_PORT off "$NGINX_HTTP_EXTRA" "$NGINX_SERVER"
+haproxy_conf $HAPROXY_PORT $UP_PORT
+herdguard_conf herdguard $HG_PORT $HG_ADMIN $UP_PORT 3
 
-wait_port() {
-  for _ in $(seq 1 300); do
-    if (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null; then return 0; fi
-    sleep 0.1
-  done
-  echo "nothing listens on port $1" >&2; exit 1
-}
 wait_port $UP_PORT
 
 # count NAME PORT STOP-SIGNAL N cmd... -> total instructions

@@ -29,27 +29,12 @@ UP_PORT=18181 NGINX_PORT=18182 HAPROXY_PORT=18187
 HG_PORT=18183 HG_ADMIN=18184 HG_PORT_NORETRY=18185 HG_ADMIN_NORETRY=18186 HG_PORT_MT=18188 HG_ADMIN_MT=18189
 PORTS="$UP_PORT $NGINX_PORT $HAPROXY_PORT $HG_PORT $HG_ADMIN $HG_PORT_NORETRY $HG_ADMIN_NORETRY $HG_PORT_MT $HG_ADMIN_MT"
 
-need() { command -v "$1" >/dev/null 2>&1; }
-if ! need wrk || ! need nginx || ! need haproxy; then
-  echo "installing wrk, nginx and haproxy from Debian..." >&2
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -qq wrk nginx-light haproxy >/dev/null 2>&1 ||
-    { apt-get update -qq >/dev/null && apt-get install -y -qq wrk nginx-light haproxy >/dev/null; }
-fi
-TOOLS=$PWD/target/bench-tools
-export PATH="$TOOLS/bin:$PATH"
-if ! need oha; then
-  echo "installing oha with cargo (once, a few minutes)..." >&2
-  cargo install oha --version 1.16.0 --locked --quiet --root "$TOOLS"
-fi
+. benches/common.sh
+install_tools wrk:wrk nginx:nginx-light haproxy:haproxy
 need python3 || { echo "python3 is needed to read oha's JSON" >&2; exit 1; }
 cargo build --release --quiet
 
-for p in $PORTS; do
-  if (exec 3<>/dev/tcp/127.0.0.1/"$p") 2>/dev/null; then
-    echo "port $p is already in use (a previous run still going?); stop it first" >&2; exit 1
-  fi
-done
+ports_free $PORTS
 
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
@@ -71,87 +56,29 @@ spawn() { # spawn CPU cmd...: start pinned in the background; $! is the command'
 }
 run_pinned() { ( pin "$@" ); }
 
-nginx_conf() { # name port http-block-extra server-block
-  cat > "$WORK/$1.conf" <<CONF
-worker_processes 1;
-daemon off;
-pid $WORK/$1.pid;
-error_log $WORK/$1.err warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $WORK/$1-body;
-  proxy_temp_path $WORK/$1-proxy;
-  fastcgi_temp_path $WORK/$1-fcgi;
-  uwsgi_temp_path $WORK/$1-uwsgi;
-  scgi_temp_path $WORK/$1-scgi;
-  keepalive_requests 1000000;
-  $3
-  server { listen 127.0.0.1:$2; $4 }
-}
-CONF
-}
-
 # The upstream: nginx answering 200 with a small body, one worker, CPU 0.
-nginx_conf upstream $UP_PORT "" 'location / { return 200 "hello from upstream\n"; }'
+nginx_conf upstream $UP_PORT on "" "$NGINX_UPSTREAM_SERVER"
 spawn 0 nginx -c "$WORK/upstream.conf"; PIDS+=($!)
 
 # Reference 1: nginx, one worker, keep-alive to the upstream, CPU 1.
-nginx_conf reference $NGINX_PORT \
-  "upstream backend { server 127.0.0.1:$UP_PORT; keepalive 128; }" \
-  'location / { proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; }'
+nginx_proxy_to $UP_PORT
+nginx_conf reference $NGINX_PORT on "$NGINX_HTTP_EXTRA" "$NGINX_SERVER"
 spawn 1 nginx -c "$WORK/reference.conf"; NGINX_PID=$!; PIDS+=($NGINX_PID)
 
 # Reference 2: HAProxy, one thread, connection reuse to the upstream, CPU 1.
-cat > "$WORK/haproxy.cfg" <<CONF
-global
-  nbthread 1
-  maxconn 8192
-defaults
-  mode http
-  timeout connect 5s
-  timeout client 30s
-  timeout server 30s
-  http-reuse always
-frontend bench
-  bind 127.0.0.1:$HAPROXY_PORT
-  default_backend upstream
-backend upstream
-  server up 127.0.0.1:$UP_PORT
-CONF
+haproxy_conf $HAPROXY_PORT $UP_PORT
 spawn 1 haproxy -db -f "$WORK/haproxy.cfg"; HAPROXY_PID=$!; PIDS+=($HAPROXY_PID)
 
 # herdguard with its default policies (retries configured, none triggered), CPU 1.
-hg_conf() { # name port admin attempts
-  cat > "$WORK/$1.toml" <<CONF
-[listen]
-address = "127.0.0.1:$2"
-[admin]
-address = "127.0.0.1:$3"
-[upstreams.up]
-endpoints = ["http://127.0.0.1:$UP_PORT"]
-[[routes]]
-name = "all"
-upstream = "up"
-retry = { attempts = $4 }
-CONF
-}
-hg_conf herdguard $HG_PORT $HG_ADMIN 3
-hg_conf herdguard-noretry $HG_PORT_NORETRY $HG_ADMIN_NORETRY 1
-hg_conf herdguard-default $HG_PORT_MT $HG_ADMIN_MT 3
+herdguard_conf herdguard $HG_PORT $HG_ADMIN $UP_PORT 3
+herdguard_conf herdguard-noretry $HG_PORT_NORETRY $HG_ADMIN_NORETRY $UP_PORT 1
+herdguard_conf herdguard-default $HG_PORT_MT $HG_ADMIN_MT $UP_PORT 3
 export RUST_LOG=warn
 spawn 1 ./target/release/herdguard --config "$WORK/herdguard.toml" --threads 1; HG_PID=$!; PIDS+=($HG_PID)
 spawn 1 ./target/release/herdguard --config "$WORK/herdguard-noretry.toml" --threads 1; HG2_PID=$!; PIDS+=($HG2_PID)
 # The default runtime: multi-threaded, one worker per core it may use.
 spawn 1 ./target/release/herdguard --config "$WORK/herdguard-default.toml"; HG3_PID=$!; PIDS+=($HG3_PID)
 
-wait_port() {
-  for _ in $(seq 1 100); do
-    if (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null; then return 0; fi
-    sleep 0.1
-  done
-  echo "nothing listens on port $1" >&2; exit 1
-}
 for p in $UP_PORT $NGINX_PORT $HAPROXY_PORT $HG_PORT $HG_PORT_NORETRY $HG_PORT_MT; do wait_port "$p"; done
 
 pid_on_port() { # the process serving a port (nginx: its worker)

@@ -64,28 +64,62 @@ pub struct Endpoint {
     authority: Authority,
     /// The `Host` header sent to this endpoint.
     pub host: HeaderValue,
-    /// Plain HTTP/1.1 endpoints: their own connection pool.
-    h1: Option<H1Pool>,
+    transport: Transport,
+}
+
+/// How requests reach an endpoint.
+enum Transport {
+    /// Plain HTTP/1.1: its own connection pool.
+    Pool(H1Pool),
+    /// TLS or HTTP/2: hyper-util's client, shared by the upstream's endpoints.
+    Client(Arc<HttpClient>),
 }
 
 impl Endpoint {
-    fn parse(url: &str, config: &UpstreamConfig) -> Option<Self> {
-        let uri: Uri = url.parse().ok()?;
-        let authority = uri.authority()?.clone();
-        let scheme = uri.scheme()?.clone();
-        let h1 = (scheme == Scheme::HTTP && config.http2 != Http2Mode::Always).then(|| {
-            H1Pool::new(
+    /// Plain HTTP/1.1 endpoints get their own pool; the others share the
+    /// upstream's TLS/HTTP/2 client, built (system roots loaded) only for them.
+    fn parse(
+        url: &str,
+        config: &UpstreamConfig,
+        client: &mut dyn FnMut() -> Result<Arc<HttpClient>, UpstreamError>,
+    ) -> Result<Self, UpstreamError> {
+        let uri: Uri = url.parse().expect("validated endpoint");
+        let authority = uri.authority().expect("validated endpoint").clone();
+        let scheme = uri.scheme().expect("validated endpoint").clone();
+        let transport = if scheme == Scheme::HTTP && config.http2 != Http2Mode::Always {
+            Transport::Pool(H1Pool::new(
                 authority.clone(),
                 config.connect_timeout,
                 config.pool_idle_timeout,
-            )
-        });
-        Some(Self {
+            ))
+        } else {
+            Transport::Client(client()?)
+        };
+        Ok(Self {
             scheme,
-            host: HeaderValue::from_str(authority.as_str()).ok()?,
+            host: HeaderValue::from_str(authority.as_str())
+                .expect("an authority is a header value"),
             authority,
-            h1,
+            transport,
         })
+    }
+
+    /// Sends one attempt to this endpoint.
+    pub async fn send(
+        &self,
+        path_and_query: Option<&PathAndQuery>,
+        mut req: Request<RequestBody>,
+    ) -> Result<Response<Incoming>, SendError> {
+        match &self.transport {
+            Transport::Pool(pool) => {
+                *req.uri_mut() = pool::origin_form(path_and_query);
+                pool.send(req).await.map_err(SendError::Pool)
+            }
+            Transport::Client(client) => {
+                *req.uri_mut() = self.uri(path_and_query);
+                client.request(req).await.map_err(SendError::Client)
+            }
+        }
     }
 
     /// The absolute URI of `path_and_query` on this endpoint.
@@ -106,7 +140,6 @@ pub struct Upstream {
     pub name: Arc<str>,
     endpoints: Box<[Endpoint]>,
     next: AtomicUsize,
-    pub client: HttpClient,
     in_flight: AtomicUsize,
     max_in_flight: usize,
     /// The adaptive limit, when on; `limit` mirrors it for lock-free admission.
@@ -130,16 +163,20 @@ impl Upstream {
             })?),
             _ => None,
         };
+        let mut shared = None;
+        let mut client = || match &shared {
+            Some(c) => Ok(Arc::clone(c)),
+            None => Ok(shared.insert(Arc::new(client(name, config)?)).clone()),
+        };
         let endpoints = config
             .endpoints
             .iter()
-            .map(|e| Endpoint::parse(e, config).expect("validated endpoint"))
-            .collect();
+            .map(|e| Endpoint::parse(e, config, &mut client))
+            .collect::<Result<_, _>>()?;
         Ok(Arc::new(Self {
             name: name.into(),
             endpoints,
             next: AtomicUsize::new(0),
-            client: client(name, config)?,
             in_flight: AtomicUsize::new(0),
             max_in_flight: config.max_in_flight,
             limit: AtomicUsize::new(
@@ -186,29 +223,10 @@ impl Upstream {
         }
     }
 
-    /// Sends one attempt to `endpoint`.
-    pub async fn send(
-        &self,
-        endpoint: &Endpoint,
-        path_and_query: Option<&PathAndQuery>,
-        mut req: Request<RequestBody>,
-    ) -> Result<Response<Incoming>, SendError> {
-        match &endpoint.h1 {
-            Some(pool) => {
-                *req.uri_mut() = pool::origin_form(path_and_query);
-                pool.send(req).await.map_err(SendError::Pool)
-            }
-            None => {
-                *req.uri_mut() = endpoint.uri(path_and_query);
-                self.client.request(req).await.map_err(SendError::Client)
-            }
-        }
-    }
-
     /// Closes connections that closed or idled out (once a second).
     pub fn sweep(&self) {
         for e in &self.endpoints {
-            if let Some(pool) = &e.h1 {
+            if let Transport::Pool(pool) = &e.transport {
                 pool.sweep();
             }
         }

@@ -163,11 +163,8 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
             sent_at,
             patience: (per_try / 2).min(Duration::from_millis(500)),
         };
-        let sent = tokio::time::timeout(
-            per_try,
-            upstream.send(target, out.path_and_query.as_ref(), req),
-        )
-        .await;
+        let sent =
+            tokio::time::timeout(per_try, target.send(out.path_and_query.as_ref(), req)).await;
         std::mem::forget(guard);
         let elapsed = sent_at.elapsed();
         let (failure, outcome, result) = classify(route, sent, slot, per_try);

@@ -164,14 +164,14 @@ impl Upstream {
             _ => None,
         };
         let mut shared = None;
-        let mut client = || match &shared {
+        let mut shared_client = || match &shared {
             Some(c) => Ok(Arc::clone(c)),
             None => Ok(shared.insert(Arc::new(client(name, config)?)).clone()),
         };
         let endpoints = config
             .endpoints
             .iter()
-            .map(|e| Endpoint::parse(e, config, &mut client))
+            .map(|e| Endpoint::parse(e, config, &mut shared_client))
             .collect::<Result<_, _>>()?;
         Ok(Arc::new(Self {
             name: name.into(),

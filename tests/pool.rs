@@ -257,3 +257,46 @@ async fn endpoints_named_by_host_name_are_resolved() {
     }
     assert_eq!(up.accepted(), 1);
 }
+
+#[tokio::test]
+async fn a_connection_whose_response_was_abandoned_is_not_reused() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let up = counted(move |_| {
+        let c = c.clone();
+        async move {
+            if c.fetch_add(1, Ordering::SeqCst) > 0 {
+                return Response::new(full("whole"));
+            }
+            // The first answer sends a part of its body, then never ends.
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+            tokio::spawn(async move {
+                let _ = tx.send(Ok(Frame::data(Bytes::from("part")))).await;
+                tx.closed().await;
+            });
+            Response::new(http_body_util::StreamBody::new(tokio_stream(rx)).boxed())
+        }
+    })
+    .await;
+    let server = proxy(&config(up.addr, "")).await;
+    let url = format!("http://{}/", server.proxy_addr());
+    let resp = client().get(url.parse().unwrap()).await.unwrap();
+    let mut body = resp.into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(first, "part");
+    drop(body);
+    for i in 0..5 {
+        let (status, headers, body) = get(&server, "/").await;
+        assert_eq!(
+            (status, body),
+            (http::StatusCode::OK, Bytes::from("whole")),
+            "request {i}"
+        );
+        assert_eq!(headers["x-herdguard-attempts"], "1", "request {i}");
+    }
+    assert_eq!(
+        up.accepted(),
+        2,
+        "one connection for the abandoned answer, one for the rest"
+    );
+}

@@ -21,7 +21,7 @@ use tracing::{debug, info};
 
 pub use body::{BoxError, RequestBody, ResponseBody};
 pub use error::LocalError;
-pub use pool::PoolError;
+pub use pool::{PoolError, Pooled};
 pub use replay::ReplayBody;
 pub use upstream::{InFlight, SendError, Upstream, UpstreamError};
 

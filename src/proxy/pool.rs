@@ -2,12 +2,13 @@
 //! API: the hot path of most sidecars, without the general client's pool
 //! keys, checkout futures and per-request URI rewriting.
 //!
-//! Every live connection stays in one list, busy or not. A request takes the
-//! most recently used connection that is ready (idle, its last response read
-//! to the end), or opens a new one when none is; it is written while the
-//! list's lock is held, which takes no longer than queueing it to the
-//! connection's task. Closed connections, and connections idle for longer
-//! than `pool_idle_timeout`, are dropped when a request or the once-a-second
+//! Idle connections wait in one list. A request takes the most recently
+//! returned one that is ready, or opens a new one when none is, and holds it
+//! until its response body is done with (finished, failed or dropped): then
+//! it goes back to the list. So a connection carries one request at a time,
+//! and a checkout looks only at idle connections, however many are busy.
+//! Closed connections, and connections idle for longer than
+//! `pool_idle_timeout`, are dropped when a checkout or the once-a-second
 //! upkeep passes by.
 //!
 //! Nothing here retries: a request that could not be written comes back as
@@ -64,14 +65,19 @@ impl PoolError {
 
 struct Conn {
     sender: http1::SendRequest<RequestBody>,
+    /// When it was returned.
     last_used: Instant,
 }
+
+/// A connection checked out of the pool, with a request or its response
+/// body on it.
+pub struct Pooled(http1::SendRequest<RequestBody>);
 
 pub struct H1Pool {
     authority: Authority,
     connect_timeout: Duration,
     idle_timeout: Duration,
-    conns: Mutex<Vec<Conn>>,
+    idle: Mutex<Vec<Conn>>,
 }
 
 impl H1Pool {
@@ -80,60 +86,62 @@ impl H1Pool {
             authority,
             connect_timeout,
             idle_timeout,
-            conns: Mutex::new(Vec::new()),
+            idle: Mutex::new(Vec::new()),
         }
     }
 
-    /// Sends `req` (origin-form URI, `Host` set) on a ready connection, or on
-    /// a new one.
-    pub async fn send(&self, req: Request<RequestBody>) -> Result<Response<Incoming>, PoolError> {
-        let mut req = Some(req);
-        if let Some(sent) = self.send_pooled(&mut req) {
-            return sent.await.map_err(|source| PoolError::Request {
+    /// Sends `req` (origin-form URI, `Host` set) on an idle connection, or on
+    /// a new one. The connection comes back with the response: hand it to
+    /// [`H1Pool::put_back`] once the response body is done with.
+    pub async fn send(
+        &self,
+        req: Request<RequestBody>,
+    ) -> Result<(Response<Incoming>, Pooled), PoolError> {
+        let mut sender = match self.checkout() {
+            Some(sender) => sender,
+            None => self.connect().await?,
+        };
+        let resp = sender
+            .send_request(req)
+            .await
+            .map_err(|source| PoolError::Request {
                 authority: self.authority.clone(),
                 source,
-            });
-        }
-        let req = req.expect("not taken without a ready connection");
-        let mut sender = self.connect().await?;
-        let sent = sender.send_request(req);
-        self.lock().push(Conn {
-            sender,
-            last_used: Instant::now(),
-        });
-        sent.await.map_err(|source| PoolError::Request {
-            authority: self.authority.clone(),
-            source,
-        })
+            })?;
+        Ok((resp, Pooled(sender)))
     }
 
-    /// Queues `req` on the most recently used ready connection, dropping the
-    /// closed and the long idle ones on the way; leaves it if none is ready.
-    fn send_pooled(
-        &self,
-        req: &mut Option<Request<RequestBody>>,
-    ) -> Option<impl std::future::Future<Output = hyper::Result<Response<Incoming>>>> {
+    /// Takes the most recently returned connection that is ready, dropping
+    /// the closed and the long idle ones on the way. A connection whose last
+    /// response was read a moment ago may not be ready yet: it stays.
+    fn checkout(&self) -> Option<http1::SendRequest<RequestBody>> {
         let now = Instant::now();
-        let mut conns = self.lock();
-        let mut i = conns.len();
+        let mut idle = self.lock();
+        let mut i = idle.len();
         while i > 0 {
             i -= 1;
-            let conn = &conns[i];
+            let conn = &idle[i];
             if conn.sender.is_closed() || self.expired(conn, now) {
-                conns.swap_remove(i);
-                continue;
-            }
-            if conn.sender.is_ready() {
-                let conn = &mut conns[i];
-                conn.last_used = now;
-                return req.take().map(|req| conn.sender.send_request(req));
+                idle.swap_remove(i);
+            } else if conn.sender.is_ready() {
+                return Some(idle.swap_remove(i).sender);
             }
         }
         None
     }
 
+    /// Returns a connection whose response is finished with.
+    pub fn put_back(&self, pooled: Pooled) {
+        if !pooled.0.is_closed() {
+            self.lock().push(Conn {
+                sender: pooled.0,
+                last_used: Instant::now(),
+            });
+        }
+    }
+
     fn expired(&self, conn: &Conn, now: Instant) -> bool {
-        conn.sender.is_ready() && now.saturating_duration_since(conn.last_used) > self.idle_timeout
+        now.saturating_duration_since(conn.last_used) > self.idle_timeout
     }
 
     /// Drops closed connections and those idle for longer than the timeout.
@@ -144,7 +152,7 @@ impl H1Pool {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Conn>> {
-        self.conns.lock().unwrap_or_else(|e| e.into_inner())
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     async fn connect(&self) -> Result<http1::SendRequest<RequestBody>, PoolError> {

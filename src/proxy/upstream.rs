@@ -22,7 +22,7 @@ use crate::limit::{Limiter, Sample};
 use crate::metrics::{Metrics, UpstreamMetrics};
 
 use super::body::RequestBody;
-use super::pool::{self, H1Pool, PoolError};
+use super::pool::{self, H1Pool, PoolError, Pooled};
 
 pub type HttpClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
 
@@ -104,20 +104,23 @@ impl Endpoint {
         })
     }
 
-    /// Sends one attempt to this endpoint.
+    /// Sends one attempt to this endpoint. A pooled connection comes back
+    /// with the response, to be held until its body is done with.
     pub async fn send(
         &self,
         path_and_query: Option<&PathAndQuery>,
         mut req: Request<RequestBody>,
-    ) -> Result<Response<Incoming>, SendError> {
+    ) -> Result<(Response<Incoming>, Option<Pooled>), SendError> {
         match &self.transport {
             Transport::Pool(pool) => {
                 *req.uri_mut() = pool::origin_form(path_and_query);
-                pool.send(req).await.map_err(SendError::Pool)
+                let (resp, conn) = pool.send(req).await.map_err(SendError::Pool)?;
+                Ok((resp, Some(conn)))
             }
             Transport::Client(client) => {
                 *req.uri_mut() = self.uri(path_and_query);
-                client.request(req).await.map_err(SendError::Client)
+                let resp = client.request(req).await.map_err(SendError::Client)?;
+                Ok((resp, None))
             }
         }
     }
@@ -248,17 +251,33 @@ impl Upstream {
         }
         Some(InFlight {
             upstream: self.clone(),
+            conn: None,
         })
     }
 }
 
-/// A slot held while a request is in flight to its upstream, response body included.
+/// A slot held while a request is in flight to its upstream, response body
+/// included, with the pooled connection the response came on.
 pub struct InFlight {
     upstream: Arc<Upstream>,
+    conn: Option<(usize, Pooled)>,
+}
+
+impl InFlight {
+    /// Keeps `conn`, the connection of endpoint `index`, until the slot is
+    /// let go; then it goes back to its pool.
+    pub fn hold(&mut self, index: usize, conn: Pooled) {
+        self.conn = Some((index, conn));
+    }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        if let Some((index, conn)) = self.conn.take() {
+            if let Transport::Pool(pool) = &self.upstream.endpoints[index].transport {
+                pool.put_back(conn);
+            }
+        }
         self.upstream.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }

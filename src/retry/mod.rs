@@ -27,7 +27,9 @@ use crate::breaker::{Admit, Outcome as BreakerOutcome};
 use crate::limit::Sample;
 use crate::metrics::Outcome;
 use crate::proxy::headers::X_HERDGUARD_ATTEMPT;
-use crate::proxy::{error_chain, InFlight, LocalError, ReplayBody, RequestBody, Route, SendError};
+use crate::proxy::{
+    error_chain, InFlight, LocalError, Pooled, ReplayBody, RequestBody, Route, SendError,
+};
 
 /// A request ready to go upstream, headers already rewritten for the hop.
 pub struct Outgoing {
@@ -167,7 +169,7 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
             tokio::time::timeout(per_try, target.send(out.path_and_query.as_ref(), req)).await;
         std::mem::forget(guard);
         let elapsed = sent_at.elapsed();
-        let (failure, outcome, result) = classify(route, sent, slot, per_try);
+        let (failure, outcome, result) = classify(route, sent, (index, slot), per_try);
         route.metrics.attempt(outcome);
         if trace.is_some() {
             let ms = elapsed.as_millis();
@@ -337,19 +339,23 @@ fn skip(route: &Route, attempt: u32, reason: SkipReason) {
     debug!(route = %route.name, attempt, reason = reason.as_str(), "retry skipped");
 }
 
-type Attempted = Result<Result<Response<Incoming>, SendError>, tokio::time::error::Elapsed>;
+type Attempted =
+    Result<Result<(Response<Incoming>, Option<Pooled>), SendError>, tokio::time::error::Elapsed>;
 
 /// What an attempt's outcome means: the failure (if `retry_on` could name
 /// it), the metric outcome, and what to pass on if no retry follows.
 fn classify(
     route: &Route,
     sent: Attempted,
-    slot: InFlight,
+    (endpoint, mut slot): (usize, InFlight),
     per_try: std::time::Duration,
 ) -> (Option<Failure>, Outcome, Answer) {
     let upstream = &route.upstream.name;
     match sent {
-        Ok(Ok(resp)) => {
+        Ok(Ok((resp, conn))) => {
+            if let Some(conn) = conn {
+                slot.hold(endpoint, conn);
+            }
             let failure = route.policy.status_failure(resp.status());
             let outcome = if resp.status().is_server_error() {
                 Outcome::ServerError

@@ -225,6 +225,12 @@ enum LabError {
     Failed(String),
 }
 
+impl From<lab::plot::PlotError> for LabError {
+    fn from(e: lab::plot::PlotError) -> Self {
+        LabError::Failed(e.to_string())
+    }
+}
+
 fn write(path: &std::path::Path, contents: &str) -> Result<(), LabError> {
     std::fs::write(path, contents)
         .map_err(|e| LabError::Failed(format!("cannot write {}: {e}", path.display())))
@@ -253,7 +259,7 @@ fn lab_backoff(
     write(&out.join("backoff.csv"), &csv)?;
     // Drawn from the CSV's rounded values, so that `lab plot` redraws it exactly.
     let rows = lab::backoff::parse_csv(&csv).map_err(LabError::Failed)?;
-    let svg = lab::plot::backoff(&rows).map_err(|e| LabError::Failed(e.to_string()))?;
+    let svg = lab::plot::backoff(&rows)?;
     write(&out.join("backoff.svg"), &svg)
 }
 
@@ -297,7 +303,7 @@ fn lab_outage(
         .iter()
         .map(|r| (r.setup.name(), r.seconds.as_slice()))
         .collect();
-    let svg = lab::plot::outage(&runs).map_err(|e| LabError::Failed(e.to_string()))?;
+    let svg = lab::plot::outage(&runs)?;
     write(&out.join("outage.svg"), &svg)
 }
 
@@ -309,7 +315,7 @@ fn lab_plot(from: &std::path::Path, out: &std::path::Path) -> Result<(), LabErro
     if backoff_csv.exists() {
         let rows = lab::backoff::parse_csv(&read(&backoff_csv)?)
             .map_err(|e| LabError::Failed(format!("{}: {e}", backoff_csv.display())))?;
-        let svg = lab::plot::backoff(&rows).map_err(|e| LabError::Failed(e.to_string()))?;
+        let svg = lab::plot::backoff(&rows)?;
         write(&out.join("backoff.svg"), &svg)?;
         drawn += 1;
     }
@@ -325,7 +331,7 @@ fn lab_plot(from: &std::path::Path, out: &std::path::Path) -> Result<(), LabErro
     if !runs.is_empty() {
         let runs: Vec<(&str, &[outage::Second])> =
             runs.iter().map(|(n, s)| (*n, s.as_slice())).collect();
-        let svg = lab::plot::outage(&runs).map_err(|e| LabError::Failed(e.to_string()))?;
+        let svg = lab::plot::outage(&runs)?;
         write(&out.join("outage.svg"), &svg)?;
         drawn += 1;
     }

@@ -126,7 +126,7 @@ impl Endpoint {
     }
 
     /// The absolute URI of `path_and_query` on this endpoint.
-    pub fn uri(&self, path_and_query: Option<&PathAndQuery>) -> Uri {
+    fn uri(&self, path_and_query: Option<&PathAndQuery>) -> Uri {
         let mut parts = http::uri::Parts::default();
         parts.scheme = Some(self.scheme.clone());
         parts.authority = Some(self.authority.clone());

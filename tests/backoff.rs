@@ -52,7 +52,28 @@ proptest! {
     #[test]
     fn ceiling_is_monotonic_and_never_overflows(b in backoff(), n in 1u32..20_000) {
         prop_assert!(b.ceiling(n) <= b.ceiling(n + 1));
-        prop_assert_eq!(b.ceiling(10_000), b.cap());
+        prop_assert!(b.ceiling(u32::MAX) <= b.cap());
+    }
+
+    #[test]
+    fn ceiling_is_base_times_multiplier_to_the_retry_capped(
+        base in 1u64..5_000,
+        extra in 1u64..100_000,
+        multiplier in 1.0f64..10.0,
+        n in 1u32..20_000,
+    ) {
+        let base = Duration::from_millis(base);
+        let cap = base + Duration::from_millis(extra);
+        let b = Backoff::try_new(base, cap, multiplier, Jitter::None).unwrap();
+        // A multiplier close to 1 may never reach the cap, even after thousands of retries.
+        let grown = base.as_secs_f64() * multiplier.powi(n as i32 - 1);
+        if grown >= cap.as_secs_f64() {
+            prop_assert_eq!(b.ceiling(n), cap);
+        } else {
+            let expected = Duration::from_secs_f64(grown);
+            let error = b.ceiling(n).abs_diff(expected);
+            prop_assert!(error <= Duration::from_micros(1), "{:?} vs {expected:?}", b.ceiling(n));
+        }
     }
 }
 
@@ -76,6 +97,20 @@ fn no_overflow_at_attempt_ten_thousand() {
         for _ in 0..10_000 {
             assert!(b.next_delay(&mut state, &mut rng) <= Duration::from_secs(30));
         }
+    }
+}
+
+#[test]
+fn a_multiplier_of_one_keeps_the_delay_at_base() {
+    let b = Backoff::try_new(
+        Duration::from_millis(1),
+        Duration::from_millis(168),
+        1.0,
+        Jitter::None,
+    )
+    .unwrap();
+    for n in [1, 2, 10_000, u32::MAX] {
+        assert_eq!(b.ceiling(n), Duration::from_millis(1), "retry {n}");
     }
 }
 

@@ -12,6 +12,7 @@
 #
 #   benches/instructions.sh            # N1=2000 N2=22000
 #   N2=42000 benches/instructions.sh
+#   PROXIES=herdguard benches/instructions.sh   # only herdguard, while iterating
 #
 # Installs valgrind, nginx and HAProxy from Debian, and oha with cargo, when missing.
 set -euo pipefail
@@ -19,6 +20,7 @@ cd "$(dirname "$0")/.."
 
 N1=${N1:-2000}
 N2=${N2:-22000}
+PROXIES=${PROXIES:-nginx haproxy herdguard}
 OUT=${OUT:-bench-results}
 UP_PORT=18301 NGINX_PORT=18302 HAPROXY_PORT=18303 HG_PORT=18304 HG_ADMIN=18305
 
@@ -63,18 +65,27 @@ count() {
 export RUST_LOG=warn
 {
   for n in $N1 $N2; do
-    echo "nginx $n $(count nginx $NGINX_PORT QUIT "$n" nginx -c "$WORK/nginx.conf")"
-    echo "haproxy $n $(count haproxy $HAPROXY_PORT TERM "$n" haproxy -db -f "$WORK/haproxy.cfg")"
-    echo "herdguard $n $(count herdguard $HG_PORT INT "$n" ./target/release/herdguard --config "$WORK/herdguard.toml" --threads 1)"
+    for proxy in $PROXIES; do
+      case $proxy in
+        nginx) echo "nginx $n $(count nginx $NGINX_PORT QUIT "$n" nginx -c "$WORK/nginx.conf")" ;;
+        haproxy) echo "haproxy $n $(count haproxy $HAPROXY_PORT TERM "$n" haproxy -db -f "$WORK/haproxy.cfg")" ;;
+        herdguard) echo "herdguard $n $(count herdguard $HG_PORT INT "$n" ./target/release/herdguard --config "$WORK/herdguard.toml" --threads 1)" ;;
+        *) echo "unknown proxy $proxy (nginx, haproxy, herdguard)" >&2; exit 2 ;;
+      esac
+    done
   done
 } > "$OUT/instructions.txt"
 
 awk -v n1="$N1" -v n2="$N2" '
+  function ratio(a, b) { return b ? sprintf("%.2f", a / b) : "-" }
   { v[$1, $2] = $3; if (!($1 in seen)) { seen[$1]=1; order[++k]=$1 } }
   END {
     printf "user-space instructions per request (callgrind), (I(%d) - I(%d)) / %d\n", n2, n1, n2 - n1
     printf "%-12s %14s %10s %12s\n", "proxy", "instr/request", "vs nginx", "vs haproxy"
     for (i = 1; i <= k; i++) per[order[i]] = (v[order[i], n2] - v[order[i], n1]) / (n2 - n1)
-    for (i = 1; i <= k; i++) { p = order[i]; printf "%-12s %14.0f %10.2f %12.2f\n", p, per[p], per[p]/per["nginx"], per[p]/per["haproxy"] }
+    for (i = 1; i <= k; i++) {
+      p = order[i]
+      printf "%-12s %14.0f %10s %12s\n", p, per[p], ratio(per[p], per["nginx"]), ratio(per[p], per["haproxy"])
+    }
   }
 ' "$OUT/instructions.txt" | tee "$OUT/instructions-table.txt"

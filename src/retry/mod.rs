@@ -140,16 +140,18 @@ pub async fn send(route: &Route, out: Outgoing, start: Instant) -> Sent {
         });
         *req.method_mut() = out.method.clone();
         *req.version_mut() = Version::HTTP_11;
-        *req.headers_mut() = if retrying {
-            headers.clone().expect("kept for retries")
-        } else {
-            headers.take().expect("one attempt")
-        };
-        let h = req.headers_mut();
+        // Set on the kept headers before they are copied: a copy has no
+        // room to spare, and adding a field to it would reallocate.
+        let h = headers.as_mut().expect("kept until the last attempt");
         h.insert(http::header::HOST, target.host.clone());
         if !facts.inner_hop {
             h.insert(&X_HERDGUARD_ATTEMPT, attempt_value(attempt));
         }
+        *req.headers_mut() = if retrying {
+            h.clone()
+        } else {
+            headers.take().expect("one attempt")
+        };
 
         let sent_at = Instant::now();
         let per_try = policy

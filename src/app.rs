@@ -15,13 +15,13 @@ use hyper::service::service_fn;
 use hyper::Request;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
 use tracing::{debug, error, info, warn};
 
 use crate::config::Config;
+use crate::drain::Drain;
 use crate::metrics::Metrics;
 use crate::proxy::{BuildError, Caller, Proxy, Runtime};
 
@@ -337,8 +337,9 @@ async fn accept_loop<M, S, B>(
         .header_read_timeout(limits.header_read_timeout)
         .keep_alive(true);
     builder.http2().timer(TokioTimer::new());
-    let builder = Arc::new(builder);
-    let graceful = GracefulShutdown::new();
+    let drain = Drain::new();
+    // A connection holds a permit until it closes: when all are back, all
+    // connections are closed.
     let permits = Arc::new(Semaphore::new(limits.max_connections));
 
     loop {
@@ -362,22 +363,23 @@ async fn accept_loop<M, S, B>(
         };
         let _ = stream.set_nodelay(true);
         let service = make_service(peer);
-        let builder = builder.clone();
-        let watcher = graceful.watcher();
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+        let conn = drain.watch(conn.into_owned());
         tokio::spawn(async move {
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            if let Err(e) = watcher.watch(conn).await {
+            if let Err(e) = conn.await {
                 debug!(listener = what, %peer, error = %e, "connection ended with an error");
             }
             drop(permit);
         });
     }
     drop(listener);
-    let open = graceful.count();
+    drain.start();
+    let open = limits.max_connections - permits.available_permits();
     if open > 0 {
         info!(listener = what, connections = open, timeout = ?limits.drain_timeout, "draining");
     }
-    if tokio::time::timeout(limits.drain_timeout, graceful.shutdown())
+    let all = u32::try_from(limits.max_connections).expect("validated: at most u32::MAX");
+    if tokio::time::timeout(limits.drain_timeout, permits.acquire_many(all))
         .await
         .is_err()
     {

@@ -9,6 +9,7 @@ pub mod app;
 pub mod breaker;
 pub mod config;
 pub mod demo;
+pub mod drain;
 pub mod lab;
 pub mod limit;
 pub mod metrics;

@@ -55,3 +55,53 @@ async fn in_flight_request_finishes_after_shutdown() {
     assert_eq!((status, &body[..]), (StatusCode::OK, &b"finished"[..]));
     server.wait().await;
 }
+
+#[tokio::test]
+async fn idle_connections_close_when_draining_and_the_drain_ends_with_them() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let up = ok_upstream("hi").await;
+    // A drain that waited for its timeout would take a minute, and so would
+    // an idle connection closing on its own.
+    let config = herdguard::config::Config::parse(&format!(
+        "[listen]\naddress = \"127.0.0.1:0\"\ndrain_timeout = \"60s\"\nheader_read_timeout = \"60s\"\n\
+         [admin]\naddress = \"127.0.0.1:0\"\n\
+         [upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"all\"\nupstream = \"u\"\n",
+        up.url()
+    ))
+    .unwrap();
+    let server = herdguard::app::Server::start(config).await.unwrap();
+
+    // Two keep-alive connections, each left idle after one answered request.
+    let mut idle = Vec::new();
+    for _ in 0..2 {
+        let mut conn = tokio::net::TcpStream::connect(server.proxy_addr())
+            .await
+            .unwrap();
+        conn.write_all(b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut head = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !head.ends_with(b"hi") {
+            let n = conn.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed before answering");
+            head.extend_from_slice(&buf[..n]);
+        }
+        assert!(head.starts_with(b"HTTP/1.1 200"));
+        idle.push(conn);
+    }
+
+    server.shutdown();
+    for mut conn in idle {
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(std::time::Duration::from_secs(20), conn.read(&mut buf))
+            .await
+            .expect("an idle connection was left open while draining")
+            .unwrap_or(0);
+        assert_eq!(n, 0, "expected the proxy to close the idle connection");
+    }
+    tokio::time::timeout(std::time::Duration::from_secs(20), server.wait())
+        .await
+        .expect("the drain waited for connections that had closed");
+}

@@ -19,6 +19,11 @@ pub(super) fn validate(config: &Config, report: &mut Report<'_>) {
     let listen = root.key("listen");
     if config.listen.max_connections == 0 {
         report(listen.key("max_connections"), "must be at least 1".into());
+    } else if u32::try_from(config.listen.max_connections).is_err() {
+        report(
+            listen.key("max_connections"),
+            format!("must be at most {}", u32::MAX),
+        );
     }
     positive(
         report,

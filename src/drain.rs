@@ -1,0 +1,167 @@
+//! Graceful shutdown for served connections.
+//!
+//! On [`Drain::start`], every watched connection is asked to finish the
+//! request it is on and close. hyper-util's `GracefulShutdown` does the same,
+//! but polls a channel receiver on every poll of every connection, which takes
+//! a lock each time. Here a connection reads one flag per poll, and registers
+//! for the wake-up only when it is polled with a waker it has not registered.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+
+use hyper_util::server::graceful::GracefulConnection;
+use pin_project_lite::pin_project;
+use tokio::sync::futures::OwnedNotified;
+use tokio::sync::Notify;
+
+/// The signal that connections should close once idle.
+#[derive(Clone, Default)]
+pub struct Drain {
+    started: Arc<AtomicBool>,
+    notify: Arc<Notify>,
+}
+
+impl Drain {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Asks every watched connection, now and later, to finish and close.
+    pub fn start(&self) {
+        self.started.store(true, Ordering::Release);
+        self.notify.notify_waiters();
+    }
+
+    /// `conn`, shut down gracefully once the drain starts.
+    pub fn watch<C: GracefulConnection>(&self, conn: C) -> Watched<C> {
+        Watched {
+            conn,
+            // Made before the flag is first read: a drain that starts after
+            // this line completes it, whenever it is polled.
+            notified: self.notify.clone().notified_owned(),
+            registered: None,
+            asked: false,
+            started: self.started.clone(),
+        }
+    }
+}
+
+pin_project! {
+    /// A connection that shuts down gracefully when its [`Drain`] starts.
+    pub struct Watched<C> {
+        #[pin]
+        conn: C,
+        #[pin]
+        notified: OwnedNotified,
+        // The waker the drain will wake; registered again only if it changes.
+        registered: Option<Waker>,
+        asked: bool,
+        started: Arc<AtomicBool>,
+    }
+}
+
+impl<C: GracefulConnection> Future for Watched<C> {
+    type Output = C::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        if !*this.asked {
+            let mut started = this.started.load(Ordering::Acquire);
+            if !started
+                && !this
+                    .registered
+                    .as_ref()
+                    .is_some_and(|w| w.will_wake(cx.waker()))
+            {
+                started = this.notified.as_mut().poll(cx).is_ready();
+                *this.registered = Some(cx.waker().clone());
+            }
+            if started {
+                *this.asked = true;
+                this.conn.as_mut().graceful_shutdown();
+            }
+        }
+        this.conn.poll(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::sync::atomic::AtomicUsize;
+
+    use futures_util::task::{waker, ArcWake};
+    use hyper::service::service_fn;
+    use hyper_util::rt::TokioIo;
+
+    use super::*;
+
+    #[derive(Default)]
+    struct Count(AtomicUsize);
+
+    impl ArcWake for Count {
+        fn wake_by_ref(arc_self: &Arc<Self>) {
+            arc_self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// An idle HTTP/1.1 server connection over an in-memory pipe.
+    fn idle_connection(
+        drain: &Drain,
+    ) -> (
+        Pin<Box<impl Future<Output = Result<(), hyper::Error>>>>,
+        tokio::io::DuplexStream,
+    ) {
+        let (ours, theirs) = tokio::io::duplex(1024);
+        let conn = hyper::server::conn::http1::Builder::new().serve_connection(
+            TokioIo::new(ours),
+            service_fn(|_req| async {
+                Ok::<_, Infallible>(http::Response::new(
+                    http_body_util::Empty::<bytes::Bytes>::new(),
+                ))
+            }),
+        );
+        (Box::pin(drain.watch(conn)), theirs)
+    }
+
+    #[tokio::test]
+    async fn the_drain_wakes_the_waker_of_the_latest_poll() {
+        let drain = Drain::new();
+        let (mut conn, _peer) = idle_connection(&drain);
+        let (a, b) = (Arc::new(Count::default()), Arc::new(Count::default()));
+        let (wa, wb) = (waker(a.clone()), waker(b.clone()));
+        assert!(conn
+            .as_mut()
+            .poll(&mut Context::from_waker(&wa))
+            .is_pending());
+        // Moved to another task: the drain must wake that one.
+        assert!(conn
+            .as_mut()
+            .poll(&mut Context::from_waker(&wb))
+            .is_pending());
+        assert!(conn
+            .as_mut()
+            .poll(&mut Context::from_waker(&wb))
+            .is_pending());
+        assert_eq!(b.0.load(Ordering::SeqCst), 0);
+
+        drain.start();
+        assert_eq!(b.0.load(Ordering::SeqCst), 1, "the latest waker is woken");
+        let done = conn.as_mut().poll(&mut Context::from_waker(&wb));
+        assert!(
+            matches!(done, Poll::Ready(Ok(()))),
+            "an idle connection closes"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_connection_watched_after_the_drain_started_closes_at_once() {
+        let drain = Drain::new();
+        drain.start();
+        let (conn, _peer) = idle_connection(&drain);
+        conn.await.unwrap();
+    }
+}

@@ -8,8 +8,12 @@
 #   omission): p50, p99, p99.9 at a load every target can carry.
 #   Peak RSS of each proxy, and retries configured vs off (GET and 1 KiB POST).
 #
-#   benches/proxy.sh                  # 3 rounds, 10 s per wrk run, 8 s per oha run
-#   DURATION=20 ROUNDS=5 RATE=15000 benches/proxy.sh
+#   benches/proxy.sh        # 3 closed-loop rounds of 10 s, 7 open-loop rounds of 6 s
+#   DURATION=20 ROUNDS=5 OPEN_ROUNDS=9 RATE=15000 benches/proxy.sh
+#
+# Open-loop tail latency on a shared 2-core VM moves a lot from one run to
+# the next, for every target alike: hence more open-loop rounds, and the
+# table gives the spread of p99 over them next to the median.
 #
 # Installs wrk, nginx and HAProxy from Debian when missing (needs root, as on
 # CI) and oha with cargo (into target/bench-tools, once). On a machine with
@@ -19,11 +23,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DURATION=${DURATION:-10}
-OPEN_DURATION=${OPEN_DURATION:-8}
+OPEN_DURATION=${OPEN_DURATION:-6}
 CONNECTIONS=${CONNECTIONS:-64}
 RATE=${RATE:-20000}
 WARMUP=${WARMUP:-2}
 ROUNDS=${ROUNDS:-3}
+OPEN_ROUNDS=${OPEN_ROUNDS:-7}
 OUT=${OUT:-bench-results}
 UP_PORT=18181 NGINX_PORT=18182 HAPROXY_PORT=18187
 HG_PORT=18183 HG_ADMIN=18184 HG_PORT_NORETRY=18185 HG_ADMIN_NORETRY=18186 HG_PORT_MT=18188 HG_ADMIN_MT=18189
@@ -147,11 +152,16 @@ OPEN_TARGETS="direct nginx haproxy herdguard herdguard-default"
 
 # Rounds interleave the targets so that drift in the machine hits them alike;
 # each figure below is the median over rounds.
-for round in $(seq 1 "$ROUNDS"); do
-  echo "round $round/$ROUNDS..." >&2
-  for t in $GET_TARGETS; do closed "$t"; done
-  for t in $POST_TARGETS; do closed "$t" -s "$WORK/post.lua"; done
-  for t in $OPEN_TARGETS; do open_loop "$t"; done
+ALL_ROUNDS=$(( ROUNDS > OPEN_ROUNDS ? ROUNDS : OPEN_ROUNDS ))
+for round in $(seq 1 "$ALL_ROUNDS"); do
+  echo "round $round/$ALL_ROUNDS..." >&2
+  if [ "$round" -le "$ROUNDS" ]; then
+    for t in $GET_TARGETS; do closed "$t"; done
+    for t in $POST_TARGETS; do closed "$t" -s "$WORK/post.lua"; done
+  fi
+  if [ "$round" -le "$OPEN_ROUNDS" ]; then
+    for t in $OPEN_TARGETS; do open_loop "$t"; done
+  fi
 done > "$OUT/rounds.txt"
 
 # Peak RSS over the whole run.
@@ -174,7 +184,8 @@ awk '
 
 {
 echo "$(nproc) cores; proxies pinned to one core (nginx: 1 worker; HAProxy: nbthread 1; herdguard: --threads 1,"
-echo "and its default runtime, which on one core is a one-worker multi-thread runtime); median of $ROUNDS rounds."
+echo "and its default runtime, which on one core is a one-worker multi-thread runtime);"
+echo "medians of $ROUNDS closed-loop and $OPEN_ROUNDS open-loop rounds."
 echo
 echo "Closed loop: wrk -t1 -c$CONNECTIONS -d${DURATION}s"
 awk -v rssfile="$OUT/rss.txt" '
@@ -195,12 +206,20 @@ awk -v rssfile="$OUT/rss.txt" '
 echo
 echo "Open loop: oha -c$CONNECTIONS -q $RATE --latency-correction -z ${OPEN_DURATION}s"
 awk '
-  $1 ~ /@open$/ { n++; name[n]=$1; sub(/@open$/, "", name[n]); rps[n]=$2; p50[n]=$3; p99[n]=$4; p999[n]=$5; bad[n]=$6; idx[name[n]]=n }
+  # First file: every round, for the spread of p99; second: the medians.
+  FNR == NR {
+    if ($1 ~ /@open$/) {
+      if (!($1 in lo) || $4 + 0 < lo[$1]) lo[$1] = $4 + 0
+      if (!($1 in hi) || $4 + 0 > hi[$1]) hi[$1] = $4 + 0
+    }
+    next
+  }
+  $1 ~ /@open$/ { n++; key[n]=$1; name[n]=$1; sub(/@open$/, "", name[n]); rps[n]=$2; p50[n]=$3; p99[n]=$4; p999[n]=$5; bad[n]=$6; idx[name[n]]=n }
   END {
-    printf "%-24s %10s %8s %8s %9s %8s %9s %9s %11s\n", "target", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "failed", "p99/nginx", "p99/haproxy", "p99.9/haproxy"
+    printf "%-24s %10s %8s %8s %15s %9s %8s %9s %9s %11s\n", "target", "req/s", "p50 ms", "p99 ms", "p99 range", "p99.9 ms", "failed", "p99/nginx", "p99/haproxy", "p99.9/haproxy"
     ng = idx["nginx"]; hp = idx["haproxy"]
     for (i = 1; i <= n; i++)
-      printf "%-24s %10.0f %8.3f %8.3f %9.3f %8s %9.2f %9.2f %11.2f\n", name[i], rps[i], p50[i], p99[i], p999[i], bad[i], p99[i]/p99[ng], p99[i]/p99[hp], p999[i]/p999[hp]
+      printf "%-24s %10.0f %8.3f %8.3f %15s %9.3f %8s %9.2f %9.2f %11.2f\n", name[i], rps[i], p50[i], p99[i], sprintf("%.2f-%.2f", lo[key[i]], hi[key[i]]), p999[i], bad[i], p99[i]/p99[ng], p99[i]/p99[hp], p999[i]/p999[hp]
   }
-' "$OUT/summary.txt"
+' "$OUT/rounds.txt" "$OUT/summary.txt"
 } | tee "$OUT/table.txt"

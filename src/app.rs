@@ -150,7 +150,13 @@ impl Server {
                 let _ = upkeep.await;
             })
         };
-        info!(listen = %proxy_addr, admin = %admin_addr, routes = config.routes.len(), "herdguard serving");
+        let runtime = tokio::runtime::Handle::current();
+        let scheduler = match runtime.runtime_flavor() {
+            tokio::runtime::RuntimeFlavor::CurrentThread => "current-thread",
+            _ => "multi-thread",
+        };
+        let threads = runtime.metrics().num_workers();
+        info!(listen = %proxy_addr, admin = %admin_addr, routes = config.routes.len(), threads, scheduler, "herdguard serving");
         Ok(Server {
             proxy_addr,
             admin_addr,

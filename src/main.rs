@@ -37,7 +37,7 @@ struct Cli {
     #[arg(long, value_name = "ADDR")]
     admin: Option<SocketAddr>,
 
-    /// Tokio worker threads (default: available cores).
+    /// Tokio worker threads (default: the cores this process may use).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
     threads: Option<u16>,
 
@@ -397,16 +397,21 @@ fn run(cli: Cli) -> ExitCode {
         warn!(warning = %w, "config");
     }
 
+    // The cores this process may use: its CPU affinity and cgroup quota, so a
+    // sidecar limited to one core or less counts one.
+    let threads = cli.threads.map_or_else(
+        || std::thread::available_parallelism().map_or(1, |n| n.get()),
+        usize::from,
+    );
     // One thread: the lighter current-thread scheduler does the same work
     // with no cross-thread queues.
-    let mut rt = match cli.threads {
-        Some(1) => tokio::runtime::Builder::new_current_thread(),
-        Some(n) => {
+    let mut rt = match threads {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        n => {
             let mut b = tokio::runtime::Builder::new_multi_thread();
-            b.worker_threads(n.into());
+            b.worker_threads(n);
             b
         }
-        None => tokio::runtime::Builder::new_multi_thread(),
     };
     rt.enable_all();
     let rt = match rt.build() {

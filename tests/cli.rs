@@ -88,36 +88,22 @@ fn version_and_help() {
 #[tokio::test]
 async fn upstream_mode_serves_and_exits_cleanly_on_sigterm() {
     let up = ok_upstream("from upstream").await;
-    let mut child = Command::new(BIN)
-        .args([
-            "--upstream",
-            &up.url(),
-            "--listen",
-            "127.0.0.1:0",
-            "--admin",
-            "127.0.0.1:0",
-        ])
-        .args(["--log-format", "json", "--threads", "1"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let serving = tokio::task::spawn_blocking(move || {
-        let line = rx
-            .iter()
-            .find(|l| l.contains("herdguard serving"))
-            .expect("a start-up line");
-        (line, rx)
-    });
-    let (line, rx) = serving.await.unwrap();
-    let log: serde_json::Value = serde_json::from_str(&line).expect("JSON log lines");
-    let listen = log["listen"].as_str().unwrap().to_owned();
+    let mut cmd = Command::new(BIN);
+    cmd.args([
+        "--upstream",
+        &up.url(),
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+    ])
+    .args(["--log-format", "json", "--threads", "1"]);
+    let Running {
+        mut child,
+        serving,
+        rest: rx,
+    } = start(cmd).await;
+    let listen = serving["listen"].as_str().unwrap().to_owned();
 
     let req = http::Request::get(format!("http://{listen}/hello"))
         .body(empty())
@@ -152,31 +138,16 @@ async fn sighup_reloads_the_config_file() {
         up.url()
     );
     std::fs::write(&path, &base).unwrap();
-    let mut child = Command::new(BIN)
-        .args(["--config"])
+    let mut cmd = Command::new(BIN);
+    cmd.arg("--config")
         .arg(&path)
-        .args(["--log-format", "json"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let (line, rx) = tokio::task::spawn_blocking(move || {
-        let line = rx
-            .iter()
-            .find(|l| l.contains("herdguard serving"))
-            .expect("a start-up line");
-        (line, rx)
-    })
-    .await
-    .unwrap();
-    let log: serde_json::Value = serde_json::from_str(&line).unwrap();
-    let listen = log["listen"].as_str().unwrap().to_owned();
+        .args(["--log-format", "json"]);
+    let Running {
+        mut child,
+        serving,
+        rest: rx,
+    } = start(cmd).await;
+    let listen = serving["listen"].as_str().unwrap().to_owned();
     assert_eq!(get_at(&listen, "/b").await.0, http::StatusCode::NOT_FOUND);
 
     std::fs::write(
@@ -218,6 +189,71 @@ async fn sighup_reloads_the_config_file() {
     assert!(status.success());
     let rest: Vec<String> = rx.iter().collect();
     assert!(rest.iter().any(|l| l.contains("SIGTERM")), "{rest:?}");
+}
+
+/// A started binary: the child, its parsed JSON "herdguard serving" line, and
+/// the log lines that follow.
+struct Running {
+    child: std::process::Child,
+    serving: serde_json::Value,
+    rest: std::sync::mpsc::Receiver<String>,
+}
+
+/// Starts `cmd` (which must log JSON) and waits for its start-up line.
+async fn start(mut cmd: Command) -> Running {
+    let mut child = cmd.stderr(Stdio::piped()).spawn().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let (line, rest) = tokio::task::spawn_blocking(move || {
+        let line = rx
+            .iter()
+            .find(|l| l.contains("herdguard serving"))
+            .expect("a start-up line");
+        (line, rx)
+    })
+    .await
+    .unwrap();
+    let serving = serde_json::from_str(&line).expect("JSON log lines");
+    Running {
+        child,
+        serving,
+        rest,
+    }
+}
+
+#[tokio::test]
+async fn the_default_runtime_has_a_thread_per_core_it_may_use() {
+    let up = ok_upstream("x").await;
+    let args = |cmd: &mut Command| {
+        cmd.args(["--upstream", &up.url(), "--listen", "127.0.0.1:0"])
+            .args(["--admin", "127.0.0.1:0", "--log-format", "json"]);
+    };
+    let cores = std::thread::available_parallelism().unwrap().get();
+    let mut free = Command::new(BIN);
+    args(&mut free);
+    // Held to one core (as a sidecar with a CPU limit of one or less): the
+    // single-threaded scheduler.
+    let mut pinned = Command::new("taskset");
+    pinned.args(["-c", "0", BIN]);
+    args(&mut pinned);
+    let scheduler = |threads| match threads {
+        1 => "current-thread",
+        _ => "multi-thread",
+    };
+    for (cmd, threads) in [(free, cores), (pinned, 1)] {
+        let Running {
+            mut child, serving, ..
+        } = start(cmd).await;
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(serving["threads"], threads, "{serving}");
+        assert_eq!(serving["scheduler"], scheduler(threads), "{serving}");
+    }
 }
 
 async fn get_at(listen: &str, path: &str) -> (http::StatusCode, http::HeaderMap, bytes::Bytes) {

@@ -81,7 +81,9 @@ herdguard_conf herdguard-default $HG_PORT_MT $HG_ADMIN_MT $UP_PORT 3
 export RUST_LOG=warn
 spawn 1 ./target/release/herdguard --config "$WORK/herdguard.toml" --threads 1; HG_PID=$!; PIDS+=($HG_PID)
 spawn 1 ./target/release/herdguard --config "$WORK/herdguard-noretry.toml" --threads 1; HG2_PID=$!; PIDS+=($HG2_PID)
-# The default runtime: multi-threaded, one worker per core it may use.
+# The default runtime: a thread per core it may use; pinned to one core, that is
+# the single-threaded scheduler, as with --threads 1 (two rows of one setup:
+# their difference is the run-to-run noise).
 spawn 1 ./target/release/herdguard --config "$WORK/herdguard-default.toml"; HG3_PID=$!; PIDS+=($HG3_PID)
 
 for p in $UP_PORT $NGINX_PORT $HAPROXY_PORT $HG_PORT $HG_PORT_NORETRY $HG_PORT_MT; do wait_port "$p"; done
@@ -184,7 +186,7 @@ awk '
 
 {
 echo "$(nproc) cores; proxies pinned to one core (nginx: 1 worker; HAProxy: nbthread 1; herdguard: --threads 1,"
-echo "and its default runtime, which on one core is a one-worker multi-thread runtime);"
+echo "and its default runtime, which on one core picks the same single-threaded scheduler);"
 echo "medians of $ROUNDS closed-loop and $OPEN_ROUNDS open-loop rounds."
 echo
 echo "Closed loop: wrk -t1 -c$CONNECTIONS -d${DURATION}s"

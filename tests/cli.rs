@@ -98,14 +98,9 @@ async fn upstream_mode_serves_and_exits_cleanly_on_sigterm() {
         "127.0.0.1:0",
     ])
     .args(["--log-format", "json", "--threads", "1"]);
-    let Running {
-        mut child,
-        serving,
-        rest: rx,
-    } = start(cmd).await;
-    let listen = serving["listen"].as_str().unwrap().to_owned();
+    let running = start(cmd).await;
 
-    let req = http::Request::get(format!("http://{listen}/hello"))
+    let req = http::Request::get(format!("http://{}/hello", running.listen))
         .body(empty())
         .unwrap();
     let (status, _, body) = send(&client(), req).await;
@@ -114,17 +109,7 @@ async fn upstream_mode_serves_and_exits_cleanly_on_sigterm() {
         (http::StatusCode::OK, &b"from upstream"[..])
     );
 
-    let killed = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
-    let status = tokio::task::spawn_blocking(move || child.wait())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(status.success(), "exit status {status:?}");
-    let rest: Vec<String> = rx.iter().collect();
+    let rest = running.terminate().await;
     assert!(rest.iter().any(|l| l.contains("SIGTERM")), "{rest:?}");
 }
 
@@ -142,12 +127,8 @@ async fn sighup_reloads_the_config_file() {
     cmd.arg("--config")
         .arg(&path)
         .args(["--log-format", "json"]);
-    let Running {
-        mut child,
-        serving,
-        rest: rx,
-    } = start(cmd).await;
-    let listen = serving["listen"].as_str().unwrap().to_owned();
+    let mut running = start(cmd).await;
+    let listen = running.listen.clone();
     assert_eq!(get_at(&listen, "/b").await.0, http::StatusCode::NOT_FOUND);
 
     std::fs::write(
@@ -155,21 +136,13 @@ async fn sighup_reloads_the_config_file() {
         format!("{base}[[routes]]\nname = \"b\"\nupstream = \"u\"\nmatch = {{ path = \"/b\" }}\n"),
     )
     .unwrap();
-    let pid = child.id().to_string();
     assert!(Command::new("kill")
-        .args(["-HUP", &pid])
+        .args(["-HUP", &running.child.id().to_string()])
         .status()
         .unwrap()
         .success());
-    let (reloaded, rx) = tokio::task::spawn_blocking(move || {
-        let reloaded = rx
-            .iter()
-            .find(|l| l.contains("config reloaded"))
-            .expect("a reload line");
-        (reloaded, rx)
-    })
-    .await
-    .unwrap();
+    let (reloaded, rest) = line_with(running.rest, "config reloaded").await;
+    running.rest = rest;
     assert!(reloaded.contains("\"routes\":2"), "{reloaded}");
     let (status, _, body) = get_at(&listen, "/b").await;
     assert_eq!(
@@ -177,17 +150,7 @@ async fn sighup_reloads_the_config_file() {
         (http::StatusCode::OK, &b"reloaded"[..])
     );
 
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
-    let status = tokio::task::spawn_blocking(move || child.wait())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(status.success());
-    let rest: Vec<String> = rx.iter().collect();
+    let rest = running.terminate().await;
     assert!(rest.iter().any(|l| l.contains("SIGTERM")), "{rest:?}");
 }
 
@@ -196,7 +159,29 @@ async fn sighup_reloads_the_config_file() {
 struct Running {
     child: std::process::Child,
     serving: serde_json::Value,
+    /// The proxy's address, from the start-up line.
+    listen: String,
     rest: std::sync::mpsc::Receiver<String>,
+}
+
+impl Running {
+    /// Sends SIGTERM, checks the exit status is 0, and gives back the log lines left.
+    async fn terminate(self) -> Vec<String> {
+        let Running {
+            mut child, rest, ..
+        } = self;
+        let killed = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(killed.success());
+        let status = tokio::task::spawn_blocking(move || child.wait())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(status.success(), "exit status {status:?}");
+        rest.iter().collect()
+    }
 }
 
 /// Starts `cmd` (which must log JSON) and waits for its start-up line.
@@ -209,21 +194,34 @@ async fn start(mut cmd: Command) -> Running {
             let _ = tx.send(line);
         }
     });
-    let (line, rest) = tokio::task::spawn_blocking(move || {
-        let line = rx
-            .iter()
-            .find(|l| l.contains("herdguard serving"))
-            .expect("a start-up line");
-        (line, rx)
-    })
-    .await
-    .unwrap();
-    let serving = serde_json::from_str(&line).expect("JSON log lines");
+    let (line, rest) = line_with(rx, "herdguard serving").await;
+    let serving: serde_json::Value = serde_json::from_str(&line).expect("JSON log lines");
+    let listen = serving["listen"]
+        .as_str()
+        .expect("a listen address")
+        .to_owned();
     Running {
         child,
         serving,
+        listen,
         rest,
     }
+}
+
+/// Waits for the next log line that contains `text`; gives back the lines after it.
+async fn line_with(
+    lines: std::sync::mpsc::Receiver<String>,
+    text: &'static str,
+) -> (String, std::sync::mpsc::Receiver<String>) {
+    tokio::task::spawn_blocking(move || {
+        let line = lines
+            .iter()
+            .find(|l| l.contains(text))
+            .unwrap_or_else(|| panic!("no log line with {text:?}"));
+        (line, lines)
+    })
+    .await
+    .unwrap()
 }
 
 #[tokio::test]
@@ -246,11 +244,9 @@ async fn the_default_runtime_has_a_thread_per_core_it_may_use() {
         _ => "multi-thread",
     };
     for (cmd, threads) in [(free, cores), (pinned, 1)] {
-        let Running {
-            mut child, serving, ..
-        } = start(cmd).await;
-        child.kill().unwrap();
-        child.wait().unwrap();
+        let running = start(cmd).await;
+        let serving = running.serving.clone();
+        running.terminate().await;
         assert_eq!(serving["threads"], threads, "{serving}");
         assert_eq!(serving["scheduler"], scheduler(threads), "{serving}");
     }

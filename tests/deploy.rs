@@ -1,7 +1,12 @@
 //! The deploy/ files, checked offline: the manifests parse, and the fields
 //! that matter agree with each other and with the config they carry.
 
+mod common;
+
 use std::path::Path;
+use std::process::Command;
+
+use common::process::{start, BIN};
 
 use herdguard::config::Config;
 use yaml_rust2::{Yaml, YamlLoader};
@@ -33,6 +38,37 @@ fn sidecar_config() -> Config {
     checked.config
 }
 
+/// The herdguard container of a Deployment: an init container with
+/// `restartPolicy: Always` (a native sidecar), or one of the containers.
+fn herdguard_container(d: &Yaml, native: bool) -> &Yaml {
+    let spec = &d["spec"]["template"]["spec"];
+    let list = if native {
+        &spec["initContainers"]
+    } else {
+        &spec["containers"]
+    };
+    list.as_vec()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"].as_str() == Some("herdguard"))
+        .expect("a herdguard container")
+}
+
+fn container_args(c: &Yaml) -> Vec<&str> {
+    c["args"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|a| str_of(a, "an arg"))
+        .collect()
+}
+
+/// The value of a flag in `args`.
+fn after<'a>(args: &[&'a str], flag: &str) -> &'a str {
+    let i = args.iter().position(|a| *a == flag);
+    args[i.unwrap_or_else(|| panic!("no {flag} in {args:?}")) + 1]
+}
+
 fn check_deployment(name: &str, native: bool) {
     let config = sidecar_config();
     let d = load(name);
@@ -45,17 +81,7 @@ fn check_deployment(name: &str, native: bool) {
         "{name}: selector matches the pod"
     );
 
-    let list = if native {
-        &spec["initContainers"]
-    } else {
-        &spec["containers"]
-    };
-    let herdguard = list
-        .as_vec()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"].as_str() == Some("herdguard"))
-        .unwrap_or_else(|| panic!("{name}: no herdguard container"));
+    let herdguard = herdguard_container(&d, native);
     if native {
         assert_eq!(
             herdguard["restartPolicy"].as_str(),
@@ -116,13 +142,8 @@ fn check_deployment(name: &str, native: bool) {
     assert_eq!(sc["allowPrivilegeEscalation"].as_bool(), Some(false));
 
     // The config comes from the ConfigMap, where the args say it is.
-    let args: Vec<&str> = herdguard["args"]
-        .as_vec()
-        .unwrap()
-        .iter()
-        .map(|a| a.as_str().unwrap())
-        .collect();
-    let file = args[args.iter().position(|a| *a == "--config").unwrap() + 1];
+    let args = container_args(herdguard);
+    let file = after(&args, "--config");
     let mount = herdguard["volumeMounts"].as_vec().unwrap()[0].clone();
     assert_eq!(
         Path::new(file).parent().unwrap(),
@@ -163,6 +184,38 @@ fn native_sidecar_deployment() {
 #[test]
 fn classic_sidecar_deployment() {
     check_deployment("deployment-classic-sidecar.yaml", false);
+}
+
+/// The sidecar's args, as the manifests give them, start the real binary
+/// with the ConfigMap's config (on loopback ports for the test), and give it
+/// the threads they name rather than one per core of the node.
+#[tokio::test]
+async fn the_sidecar_args_start_the_binary() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("herdguard.toml");
+    let cm = load("configmap.yaml");
+    std::fs::write(&config, str_of(&cm["data"]["herdguard.toml"], "data")).unwrap();
+    for (name, native) in [
+        ("deployment-native-sidecar.yaml", true),
+        ("deployment-classic-sidecar.yaml", false),
+    ] {
+        let d = load(name);
+        let args = container_args(herdguard_container(&d, native));
+        let threads: usize = after(&args, "--threads").parse().unwrap();
+        let mut cmd = Command::new(BIN);
+        // The same args, but the config file is the test's copy of the ConfigMap's.
+        for (i, arg) in args.iter().enumerate() {
+            if i > 0 && args[i - 1] == "--config" {
+                cmd.arg(&config);
+            } else {
+                cmd.arg(arg);
+            }
+        }
+        cmd.args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"]);
+        let running = start(cmd).await;
+        assert_eq!(running.serving["threads"], threads, "{name}");
+        running.terminate().await;
+    }
 }
 
 #[test]

@@ -2,6 +2,7 @@
 //! 127.0.0.1:0, the whole proxy started in-process, and a plain client.
 #![allow(dead_code)]
 
+pub mod process;
 pub mod scripted;
 
 use std::future::Future;

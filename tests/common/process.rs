@@ -1,0 +1,80 @@
+//! The real binary, run as a child process: started, read from its JSON log
+//! lines, and stopped with SIGTERM.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_herdguard");
+
+/// A started binary: the child, its parsed JSON "herdguard serving" line, and
+/// the log lines that follow.
+pub struct Running {
+    pub child: std::process::Child,
+    pub serving: serde_json::Value,
+    /// The proxy's address, from the start-up line.
+    pub listen: String,
+    pub rest: std::sync::mpsc::Receiver<String>,
+}
+
+impl Running {
+    /// Sends SIGTERM, checks the exit status is 0, and gives back the log lines left.
+    pub async fn terminate(self) -> Vec<String> {
+        let Running {
+            mut child, rest, ..
+        } = self;
+        let killed = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(killed.success());
+        let status = tokio::task::spawn_blocking(move || child.wait())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(status.success(), "exit status {status:?}");
+        rest.iter().collect()
+    }
+}
+
+/// Starts `cmd` (which must log JSON) and waits for its start-up line.
+pub async fn start(mut cmd: Command) -> Running {
+    let mut child = cmd.stderr(Stdio::piped()).spawn().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let (line, rest) = line_with(rx, "herdguard serving").await;
+    let serving: serde_json::Value = serde_json::from_str(&line).expect("JSON log lines");
+    let listen = serving["listen"]
+        .as_str()
+        .expect("a listen address")
+        .to_owned();
+    Running {
+        child,
+        serving,
+        listen,
+        rest,
+    }
+}
+
+/// Waits for the next log line that contains `text`; gives back the lines after it.
+pub async fn line_with(
+    lines: std::sync::mpsc::Receiver<String>,
+    text: &'static str,
+) -> (String, std::sync::mpsc::Receiver<String>) {
+    tokio::task::spawn_blocking(move || {
+        let mut seen = Vec::new();
+        for line in lines.iter() {
+            if line.contains(text) {
+                return (line, lines);
+            }
+            seen.push(line);
+        }
+        panic!("no log line with {text:?}; the process wrote: {seen:#?}")
+    })
+    .await
+    .unwrap()
+}

@@ -46,29 +46,32 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
         }
         return;
     }
-    if let Some(connection) = headers.get(header::CONNECTION) {
-        if let Ok(text) = connection.to_str() {
-            let named: Vec<HeaderName> = text
-                .split(',')
-                .map(|t| t.trim())
-                // A `Keep-Alive` field is hop-by-hop anyway: removed below.
-                .filter(|t| !t.eq_ignore_ascii_case("keep-alive"))
-                .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
-                .collect();
-            for name in named {
-                if !(upgrade && name == header::UPGRADE) {
-                    headers.remove(&name);
-                }
+    let connection = present[0]
+        .then(|| headers.get(header::CONNECTION))
+        .flatten();
+    if let Some(Ok(text)) = connection.map(|c| c.to_str()) {
+        let named: Vec<HeaderName> = text
+            .split(',')
+            .map(|t| t.trim())
+            // The usual options, `keep-alive` and `close`, name no other field
+            // (a `Keep-Alive` field is hop-by-hop anyway: removed below).
+            .filter(|t| !t.eq_ignore_ascii_case("keep-alive") && !t.eq_ignore_ascii_case("close"))
+            .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
+            .collect();
+        for name in named {
+            if !(upgrade && name == header::UPGRADE) {
+                headers.remove(&name);
             }
         }
     }
     // `TE: trailers` says the client accepts trailers; the proxy relays them, so
     // it may say the same to the upstream (gRPC needs it).
-    let te_trailers = headers.get(header::TE).is_some_and(|v| {
-        v.as_bytes()
-            .split(|b| *b == b',')
-            .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers"))
-    });
+    let te_trailers = present[3]
+        && headers.get(header::TE).is_some_and(|v| {
+            v.as_bytes()
+                .split(|b| *b == b',')
+                .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers"))
+        });
     for (name, present) in HOP_BY_HOP.iter().zip(present) {
         if !present || (upgrade && (name == header::CONNECTION || name == header::UPGRADE)) {
             continue;
@@ -112,20 +115,24 @@ pub fn add_forwarded(
     proto: &'static str,
     host: Option<HeaderValue>,
 ) {
-    let prior = headers
-        .get(&X_FORWARDED_FOR)
-        .filter(|v| !v.as_bytes().trim_ascii().is_empty());
-    let value = match prior {
-        Some(prior) => {
-            let mut joined = Vec::with_capacity(prior.len() + 2 + caller.len());
-            joined.extend_from_slice(prior.as_bytes());
-            joined.extend_from_slice(b", ");
-            joined.extend_from_slice(caller.as_bytes());
-            HeaderValue::from_bytes(&joined).unwrap_or_else(|_| caller.clone())
+    // One lookup for the read and the write. Earlier hops may have sent the
+    // list on several lines: it is one list, and the caller goes at its end.
+    match headers.entry(&X_FORWARDED_FOR) {
+        header::Entry::Vacant(slot) => {
+            slot.insert(caller.clone());
         }
-        None => caller.clone(),
-    };
-    headers.insert(&X_FORWARDED_FOR, value);
+        header::Entry::Occupied(mut prior) => {
+            let mut joined = Vec::new();
+            for hop in prior.iter().map(|v| v.as_bytes().trim_ascii()) {
+                if !hop.is_empty() {
+                    joined.extend_from_slice(hop);
+                    joined.extend_from_slice(b", ");
+                }
+            }
+            joined.extend_from_slice(caller.as_bytes());
+            prior.insert(HeaderValue::from_bytes(&joined).unwrap_or_else(|_| caller.clone()));
+        }
+    }
     headers.insert(&X_FORWARDED_PROTO, HeaderValue::from_static(proto));
     if let Some(host) = host {
         headers.insert(&X_FORWARDED_HOST, host);
@@ -225,5 +232,17 @@ mod tests {
         add_via(&mut h, Version::HTTP_2);
         let via: Vec<_> = h.get_all("via").iter().collect();
         assert_eq!(via, ["1.1 herdguard", "2 herdguard"]);
+
+        // A list sent on several lines is one list; an empty one is no list.
+        let mut h = map(&[
+            ("x-forwarded-for", "10.0.0.1"),
+            ("x-forwarded-for", " 10.0.0.2 "),
+        ]);
+        add_forwarded(&mut h, &caller, "http", None);
+        let xff: Vec<_> = h.get_all("x-forwarded-for").iter().collect();
+        assert_eq!(xff, ["10.0.0.1, 10.0.0.2, 127.0.0.2"]);
+        let mut h = map(&[("x-forwarded-for", " ")]);
+        add_forwarded(&mut h, &caller, "http", None);
+        assert_eq!(h["x-forwarded-for"], "127.0.0.2");
     }
 }

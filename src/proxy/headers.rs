@@ -46,6 +46,20 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
         }
         return;
     }
+    // The usual case after that: a lone `Connection: keep-alive` (or `close`),
+    // which names no other field.
+    let lone = [true, false, false, false, false, false, false];
+    if present == lone && !upgrade {
+        if let Some(header::Entry::Occupied(connection)) =
+            headers.try_entry(header::CONNECTION).ok()
+        {
+            let value = connection.get().as_bytes().trim_ascii();
+            if value.eq_ignore_ascii_case(b"keep-alive") || value.eq_ignore_ascii_case(b"close") {
+                connection.remove();
+                return;
+            }
+        }
+    }
     let connection = present[0]
         .then(|| headers.get(header::CONNECTION))
         .flatten();
@@ -190,6 +204,14 @@ mod tests {
         ]);
         strip_hop_by_hop(&mut h, false);
         assert_eq!(h, map(&[("content-length", "2"), ("date", "x")]));
+
+        let mut h = map(&[("connection", " Close "), ("x-a", "1")]);
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h, map(&[("x-a", "1")]));
+        // Alone, but naming another field: that field goes too.
+        let mut h = map(&[("connection", "x-a"), ("x-a", "1"), ("x-b", "2")]);
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h, map(&[("x-b", "2")]));
     }
 
     #[test]

@@ -365,6 +365,10 @@ async fn forward(
         }
     }
     let h = &mut parts.headers;
+    // Room for the fields this hop adds (Via, X-Forwarded-*, the attempt
+    // number): hyper's maps come with none, and growing once beats growing
+    // on each insert.
+    h.reserve(5);
     headers::strip_hop_by_hop(h, upgrade);
     headers::add_via(h, parts.version);
     headers::add_forwarded(h, &caller.ip, "http", original_host);
@@ -420,6 +424,8 @@ async fn forward(
 }
 
 fn finish_headers(h: &mut http::HeaderMap, upgrade: bool, attempts: HeaderValue) {
+    // Via and the attempt count: grow once.
+    h.reserve(2);
     headers::strip_hop_by_hop(h, upgrade);
     headers::add_via(h, Version::HTTP_11);
     h.insert(&headers::X_HERDGUARD_ATTEMPTS, attempts);

@@ -50,22 +50,25 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     // which names no other field.
     let lone = [true, false, false, false, false, false, false];
     if present == lone && !upgrade {
-        if let Some(header::Entry::Occupied(connection)) =
-            headers.try_entry(header::CONNECTION).ok()
-        {
+        if let header::Entry::Occupied(connection) = headers.entry(header::CONNECTION) {
             let value = connection.get().as_bytes().trim_ascii();
-            if value.eq_ignore_ascii_case(b"keep-alive") || value.eq_ignore_ascii_case(b"close") {
+            let one_line = connection.iter().nth(1).is_none();
+            if one_line
+                && (value.eq_ignore_ascii_case(b"keep-alive")
+                    || value.eq_ignore_ascii_case(b"close"))
+            {
                 connection.remove();
                 return;
             }
         }
     }
-    let connection = present[0]
-        .then(|| headers.get(header::CONNECTION))
-        .flatten();
-    if let Some(Ok(text)) = connection.map(|c| c.to_str()) {
-        let named: Vec<HeaderName> = text
-            .split(',')
+    if present[0] {
+        // The options may come on several lines: each names fields to drop.
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|text| text.split(','))
             .map(|t| t.trim())
             // The usual options, `keep-alive` and `close`, name no other field
             // (a `Keep-Alive` field is hop-by-hop anyway: removed below).
@@ -208,6 +211,15 @@ mod tests {
         let mut h = map(&[("connection", " Close "), ("x-a", "1")]);
         strip_hop_by_hop(&mut h, false);
         assert_eq!(h, map(&[("x-a", "1")]));
+        // Options on two lines: the fields both name go.
+        let mut h = map(&[
+            ("connection", "keep-alive"),
+            ("connection", "x-a"),
+            ("x-a", "1"),
+            ("x-b", "2"),
+        ]);
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h, map(&[("x-b", "2")]));
         // Alone, but naming another field: that field goes too.
         let mut h = map(&[("connection", "x-a"), ("x-a", "1"), ("x-b", "2")]);
         strip_hop_by_hop(&mut h, false);

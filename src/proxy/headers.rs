@@ -9,6 +9,9 @@ use http::Version;
 
 /// Fields that describe one connection, never forwarded (RFC 9110 §7.6.1).
 const HOPS: usize = 7;
+/// Where `Connection` and `TE` are in [`HOP_BY_HOP`].
+const CONNECTION_AT: usize = 0;
+const TE_AT: usize = 3;
 const HOP_BY_HOP: [HeaderName; HOPS] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
@@ -48,8 +51,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     }
     // The usual case after that: a lone `Connection: keep-alive` (or `close`),
     // which names no other field.
-    let lone = [true, false, false, false, false, false, false];
-    if present == lone && !upgrade {
+    let lone_connection = present
+        .iter()
+        .enumerate()
+        .all(|(i, p)| *p == (i == CONNECTION_AT));
+    if lone_connection && !upgrade {
         if let header::Entry::Occupied(connection) = headers.entry(header::CONNECTION) {
             let value = connection.get().as_bytes().trim_ascii();
             let one_line = connection.iter().nth(1).is_none();
@@ -62,7 +68,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
             }
         }
     }
-    if present[0] {
+    if present[CONNECTION_AT] {
         // The options may come on several lines: each names fields to drop.
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
@@ -83,7 +89,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     }
     // `TE: trailers` says the client accepts trailers; the proxy relays them, so
     // it may say the same to the upstream (gRPC needs it).
-    let te_trailers = present[3]
+    let te_trailers = present[TE_AT]
         && headers.get(header::TE).is_some_and(|v| {
             v.as_bytes()
                 .split(|b| *b == b',')
@@ -195,35 +201,48 @@ mod tests {
 
     #[test]
     fn common_messages_lose_only_their_hop_by_hop_fields() {
-        let plain = map(&[("host", "a"), ("accept", "*/*"), ("x-request-id", "7")]);
-        let mut h = plain.clone();
-        strip_hop_by_hop(&mut h, false);
-        assert_eq!(h, plain);
-
-        let mut h = map(&[
-            ("content-length", "2"),
-            ("connection", "keep-alive"),
-            ("date", "x"),
-        ]);
-        strip_hop_by_hop(&mut h, false);
-        assert_eq!(h, map(&[("content-length", "2"), ("date", "x")]));
-
-        let mut h = map(&[("connection", " Close "), ("x-a", "1")]);
-        strip_hop_by_hop(&mut h, false);
-        assert_eq!(h, map(&[("x-a", "1")]));
-        // Options on two lines: the fields both name go.
-        let mut h = map(&[
-            ("connection", "keep-alive"),
-            ("connection", "x-a"),
-            ("x-a", "1"),
-            ("x-b", "2"),
-        ]);
-        strip_hop_by_hop(&mut h, false);
-        assert_eq!(h, map(&[("x-b", "2")]));
-        // Alone, but naming another field: that field goes too.
-        let mut h = map(&[("connection", "x-a"), ("x-a", "1"), ("x-b", "2")]);
-        strip_hop_by_hop(&mut h, false);
-        assert_eq!(h, map(&[("x-b", "2")]));
+        type Fields<'a> = &'a [(&'a str, &'a str)];
+        let cases: [(&str, Fields, Fields); 5] = [
+            (
+                "no hop-by-hop field",
+                &[("host", "a"), ("accept", "*/*"), ("x-request-id", "7")],
+                &[("host", "a"), ("accept", "*/*"), ("x-request-id", "7")],
+            ),
+            (
+                "a lone keep-alive",
+                &[
+                    ("content-length", "2"),
+                    ("connection", "keep-alive"),
+                    ("date", "x"),
+                ],
+                &[("content-length", "2"), ("date", "x")],
+            ),
+            (
+                "a lone close, any case and spacing",
+                &[("connection", " Close "), ("x-a", "1")],
+                &[("x-a", "1")],
+            ),
+            (
+                "options on two lines: the fields both name go",
+                &[
+                    ("connection", "keep-alive"),
+                    ("connection", "x-a"),
+                    ("x-a", "1"),
+                    ("x-b", "2"),
+                ],
+                &[("x-b", "2")],
+            ),
+            (
+                "alone, but naming another field: that field goes too",
+                &[("connection", "x-a"), ("x-a", "1"), ("x-b", "2")],
+                &[("x-b", "2")],
+            ),
+        ];
+        for (what, before, after) in cases {
+            let mut h = map(before);
+            strip_hop_by_hop(&mut h, false);
+            assert_eq!(h, map(after), "{what}");
+        }
     }
 
     #[test]

@@ -193,6 +193,17 @@ async fn a_busy_connection_is_not_closed_as_idle() {
     assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "ok");
 }
 
+/// GET / answers `body` with 200 at the first attempt (request number `i`).
+async fn answered_at_first_try(server: &herdguard::app::Server, body: &'static str, i: usize) {
+    let (status, headers, got) = get(server, "/").await;
+    assert_eq!(
+        (status, got),
+        (http::StatusCode::OK, Bytes::from(body)),
+        "request {i}"
+    );
+    assert_eq!(headers["x-herdguard-attempts"], "1", "request {i}");
+}
+
 /// An upstream that answers one request per connection, then closes it
 /// without saying so (no `Connection: close`), as servers with short idle
 /// timeouts do.
@@ -226,16 +237,10 @@ async fn one_shot_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
 async fn connections_the_upstream_closed_are_not_used_again() {
     let (addr, accepted) = one_shot_upstream().await;
     let server = proxy(&config(addr, "")).await;
+    // Had a closed connection been picked, a request would have needed a
+    // second attempt.
     for i in 0..10 {
-        let (status, headers, body) = get(&server, "/").await;
-        assert_eq!(
-            (status, body),
-            (http::StatusCode::OK, Bytes::from("ok")),
-            "request {i}"
-        );
-        // Had a closed connection been picked, the request would have needed
-        // a second attempt.
-        assert_eq!(headers["x-herdguard-attempts"], "1", "request {i}");
+        answered_at_first_try(&server, "ok", i).await;
     }
     assert_eq!(accepted.load(Ordering::SeqCst), 10);
 }
@@ -286,13 +291,7 @@ async fn a_connection_whose_response_was_abandoned_is_not_reused() {
     assert_eq!(first, "part");
     drop(body);
     for i in 0..5 {
-        let (status, headers, body) = get(&server, "/").await;
-        assert_eq!(
-            (status, body),
-            (http::StatusCode::OK, Bytes::from("whole")),
-            "request {i}"
-        );
-        assert_eq!(headers["x-herdguard-attempts"], "1", "request {i}");
+        answered_at_first_try(&server, "whole", i).await;
     }
     assert_eq!(
         up.accepted(),

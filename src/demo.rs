@@ -4,6 +4,11 @@
 //! The upstream fails like a real flaky API: some 503s (a third of them with
 //! `Retry-After: 1`), some connections reset before any answer, and an outage
 //! of a few seconds in the middle of the run in which it resets everything.
+//!
+//! Callers send on a fixed schedule, answered or not, so a quick failure does
+//! not bring the next request forward: every part of the run weighs by its
+//! length, and the report gives the parts before, during and after the
+//! outage apart.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -20,7 +25,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use rand::Rng;
 use tokio::net::TcpListener;
-use tokio::time::Instant;
+use tokio::task::JoinSet;
+use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::app::Server;
 use crate::config::Config;
@@ -36,8 +42,11 @@ pub struct Params {
     pub error_rate: f64,
     /// Share of connections reset before an answer outside the outage.
     pub reset_rate: f64,
-    /// Pause between a caller's requests. Callers do not retry: herdguard does.
-    pub think: Duration,
+    /// How often each caller sends, whether or not its last request was
+    /// answered: the load does not depend on how the proxy answers, so a quick
+    /// failure does not bring the next request forward. Callers do not retry:
+    /// herdguard does.
+    pub interval: Duration,
 }
 
 impl Default for Params {
@@ -49,16 +58,70 @@ impl Default for Params {
             outage_for: Duration::from_secs(3),
             error_rate: 0.10,
             reset_rate: 0.03,
-            think: Duration::from_millis(50),
+            interval: Duration::from_millis(100),
         }
     }
 }
 
-/// What the upstream saw.
+/// A part of the run, as the outage divides it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Before,
+    Outage,
+    After,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 3] = [Phase::Before, Phase::Outage, Phase::After];
+
+    /// The phase `since_start` into a run of `p`. Without an outage, the whole run is `Before`.
+    pub fn at(p: &Params, since_start: Duration) -> Phase {
+        if p.outage_for.is_zero() || since_start < p.outage_at {
+            Phase::Before
+        } else if since_start < p.outage_at + p.outage_for {
+            Phase::Outage
+        } else {
+            Phase::After
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    fn describe(self, p: &Params) -> String {
+        let (from, to) = (
+            p.outage_at.as_secs_f64(),
+            (p.outage_at + p.outage_for).as_secs_f64(),
+        );
+        let end = p.duration.as_secs_f64();
+        match self {
+            Phase::Before if p.outage_for.is_zero() => format!("whole run (0-{end}s)"),
+            Phase::Before => format!("before the outage (0-{from}s)"),
+            Phase::Outage => format!("outage ({from}-{to}s)"),
+            Phase::After => format!("after the outage ({to}-{end}s)"),
+        }
+    }
+}
+
+/// What the upstream saw, by phase.
 #[derive(Debug, Default)]
 pub struct UpstreamCounts {
-    pub requests: AtomicU64,
-    pub ok: AtomicU64,
+    requests: [AtomicU64; 3],
+    ok: [AtomicU64; 3],
+}
+
+impl UpstreamCounts {
+    pub fn requests(&self) -> u64 {
+        self.requests
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    pub fn ok(&self) -> u64 {
+        self.ok.iter().map(|c| c.load(Ordering::Relaxed)).sum()
+    }
 }
 
 /// What one second, or the whole run, looked like to the callers.
@@ -70,18 +133,61 @@ pub struct CallerCounts {
     pub latencies_us: Vec<u64>,
 }
 
+impl CallerCounts {
+    fn record(&mut self, ok: bool, us: u64) {
+        self.requests += 1;
+        self.ok += u64::from(ok);
+        self.latencies_us.push(us);
+    }
+
+    pub fn success(&self) -> f64 {
+        ratio(self.ok, self.requests)
+    }
+
+    pub fn percentile_ms(&self, p: f64) -> f64 {
+        let mut l = self.latencies_us.clone();
+        if l.is_empty() {
+            return 0.0;
+        }
+        l.sort_unstable();
+        let i = ((l.len() as f64 * p).ceil() as usize).clamp(1, l.len()) - 1;
+        l[i] as f64 / 1000.0
+    }
+}
+
+/// One part of the run, seen from both sides of the proxy.
+#[derive(Debug, Clone)]
+pub struct PhaseSummary {
+    pub phase: Phase,
+    /// `before the outage (0-6s)`.
+    pub description: String,
+    /// By when the callers sent.
+    pub callers: CallerCounts,
+    /// By when the attempts reached the upstream.
+    pub upstream_requests: u64,
+    pub upstream_ok: u64,
+}
+
+impl PhaseSummary {
+    pub fn upstream_success(&self) -> f64 {
+        ratio(self.upstream_ok, self.upstream_requests)
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Summary {
     pub callers: CallerCounts,
     pub upstream_requests: u64,
     pub upstream_ok: u64,
+    /// The phases the run had, in order.
+    pub phases: Vec<PhaseSummary>,
     /// Metrics of the proxy, by series (`name{labels}`), as it reported them.
     pub metrics: BTreeMap<String, f64>,
 }
 
 impl Summary {
     pub fn caller_success(&self) -> f64 {
-        ratio(self.callers.ok, self.callers.requests)
+        self.callers.success()
     }
 
     pub fn upstream_success(&self) -> f64 {
@@ -111,14 +217,8 @@ impl Summary {
             .collect()
     }
 
-    pub fn percentile_ms(&self, p: f64) -> f64 {
-        let mut l = self.callers.latencies_us.clone();
-        if l.is_empty() {
-            return 0.0;
-        }
-        l.sort_unstable();
-        let i = ((l.len() as f64 * p).ceil() as usize).clamp(1, l.len()) - 1;
-        l[i] as f64 / 1000.0
+    pub fn phase(&self, phase: Phase) -> Option<&PhaseSummary> {
+        self.phases.iter().find(|s| s.phase == phase)
     }
 
     pub fn render(&self) -> String {
@@ -128,14 +228,15 @@ impl Summary {
             "callers:  {} requests, {:.1}% succeeded (p50 {:.1} ms, p99 {:.1} ms)\n",
             c.requests,
             100.0 * self.caller_success(),
-            self.percentile_ms(0.50),
-            self.percentile_ms(0.99)
+            c.percentile_ms(0.50),
+            c.percentile_ms(0.99)
         );
         out += &format!(
             "upstream: {} attempts, {:.1}% succeeded\n",
             self.upstream_requests,
             100.0 * self.upstream_success()
         );
+        out += &self.render_phases();
         let list = |pairs: Vec<(String, f64)>| {
             if pairs.is_empty() {
                 "none".to_owned()
@@ -157,13 +258,42 @@ impl Summary {
             list(self.by_label("herdguard_retries_skipped_total", "reason"))
         );
         out += &format!(
-            "retry budget left: {}\n",
+            "retry budget left: {:.0}\n",
             self.sum("herdguard_retry_budget_available", "")
         );
         out += &format!(
             "breaker transitions: {}\n",
             list(self.by_label("herdguard_breaker_transitions_total", "to"))
         );
+        out
+    }
+
+    /// The table by phase: outside the outage retries absorb the upstream's
+    /// failures; during it the breaker keeps attempts off the upstream.
+    fn render_phases(&self) -> String {
+        let width = self
+            .phases
+            .iter()
+            .map(|s| s.description.len())
+            .max()
+            .unwrap_or(0);
+        let mut out = format!(
+            "\n{:width$}  {:>8} {:>9} {:>8} {:>8}   {:>8} {:>9}\n",
+            "by phase", "callers", "succeeded", "p50 ms", "p99 ms", "upstream", "succeeded"
+        );
+        for s in &self.phases {
+            out += &format!(
+                "{:width$}  {:>8} {:>8.1}% {:>8.1} {:>8.1}   {:>8} {:>8.1}%\n",
+                s.description,
+                s.callers.requests,
+                100.0 * s.callers.success(),
+                s.callers.percentile_ms(0.50),
+                s.callers.percentile_ms(0.99),
+                s.upstream_requests,
+                100.0 * s.upstream_success(),
+            );
+        }
+        out.push('\n');
         out
     }
 }
@@ -184,21 +314,21 @@ async fn flaky_upstream(
 ) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let (outage_start, outage_end) = (start + p.outage_at, start + p.outage_at + p.outage_for);
-    let (error_rate, reset_rate) = (p.error_rate, p.reset_rate);
+    let p = Arc::new(p.clone());
     tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
                 return;
             };
-            let counts = counts.clone();
+            let (counts, p) = (counts.clone(), p.clone());
             tokio::spawn(async move {
                 let service = service_fn(move |_req: Request<Incoming>| {
-                    let counts = counts.clone();
+                    let (counts, p) = (counts.clone(), p.clone());
                     async move {
-                        counts.requests.fetch_add(1, Ordering::Relaxed);
-                        let now = Instant::now();
-                        let in_outage = now >= outage_start && now < outage_end;
+                        let phase = Phase::at(&p, start.elapsed()).index();
+                        counts.requests[phase].fetch_add(1, Ordering::Relaxed);
+                        let in_outage = phase == Phase::Outage.index();
+                        let (error_rate, reset_rate) = (p.error_rate, p.reset_rate);
                         let (roll, work_ms) = {
                             let mut rng = rand::rng();
                             (rng.random::<f64>(), rng.random_range(2..=15))
@@ -219,7 +349,7 @@ async fn flaky_upstream(
                                 );
                             }
                         } else {
-                            counts.ok.fetch_add(1, Ordering::Relaxed);
+                            counts.ok[phase].fetch_add(1, Ordering::Relaxed);
                         }
                         Ok::<_, &'static str>(resp)
                     }
@@ -250,47 +380,56 @@ pub async fn run(
         .parse()
         .map_err(std::io::Error::other)?;
 
-    let window = Arc::new(Mutex::new(CallerCounts::default()));
-    let total = Arc::new(Mutex::new(CallerCounts::default()));
+    let tally = Arc::new(Mutex::new(Tally::default()));
     let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let end = start + p.duration;
     let mut callers = Vec::new();
-    for _ in 0..p.callers {
-        let (client, url, window, total) =
-            (client.clone(), url.clone(), window.clone(), total.clone());
-        let think = p.think;
+    let shared = Arc::new(p.clone());
+    for i in 0..p.callers {
+        let (client, url, tally, p) = (client.clone(), url.clone(), tally.clone(), shared.clone());
+        // Spread over one interval, as a steady population of callers would be.
+        let offset = p.interval.mul_f64(i as f64 / p.callers as f64);
         callers.push(tokio::spawn(async move {
+            let mut pace = tokio::time::interval_at(start + offset, p.interval);
+            // A tick the runtime was late for is sent at once and timed from
+            // when it was due, so lateness shows as latency, not as fewer requests.
+            pace.set_missed_tick_behavior(MissedTickBehavior::Burst);
+            let mut requests = JoinSet::new();
             // Bounded in time and in count.
             for _ in 0..1_000_000 {
-                if Instant::now() >= end {
+                let sent = pace.tick().await;
+                if sent >= end {
                     break;
                 }
-                let sent = Instant::now();
-                let req = Request::get(url.clone())
-                    .body(Empty::new())
-                    .expect("a valid request");
-                let ok = match client.request(req).await {
-                    Ok(resp) => {
-                        let ok = resp.status().is_success();
-                        ok && resp.into_body().collect().await.is_ok()
-                    }
-                    Err(_) => false,
-                };
-                let us = sent.elapsed().as_micros() as u64;
-                for counts in [&window, &total] {
-                    let mut c = counts.lock().unwrap_or_else(|e| e.into_inner());
-                    c.requests += 1;
-                    c.ok += u64::from(ok);
-                    c.latencies_us.push(us);
-                }
-                tokio::time::sleep(think).await;
+                let (client, url, tally, p) =
+                    (client.clone(), url.clone(), tally.clone(), p.clone());
+                requests.spawn(async move {
+                    let req = Request::get(url)
+                        .body(Empty::new())
+                        .expect("a valid request");
+                    let ok = match client.request(req).await {
+                        Ok(resp) => {
+                            let ok = resp.status().is_success();
+                            ok && resp.into_body().collect().await.is_ok()
+                        }
+                        Err(_) => false,
+                    };
+                    // From when the request was due: a late start counts as waiting.
+                    let us = sent.elapsed().as_micros() as u64;
+                    tally.lock().unwrap_or_else(|e| e.into_inner()).record(
+                        Phase::at(&p, sent - start),
+                        ok,
+                        us,
+                    );
+                });
             }
+            requests.join_all().await;
         }));
     }
     let mut tick = tokio::time::interval_at(start + Duration::from_secs(1), Duration::from_secs(1));
     while Instant::now() < end {
         tick.tick().await;
-        let second = std::mem::take(&mut *window.lock().unwrap_or_else(|e| e.into_inner()));
+        let second = std::mem::take(&mut tally.lock().unwrap_or_else(|e| e.into_inner()).window);
         let metrics = server.proxy().metrics().render();
         progress(start.elapsed(), &second, &upstream_counts, &metrics);
     }
@@ -301,13 +440,42 @@ pub async fn run(
     let metrics = parse_metrics(&server.proxy().metrics().render());
     server.shutdown();
     server.wait().await;
-    let callers = std::mem::take(&mut *total.lock().unwrap_or_else(|e| e.into_inner()));
+    let tally = std::mem::take(&mut *tally.lock().unwrap_or_else(|e| e.into_inner()));
+    let phases = Phase::ALL
+        .into_iter()
+        .zip(tally.phases)
+        .filter(|(phase, callers)| callers.requests > 0 || *phase == Phase::Before)
+        .map(|(phase, callers)| PhaseSummary {
+            phase,
+            description: phase.describe(p),
+            callers,
+            upstream_requests: upstream_counts.requests[phase.index()].load(Ordering::Relaxed),
+            upstream_ok: upstream_counts.ok[phase.index()].load(Ordering::Relaxed),
+        })
+        .collect();
     Ok(Summary {
-        callers,
-        upstream_requests: upstream_counts.requests.load(Ordering::Relaxed),
-        upstream_ok: upstream_counts.ok.load(Ordering::Relaxed),
+        callers: tally.total,
+        upstream_requests: upstream_counts.requests(),
+        upstream_ok: upstream_counts.ok(),
+        phases,
         metrics,
     })
+}
+
+/// What the callers saw: the last second (for the progress line), the run, and each phase.
+#[derive(Default)]
+struct Tally {
+    window: CallerCounts,
+    total: CallerCounts,
+    phases: [CallerCounts; 3],
+}
+
+impl Tally {
+    fn record(&mut self, phase: Phase, ok: bool, us: u64) {
+        self.window.record(ok, us);
+        self.total.record(ok, us);
+        self.phases[phase.index()].record(ok, us);
+    }
 }
 
 /// Prometheus text to `series -> value` (comments and histograms' buckets included).
@@ -348,7 +516,7 @@ pub fn progress_line(
         elapsed.as_secs(),
         100.0 * ratio(second.ok, second.requests),
         second.requests,
-        100.0 * ratio(upstream.ok.load(Ordering::Relaxed), upstream.requests.load(Ordering::Relaxed)),
+        100.0 * ratio(upstream.ok(), upstream.requests()),
         sum("herdguard_retries_total{"),
         sum("herdguard_retries_skipped_total{"),
         state,

@@ -149,10 +149,11 @@ fn run_demo(callers: usize, duration: std::time::Duration) -> ExitCode {
     };
     println!(
         "herdguard demo: a flaky API (10% 503s, a third with Retry-After; 3% connection resets; an outage \
-         from {}s to {}s), herdguard with default policies in front, {} callers for {}s.\n",
+         from {}s to {}s), herdguard with default policies in front, {} callers sending every {} ms for {}s.\n",
         params.outage_at.as_secs(),
         (params.outage_at + params.outage_for).as_secs(),
         params.callers,
+        params.interval.as_millis(),
         params.duration.as_secs()
     );
     let rt = match tokio::runtime::Runtime::new() {

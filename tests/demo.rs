@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use herdguard::demo::{self, Params, Summary};
+use herdguard::demo::{self, Params, Phase, Summary};
 
 fn agrees_with_metrics(summary: &Summary) {
     let requests = summary.sum("herdguard_requests_total", "");
@@ -75,9 +75,35 @@ async fn demo_completes_and_agrees_with_the_metrics() {
         flaky.render()
     );
     assert!(flaky.caller_success() > 0.95, "{}", flaky.render());
+    // Without an outage the run is one phase.
+    assert_eq!(flaky.phases.len(), 1, "{}", flaky.render());
+    assert_eq!(flaky.phases[0].callers.requests, 8 * 60);
     assert!(flaky.sum("herdguard_retries_total", "") > 0.0);
 
     agrees_with_metrics(&outage);
+    // Callers send on schedule whatever the answers: 8 callers every 100 ms,
+    // so each phase has as many requests as its length gives, even the
+    // outage, where the breaker answers at once.
+    let requests = |phase| outage.phase(phase).map(|s| s.callers.requests);
+    assert_eq!(requests(Phase::Before), Some(80), "{}", outage.render());
+    assert_eq!(requests(Phase::Outage), Some(160), "{}", outage.render());
+    assert_eq!(requests(Phase::After), Some(160), "{}", outage.render());
+    let during = outage.phase(Phase::Outage).expect("an outage phase");
+    // In the outage the breaker keeps attempts off the upstream.
+    assert!(
+        during.upstream_requests < during.callers.requests / 4,
+        "{}",
+        outage.render()
+    );
+    assert!(during.callers.success() < 0.2, "{}", outage.render());
+    let text = outage.render();
+    for line in [
+        "before the outage (0-1s)",
+        "outage (1-3s)",
+        "after the outage (3-5s)",
+    ] {
+        assert!(text.contains(line), "{line} missing:\n{text}");
+    }
     // In an outage the breaker opens rather than pile retries on the upstream.
     assert!(
         outage.sum("herdguard_breaker_transitions_total", "to=\"open\"") >= 1.0,

@@ -5,7 +5,7 @@ mod common;
 
 use std::process::Command;
 
-use common::process::{line_with, start, BIN};
+use common::process::{line_with, spawn_reading_stderr, start, BIN};
 use common::*;
 
 fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> std::path::PathBuf {
@@ -109,6 +109,25 @@ async fn upstream_mode_serves_and_exits_cleanly_on_sigterm() {
 
     let rest = running.terminate().await;
     assert!(rest.iter().any(|l| l.contains("SIGTERM")), "{rest:?}");
+}
+
+#[tokio::test]
+async fn text_logs_written_to_a_pipe_are_plain() {
+    let mut cmd = Command::new(BIN);
+    cmd.args([
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--listen",
+        "127.0.0.1:0",
+    ])
+    .args(["--admin", "127.0.0.1:0", "--threads", "1"])
+    .env_remove("NO_COLOR");
+    let (mut child, rx) = spawn_reading_stderr(cmd);
+    let (line, _) = line_with(rx, "herdguard serving").await;
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(!line.contains('\x1b'), "colour codes in {line:?}");
+    assert!(line.contains(" listen=127.0.0.1:"), "{line}");
 }
 
 #[tokio::test]

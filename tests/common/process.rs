@@ -36,8 +36,10 @@ impl Running {
     }
 }
 
-/// Starts `cmd` (which must log JSON) and waits for its start-up line.
-pub async fn start(mut cmd: Command) -> Running {
+/// Spawns `cmd` with its stderr read line by line on a thread of its own.
+pub fn spawn_reading_stderr(
+    mut cmd: Command,
+) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
     let mut child = cmd.stderr(Stdio::piped()).spawn().unwrap();
     let stderr = child.stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -46,6 +48,12 @@ pub async fn start(mut cmd: Command) -> Running {
             let _ = tx.send(line);
         }
     });
+    (child, rx)
+}
+
+/// Starts `cmd` (which must log JSON) and waits for its start-up line.
+pub async fn start(cmd: Command) -> Running {
+    let (child, rx) = spawn_reading_stderr(cmd);
     let (line, rest) = line_with(rx, "herdguard serving").await;
     let serving: serde_json::Value = serde_json::from_str(&line).expect("JSON log lines");
     let listen = serving["listen"]

@@ -58,7 +58,7 @@ enum Command {
     /// Start a flaky API in-process, herdguard with default policies in front
     /// of it, send traffic for about 15 s, and show what the proxy absorbed.
     Demo {
-        /// Concurrent callers.
+        /// Callers, each sending a request every 100 ms, answered or not.
         #[arg(long, default_value_t = 16)]
         callers: usize,
         /// How long the traffic runs.

@@ -59,7 +59,7 @@ enum Command {
     /// of it, send traffic for about 15 s, and show what the proxy absorbed.
     Demo {
         /// Callers, each sending a request every 100 ms, answered or not.
-        #[arg(long, default_value_t = 16)]
+        #[arg(long, default_value_t = 16, value_parser = at_least_one)]
         callers: usize,
         /// How long the traffic runs.
         #[arg(long, default_value = "15s", value_parser = duration)]
@@ -76,11 +76,11 @@ enum Lab {
     /// backoff strategy: total calls and completion time (a simulation).
     Backoff {
         /// Client counts to simulate, comma-separated.
-        #[arg(long, value_delimiter = ',', default_value = "10,25,50,100,150,200")]
+        #[arg(long, value_delimiter = ',', default_value = "10,25,50,100,150,200", value_parser = at_least_one)]
         clients: Vec<usize>,
         /// Trials per point, averaged.
-        #[arg(long, default_value_t = 20)]
-        trials: u64,
+        #[arg(long, default_value_t = 20, value_parser = at_least_one)]
+        trials: usize,
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// Directory for the CSV file and the plot.
@@ -91,7 +91,7 @@ enum Lab {
     /// then resumes: peak concurrency and time to recovery, per setup.
     Outage {
         /// Concurrent callers.
-        #[arg(long, default_value_t = 200)]
+        #[arg(long, default_value_t = 200, value_parser = at_least_one)]
         callers: usize,
         #[arg(long, default_value = "5s", value_parser = duration)]
         warmup: std::time::Duration,
@@ -121,6 +121,15 @@ enum Lab {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+}
+
+/// A count of one or more.
+fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_owned()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn duration(text: &str) -> Result<std::time::Duration, String> {
@@ -188,7 +197,7 @@ fn run_lab(lab: Lab) -> ExitCode {
             trials,
             seed,
             out,
-        } => lab_backoff(&clients, trials, seed, &out),
+        } => lab_backoff(&clients, trials as u64, seed, &out),
         Lab::Outage {
             callers,
             warmup,

@@ -83,6 +83,21 @@ fn version_and_help() {
     );
 }
 
+#[test]
+fn counts_of_zero_are_usage_errors() {
+    for args in [
+        &["demo", "--callers", "0"][..],
+        &["lab", "outage", "--callers", "0"],
+        &["lab", "backoff", "--clients", "10,0"],
+        &["lab", "backoff", "--trials", "0"],
+    ] {
+        let out = Command::new(BIN).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("must be at least 1"), "{args:?}: {err}");
+    }
+}
+
 #[tokio::test]
 async fn upstream_mode_serves_and_exits_cleanly_on_sigterm() {
     let up = ok_upstream("from upstream").await;

@@ -231,6 +231,49 @@ async fn absolute_form_and_connect_never_reach_other_hosts() {
     assert!(out.contains("x-herdguard-error: bad-request"), "{out}");
 }
 
+/// Sends raw bytes on a new connection and reads until the proxy closes it.
+async fn raw(server: &herdguard::app::Server, request: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(server.proxy_addr())
+        .await
+        .unwrap();
+    stream.write_all(request).await.unwrap();
+    let mut out = Vec::new();
+    stream.read_to_end(&mut out).await.unwrap();
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[tokio::test]
+async fn a_missing_repeated_or_invalid_host_is_400_and_never_forwarded() {
+    let up = ok_upstream("ok").await;
+    let server = proxy_to(&up.url()).await;
+    for (request, reason) in [
+        (
+            &b"GET / HTTP/1.1\r\nHost: a.example\r\nHost: b.example\r\nConnection: close\r\n\r\n"[..],
+            "more than one Host header",
+        ),
+        (
+            b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n",
+            "an HTTP/1.1 request needs a Host header",
+        ),
+        (
+            b"GET / HTTP/1.1\r\nHost: a b/c\r\nConnection: close\r\n\r\n",
+            "the Host header is not a valid host[:port]",
+        ),
+    ] {
+        let out = raw(&server, request).await;
+        assert!(out.starts_with("HTTP/1.1 400"), "{out}");
+        assert!(out.contains("x-herdguard-error: bad-request"), "{out}");
+        assert!(out.contains(reason), "{reason}: {out}");
+    }
+    assert_eq!(up.hits(), 0, "no malformed request reached the upstream");
+
+    // HTTP/1.0 has no Host requirement.
+    let out = raw(&server, b"GET / HTTP/1.0\r\n\r\n").await;
+    assert!(out.starts_with("HTTP/1.0 200"), "{out}");
+    assert_eq!(up.hits(), 1);
+}
+
 #[tokio::test]
 async fn connect_failure_is_502_with_reason() {
     let port = closed_port().await;

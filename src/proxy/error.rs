@@ -15,8 +15,10 @@ use super::headers::X_HERDGUARD_ERROR;
 pub enum LocalError {
     /// No route matches the request (404).
     NoRoute,
-    /// The proxy will not forward this request at all (400/405).
+    /// The request is malformed: its Host is missing, repeated or invalid (400).
     BadRequest,
+    /// A method the proxy does not forward: `CONNECT` (405).
+    NotProxied,
     /// No connection to the upstream could be made (502).
     ConnectFailure,
     /// The connection failed after the request was sent (502).
@@ -35,7 +37,8 @@ impl LocalError {
     pub fn status(self) -> StatusCode {
         match self {
             LocalError::NoRoute => StatusCode::NOT_FOUND,
-            LocalError::BadRequest => StatusCode::METHOD_NOT_ALLOWED,
+            LocalError::BadRequest => StatusCode::BAD_REQUEST,
+            LocalError::NotProxied => StatusCode::METHOD_NOT_ALLOWED,
             LocalError::ConnectFailure | LocalError::Reset => StatusCode::BAD_GATEWAY,
             LocalError::Timeout => StatusCode::GATEWAY_TIMEOUT,
             LocalError::Overloaded | LocalError::CircuitOpen => StatusCode::SERVICE_UNAVAILABLE,
@@ -47,7 +50,7 @@ impl LocalError {
     pub fn as_str(self) -> &'static str {
         match self {
             LocalError::NoRoute => "no-route",
-            LocalError::BadRequest => "bad-request",
+            LocalError::BadRequest | LocalError::NotProxied => "bad-request",
             LocalError::ConnectFailure => "connect-failure",
             LocalError::Reset => "reset",
             LocalError::Timeout => "timeout",

@@ -162,6 +162,46 @@ pub fn add_forwarded(
     }
 }
 
+/// The bytes a `Host` value may hold (RFC 3986 `host [ ":" port ]`): letters,
+/// digits, `-._~`, sub-delims, `%` escapes, and `:[]` for ports and IPv6
+/// literals. No `/`, `?`, `#`, `@`, space or control byte.
+const HOST_BYTE: [bool; 256] = {
+    let mut ok = [false; 256];
+    let allowed = b"-._~%!$&'()*+,;=:[]";
+    let mut i = 0;
+    while i < allowed.len() {
+        ok[allowed[i] as usize] = true;
+        i += 1;
+    }
+    let mut b = 0;
+    while b < 256 {
+        ok[b] = ok[b] || (b as u8).is_ascii_alphanumeric();
+        b += 1;
+    }
+    ok
+};
+
+/// Checks `Host` as RFC 9112 §3.2 asks of a server: an HTTP/1.1 request has
+/// exactly one, and it is a valid `host[:port]` (or empty). Two that disagree
+/// could route a request one way and reach the upstream another.
+/// Gives back the one `Host` field, if there is one.
+pub fn check_host(
+    version: Version,
+    headers: &HeaderMap,
+) -> Result<Option<&HeaderValue>, &'static str> {
+    let mut hosts = headers.get_all(header::HOST).iter();
+    match (hosts.next(), hosts.next()) {
+        (_, Some(_)) => Err("more than one Host header"),
+        (None, None) if version == Version::HTTP_11 => {
+            Err("an HTTP/1.1 request needs a Host header")
+        }
+        (Some(host), None) if !host.as_bytes().iter().all(|b| HOST_BYTE[*b as usize]) => {
+            Err("the Host header is not a valid host[:port]")
+        }
+        (host, _) => Ok(host),
+    }
+}
+
 /// The caller's IP as a header value, for `X-Forwarded-For`.
 pub fn ip_value(ip: IpAddr) -> HeaderValue {
     HeaderValue::from_str(&ip.to_string()).expect("an IP address is a valid header value")
@@ -170,6 +210,48 @@ pub fn ip_value(ip: IpAddr) -> HeaderValue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_is_checked_as_rfc_9112_asks() {
+        let cases: [(Version, &[&str], Result<(), &str>); 9] = [
+            (Version::HTTP_11, &["api.example.com"], Ok(())),
+            (Version::HTTP_11, &["127.0.0.1:8080"], Ok(())),
+            (Version::HTTP_11, &["[::1]:8080"], Ok(())),
+            (Version::HTTP_11, &[""], Ok(())),
+            (Version::HTTP_10, &[], Ok(())),
+            (
+                Version::HTTP_11,
+                &[],
+                Err("an HTTP/1.1 request needs a Host header"),
+            ),
+            (
+                Version::HTTP_11,
+                &["a", "b"],
+                Err("more than one Host header"),
+            ),
+            (
+                Version::HTTP_11,
+                &["a b/c"],
+                Err("the Host header is not a valid host[:port]"),
+            ),
+            (
+                Version::HTTP_11,
+                &["user@a.example"],
+                Err("the Host header is not a valid host[:port]"),
+            ),
+        ];
+        for (version, hosts, want) in cases {
+            let mut h = HeaderMap::new();
+            for host in hosts {
+                h.append(header::HOST, HeaderValue::from_str(host).unwrap());
+            }
+            assert_eq!(
+                check_host(version, &h).map(|host| host.map(|v| v.to_str().unwrap())),
+                want.map(|()| hosts.first().copied()),
+                "{version:?} {hosts:?}"
+            );
+        }
+    }
 
     fn map(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();

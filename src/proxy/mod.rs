@@ -287,12 +287,20 @@ impl Proxy {
     pub async fn handle(&self, req: Request<Incoming>, caller: &Caller) -> Response<ResponseBody> {
         let start = Instant::now();
         if req.method() == Method::CONNECT {
-            let resp = LocalError::BadRequest
+            let resp = LocalError::NotProxied
                 .response("CONNECT is not proxied; herdguard is a reverse proxy");
             metrics::unrouted(&self.metrics, resp.status());
             return resp;
         }
-        let host = request_host(req.uri(), req.headers());
+        let host_field = match headers::check_host(req.version(), req.headers()) {
+            Ok(field) => field,
+            Err(problem) => {
+                let resp = LocalError::BadRequest.response(problem);
+                metrics::unrouted(&self.metrics, resp.status());
+                return resp;
+            }
+        };
+        let host = request_host(req.uri(), host_field);
         let route = {
             let runtime = self.runtime.load();
             let info = RequestInfo {
@@ -320,10 +328,10 @@ impl Proxy {
 }
 
 /// The request's authority: from the URI (absolute-form or HTTP/2) or `Host`.
-fn request_host<'a>(uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Option<&'a str> {
+fn request_host<'a>(uri: &'a http::Uri, host: Option<&'a HeaderValue>) -> Option<&'a str> {
     uri.authority()
         .map(|a| a.as_str())
-        .or_else(|| headers.get(HOST).and_then(|h| h.to_str().ok()))
+        .or_else(|| host.and_then(|h| h.to_str().ok()))
 }
 
 async fn forward(

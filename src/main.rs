@@ -59,7 +59,7 @@ enum Command {
     /// of it, send traffic for about 15 s, and show what the proxy absorbed.
     Demo {
         /// Callers, each sending a request every 100 ms, answered or not.
-        #[arg(long, default_value_t = 16, value_parser = at_least_one)]
+        #[arg(long, default_value_t = 16, value_parser = at_least_one::<usize>)]
         callers: usize,
         /// How long the traffic runs.
         #[arg(long, default_value = "15s", value_parser = duration)]
@@ -76,11 +76,11 @@ enum Lab {
     /// backoff strategy: total calls and completion time (a simulation).
     Backoff {
         /// Client counts to simulate, comma-separated.
-        #[arg(long, value_delimiter = ',', default_value = "10,25,50,100,150,200", value_parser = at_least_one)]
+        #[arg(long, value_delimiter = ',', default_value = "10,25,50,100,150,200", value_parser = at_least_one::<usize>)]
         clients: Vec<usize>,
         /// Trials per point, averaged.
-        #[arg(long, default_value_t = 20, value_parser = at_least_one)]
-        trials: usize,
+        #[arg(long, default_value_t = 20, value_parser = at_least_one::<u64>)]
+        trials: u64,
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// Directory for the CSV file and the plot.
@@ -91,7 +91,7 @@ enum Lab {
     /// then resumes: peak concurrency and time to recovery, per setup.
     Outage {
         /// Concurrent callers.
-        #[arg(long, default_value_t = 200, value_parser = at_least_one)]
+        #[arg(long, default_value_t = 200, value_parser = at_least_one::<usize>)]
         callers: usize,
         #[arg(long, default_value = "5s", value_parser = duration)]
         warmup: std::time::Duration,
@@ -124,9 +124,13 @@ enum Lab {
 }
 
 /// A count of one or more.
-fn at_least_one(text: &str) -> Result<usize, String> {
-    match text.parse::<usize>() {
-        Ok(0) => Err("must be at least 1".to_owned()),
+fn at_least_one<T>(text: &str) -> Result<T, String>
+where
+    T: std::str::FromStr + Default + PartialEq,
+    T::Err: std::fmt::Display,
+{
+    match text.parse::<T>() {
+        Ok(n) if n == T::default() => Err("must be at least 1".to_owned()),
         Ok(n) => Ok(n),
         Err(e) => Err(e.to_string()),
     }
@@ -197,7 +201,7 @@ fn run_lab(lab: Lab) -> ExitCode {
             trials,
             seed,
             out,
-        } => lab_backoff(&clients, trials as u64, seed, &out),
+        } => lab_backoff(&clients, trials, seed, &out),
         Lab::Outage {
             callers,
             warmup,

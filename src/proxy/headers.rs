@@ -184,6 +184,7 @@ const HOST_BYTE: [bool; 256] = {
 /// Checks `Host` as RFC 9112 §3.2 asks of a server: an HTTP/1.1 request has
 /// exactly one, and it is a valid `host[:port]` (or empty). Two that disagree
 /// could route a request one way and reach the upstream another.
+///
 /// Gives back the one `Host` field, if there is one.
 pub fn check_host(
     version: Version,

@@ -202,31 +202,19 @@ async fn absolute_form_and_connect_never_reach_other_hosts() {
     let server = proxy_to(&up.url()).await;
     // A forward-proxy style request names another host: it still goes only to
     // the configured upstream.
-    let mut stream = tokio::net::TcpStream::connect(server.proxy_addr())
-        .await
-        .unwrap();
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    stream
-        .write_all(
-            b"GET http://203.0.113.9/x HTTP/1.1\r\nHost: 203.0.113.9\r\nConnection: close\r\n\r\n",
-        )
-        .await
-        .unwrap();
-    let mut out = String::new();
-    stream.read_to_string(&mut out).await.unwrap();
+    let out = raw(
+        &server,
+        b"GET http://203.0.113.9/x HTTP/1.1\r\nHost: 203.0.113.9\r\nConnection: close\r\n\r\n",
+    )
+    .await;
     assert!(out.starts_with("HTTP/1.1 200"), "{out}");
     assert_eq!(up.last().headers["host"], up.addr.to_string());
 
-    let mut stream = tokio::net::TcpStream::connect(server.proxy_addr())
-        .await
-        .unwrap();
-    stream
-        .write_all(b"CONNECT 203.0.113.9:443 HTTP/1.1\r\nHost: 203.0.113.9:443\r\n\r\n")
-        .await
-        .unwrap();
-    let mut buf = vec![0u8; 512];
-    let n = stream.read(&mut buf).await.unwrap();
-    let out = String::from_utf8_lossy(&buf[..n]);
+    let out = raw(
+        &server,
+        b"CONNECT 203.0.113.9:443 HTTP/1.1\r\nHost: 203.0.113.9:443\r\nConnection: close\r\n\r\n",
+    )
+    .await;
     assert!(out.starts_with("HTTP/1.1 405"), "{out}");
     assert!(out.contains("x-herdguard-error: bad-request"), "{out}");
 }

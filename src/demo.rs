@@ -85,6 +85,16 @@ impl Phase {
         }
     }
 
+    /// The phases a run of `p` has, in order.
+    pub fn in_run(p: &Params) -> impl Iterator<Item = Phase> + '_ {
+        let outage = !p.outage_for.is_zero();
+        Phase::ALL.into_iter().filter(move |phase| match phase {
+            Phase::Before => true,
+            Phase::Outage => outage && p.outage_at < p.duration,
+            Phase::After => outage && p.outage_at + p.outage_for < p.duration,
+        })
+    }
+
     fn index(self) -> usize {
         self as usize
     }
@@ -138,6 +148,12 @@ impl CallerCounts {
         self.requests += 1;
         self.ok += u64::from(ok);
         self.latencies_us.push(us);
+    }
+
+    fn add(&mut self, other: &CallerCounts) {
+        self.requests += other.requests;
+        self.ok += other.ok;
+        self.latencies_us.extend_from_slice(&other.latencies_us);
     }
 
     pub fn success(&self) -> f64 {
@@ -440,21 +456,22 @@ pub async fn run(
     let metrics = parse_metrics(&server.proxy().metrics().render());
     server.shutdown();
     server.wait().await;
-    let tally = std::mem::take(&mut *tally.lock().unwrap_or_else(|e| e.into_inner()));
-    let phases = Phase::ALL
-        .into_iter()
-        .zip(tally.phases)
-        .filter(|(phase, callers)| callers.requests > 0 || *phase == Phase::Before)
-        .map(|(phase, callers)| PhaseSummary {
+    let mut by_phase = std::mem::take(&mut tally.lock().unwrap_or_else(|e| e.into_inner()).phases);
+    let phases: Vec<PhaseSummary> = Phase::in_run(p)
+        .map(|phase| PhaseSummary {
             phase,
             description: phase.describe(p),
-            callers,
+            callers: std::mem::take(&mut by_phase[phase.index()]),
             upstream_requests: upstream_counts.requests[phase.index()].load(Ordering::Relaxed),
             upstream_ok: upstream_counts.ok[phase.index()].load(Ordering::Relaxed),
         })
         .collect();
+    let mut callers = CallerCounts::default();
+    for s in &phases {
+        callers.add(&s.callers);
+    }
     Ok(Summary {
-        callers: tally.total,
+        callers,
         upstream_requests: upstream_counts.requests(),
         upstream_ok: upstream_counts.ok(),
         phases,
@@ -462,18 +479,16 @@ pub async fn run(
     })
 }
 
-/// What the callers saw: the last second (for the progress line), the run, and each phase.
+/// What the callers saw: the last second (for the progress line), and each phase.
 #[derive(Default)]
 struct Tally {
     window: CallerCounts,
-    total: CallerCounts,
     phases: [CallerCounts; 3],
 }
 
 impl Tally {
     fn record(&mut self, phase: Phase, ok: bool, us: u64) {
         self.window.record(ok, us);
-        self.total.record(ok, us);
         self.phases[phase.index()].record(ok, us);
     }
 }

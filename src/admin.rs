@@ -9,7 +9,7 @@ use http::{HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 
 use crate::app::Shared;
-use crate::breaker::State as BreakerState;
+use crate::policy::breaker::State as BreakerState;
 
 pub fn handle<B>(shared: &Shared, req: &Request<B>) -> Response<Full<Bytes>> {
     if let Some(rest) = req.uri().path().strip_prefix("/breakers/") {
@@ -64,7 +64,7 @@ fn breakers(shared: &Shared) -> serde_json::Value {
     let mut routes = serde_json::Map::new();
     let mut upstreams = serde_json::Map::new();
     for route in &runtime.routes {
-        let mut entry = serde_json::to_value(route.breaker_snapshot()).unwrap_or_default();
+        let mut entry = serde_json::to_value(route.guards.breaker_snapshot()).unwrap_or_default();
         entry["upstream"] = route.upstream.name.as_ref().into();
         routes.insert(route.name.to_string(), entry);
         let u = &route.upstream;
@@ -107,7 +107,7 @@ fn force_breaker(shared: &Shared, rest: &str) -> Response<Full<Bytes>> {
     tracing::warn!(route = %route.name, action, "breaker forced by an operator");
     json(
         StatusCode::OK,
-        &serde_json::to_value(route.force_breaker(state)).unwrap_or_default(),
+        &serde_json::to_value(route.guards.force_breaker(state)).unwrap_or_default(),
     )
 }
 

@@ -6,14 +6,12 @@
 
 pub mod admin;
 pub mod app;
-pub mod breaker;
 pub mod config;
 pub mod demo;
 pub mod drain;
 pub mod lab;
-pub mod limit;
 pub mod metrics;
+pub mod policy;
 pub mod proxy;
 pub mod retry;
-pub mod route;
 pub mod telemetry;

@@ -8,8 +8,8 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use crate::breaker::State as BreakerState;
-use crate::retry::{Failure, SkipReason};
+use crate::policy::breaker::State as BreakerState;
+use crate::policy::outcome::{Outcome, SkipReason, UpstreamFault};
 use http::StatusCode;
 use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder, SharedString, Unit};
 use metrics_exporter_prometheus::{
@@ -175,42 +175,6 @@ fn key(name: &'static str, labels: &[(&'static str, &str)]) -> Key {
     Key::from_parts(name, labels)
 }
 
-/// How one upstream attempt ended, as the `outcome` label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// A response below 500.
-    Ok,
-    /// A 5xx response.
-    ServerError,
-    ConnectFailure,
-    Reset,
-    Timeout,
-    /// The caller went away before the answer came.
-    Cancelled,
-}
-
-impl Outcome {
-    pub const ALL: [Outcome; 6] = [
-        Outcome::Ok,
-        Outcome::ServerError,
-        Outcome::ConnectFailure,
-        Outcome::Reset,
-        Outcome::Timeout,
-        Outcome::Cancelled,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Ok => "ok",
-            Outcome::ServerError => "5xx",
-            Outcome::ConnectFailure => "connect-failure",
-            Outcome::Reset => "reset",
-            Outcome::Timeout => "timeout",
-            Outcome::Cancelled => "cancelled",
-        }
-    }
-}
-
 /// Counters with a status-code label, registered on first use of each code.
 struct ByStatus {
     registry: Arc<Metrics>,
@@ -236,13 +200,20 @@ impl ByStatus {
         }
     }
 
-    fn get(&self, status: StatusCode) -> &Counter {
-        self.counters[usize::from(status.as_u16() - 100)].get_or_init(|| {
+    /// Counts one for `status`. The usual codes (100-599) have a cached
+    /// handle; an odd one (600-999, which HTTP allows) is looked up each time.
+    fn increment(&self, status: StatusCode) {
+        let register = || {
             self.registry.counter(
                 self.name,
                 &[("route", &self.route), (self.label, status.as_str())],
             )
-        })
+        };
+        let slot = usize::from(status.as_u16()).checked_sub(100);
+        match slot.and_then(|i| self.counters.get(i)) {
+            Some(cell) => cell.get_or_init(register).increment(1),
+            None => register().increment(1),
+        }
     }
 }
 
@@ -250,9 +221,10 @@ impl ByStatus {
 pub struct RouteMetrics {
     requests: ByStatus,
     duration: Histogram,
-    attempts: [Counter; Outcome::ALL.len()],
-    /// `herdguard_retries_total` for failures that are not a status.
-    retries: [Counter; 4],
+    /// By [`Outcome::sent_index`].
+    attempts: [Counter; Outcome::SENT.len()],
+    /// `herdguard_retries_total` for the upstream's failures that are not a status.
+    retries: [Counter; UpstreamFault::ALL.len()],
     retries_by_status: ByStatus,
     skipped: [Counter; SkipReason::ALL.len()],
     backoff: Histogram,
@@ -265,17 +237,17 @@ pub struct RouteMetrics {
 impl RouteMetrics {
     pub fn new(registry: &Arc<Metrics>, route: &str, upstream: &str) -> Self {
         let name: Arc<str> = route.into();
-        let attempts = Outcome::ALL.map(|o| {
+        let attempts = Outcome::SENT.map(|o| {
             registry.counter(
                 UPSTREAM_ATTEMPTS,
                 &[
                     ("route", route),
                     ("upstream", upstream),
-                    ("outcome", o.as_str()),
+                    ("outcome", o.label()),
                 ],
             )
         });
-        let retries = RETRY_CAUSES
+        let retries = UpstreamFault::ALL
             .map(|f| registry.counter(RETRIES_TOTAL, &[("route", route), ("reason", f.label())]));
         let skipped = SkipReason::ALL.map(|r| {
             registry.counter(RETRIES_SKIPPED, &[("route", route), ("reason", r.as_str())])
@@ -303,25 +275,29 @@ impl RouteMetrics {
 
     /// Counts a request answered to the caller, and how long it took.
     pub fn request(&self, status: StatusCode, elapsed: Duration) {
-        self.requests.get(status).increment(1);
+        self.requests.increment(status);
         self.duration.record(elapsed.as_secs_f64());
     }
 
+    /// Counts an attempt that was sent, by how it ended (refusals are not attempts).
     pub fn attempt(&self, outcome: Outcome) {
-        self.attempts[outcome as usize].increment(1);
+        if let Some(i) = outcome.sent_index() {
+            self.attempts[i].increment(1);
+        }
     }
 
-    /// Counts a retry about to be made after `cause`, and its delay.
-    pub fn retry(&self, cause: Failure, delay: Duration) {
+    /// Counts a retry about to be made after `cause`, and its delay. Only
+    /// the upstream's failures are retried; anything else is not counted.
+    pub fn retry(&self, cause: Outcome, delay: Duration) {
         match cause {
-            Failure::Status(status) => self.retries_by_status.get(status).increment(1),
-            other => {
-                let i = RETRY_CAUSES
-                    .iter()
-                    .position(|c| *c == other)
-                    .expect("every non-status cause is listed");
-                self.retries[i].increment(1);
+            Outcome::Response(status) => self.retries_by_status.increment(status),
+            Outcome::Upstream(fault) => {
+                let i = UpstreamFault::ALL.iter().position(|f| *f == fault);
+                if let Some(counter) = i.and_then(|i| self.retries.get(i)) {
+                    counter.increment(1);
+                }
             }
+            Outcome::Caller(_) | Outcome::Deadline | Outcome::Refused(_) => return,
         }
         self.backoff.record(delay.as_secs_f64());
     }
@@ -341,13 +317,6 @@ impl RouteMetrics {
         self.skipped[reason as usize].increment(1);
     }
 }
-
-const RETRY_CAUSES: [Failure; 4] = [
-    Failure::ConnectFailure,
-    Failure::RefusedStream,
-    Failure::Reset,
-    Failure::Timeout,
-];
 
 /// `herdguard_requests_total` for requests no route took.
 pub fn unrouted(registry: &Metrics, status: StatusCode) {

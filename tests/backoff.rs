@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use herdguard::config::Jitter;
-use herdguard::retry::{Backoff, BackoffState};
+use herdguard::policy::{Backoff, BackoffState};
 use proptest::prelude::*;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;

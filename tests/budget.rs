@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use herdguard::retry::Budget;
+use herdguard::policy::Budget;
 use tokio::time::{advance, Instant};
 
 /// 100% failure for a minute at 50 requests/s, each request wanting two

@@ -2,7 +2,7 @@
 //! validation that names the key path and line of every problem.
 
 mod load;
-mod schema;
+pub mod schema;
 pub mod units;
 mod validate;
 

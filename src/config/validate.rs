@@ -376,7 +376,7 @@ fn retry_warnings(report: &mut Report<'_>, path: &KeyPath, r: &RetryConfig) {
         }
     }
     if r.attempts > 1 {
-        if let Ok(backoff) = crate::retry::Backoff::from_config(&r.backoff) {
+        if let Ok(backoff) = crate::policy::Backoff::from_config(&r.backoff) {
             let waits: Duration = (1..r.attempts).map(|n| backoff.ceiling(n)).sum();
             let worst = r.per_try_timeout * r.attempts + waits;
             if worst > r.timeout {

@@ -17,7 +17,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use crate::config::Jitter;
-use crate::retry::{Backoff, BackoffState};
+use crate::policy::{Backoff, BackoffState};
 
 /// How a client waits before trying again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

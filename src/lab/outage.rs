@@ -57,7 +57,7 @@ impl Default for Params {
             warmup: Duration::from_secs(5),
             stall: Duration::from_secs(10),
             after: Duration::from_secs(20),
-            caller_timeout: Duration::from_secs(1),
+            caller_timeout: Duration::from_secs(3),
             retry_interval: Duration::from_millis(100),
             think: Duration::from_secs(1),
         }

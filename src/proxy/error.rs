@@ -7,6 +7,8 @@ use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, Response, StatusCode};
 use rand::Rng;
 
+use crate::policy::{CallerFault, Outcome, Refusal, UpstreamFault};
+
 use super::body::ResponseBody;
 use super::headers::X_HERDGUARD_ERROR;
 
@@ -31,6 +33,8 @@ pub enum LocalError {
     CircuitOpen,
     /// The request body is larger than the proxy will take (413).
     BodyTooLarge,
+    /// The caller did not send its whole body before the request's timeout (408).
+    RequestTimeout,
 }
 
 impl LocalError {
@@ -43,6 +47,7 @@ impl LocalError {
             LocalError::Timeout => StatusCode::GATEWAY_TIMEOUT,
             LocalError::Overloaded | LocalError::CircuitOpen => StatusCode::SERVICE_UNAVAILABLE,
             LocalError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            LocalError::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
         }
     }
 
@@ -57,6 +62,28 @@ impl LocalError {
             LocalError::Overloaded => "overloaded",
             LocalError::CircuitOpen => "circuit-open",
             LocalError::BodyTooLarge => "body-too-large",
+            LocalError::RequestTimeout => "request-timeout",
+        }
+    }
+
+    /// The proxy's answer when a request ended in `outcome` without a
+    /// response to pass on: the one mapping from an outcome to the caller's
+    /// status. A caller's own fault gets a 4xx; the upstream's a 5xx.
+    pub fn for_outcome(outcome: Outcome) -> Self {
+        match outcome {
+            Outcome::Upstream(UpstreamFault::ConnectFailure) => LocalError::ConnectFailure,
+            Outcome::Upstream(UpstreamFault::Reset | UpstreamFault::RefusedStream) => {
+                LocalError::Reset
+            }
+            Outcome::Upstream(UpstreamFault::Timeout) | Outcome::Deadline => LocalError::Timeout,
+            Outcome::Caller(CallerFault::MalformedBody | CallerFault::Gone) => {
+                LocalError::BadRequest
+            }
+            Outcome::Caller(CallerFault::StalledBody) => LocalError::RequestTimeout,
+            Outcome::Refused(Refusal::CircuitOpen) => LocalError::CircuitOpen,
+            Outcome::Refused(Refusal::Overloaded) => LocalError::Overloaded,
+            // Not an end without a response; the nearest honest answer.
+            Outcome::Response(_) => LocalError::Reset,
         }
     }
 

@@ -1,6 +1,7 @@
 //! The proxy service: route a request, forward it upstream under the header
 //! rules, and stream the response back.
 
+mod attempt;
 mod body;
 mod error;
 pub mod headers;
@@ -17,22 +18,20 @@ use http::{HeaderValue, Method, Request, Response, StatusCode, Version};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
-use tracing::{debug, info};
+use tracing::debug;
 
-pub use body::{BoxError, RequestBody, ResponseBody};
+pub use body::{caller_fault, BoxError, Progress, RequestBody, ResponseBody};
 pub use error::LocalError;
 pub use pool::{PoolError, Pooled};
 pub use replay::ReplayBody;
 pub use upstream::{InFlight, SendError, Upstream, UpstreamError};
 
-use crate::breaker::{
-    Admit, Breaker, Outcome as BreakerOutcome, SharedBreaker, Snapshot, State as BreakerState,
-    Transition,
-};
 use crate::config::{Config, RouteConfig};
 use crate::metrics::{self, Metrics, RouteMetrics};
-use crate::retry::{self, Budget, Policy};
-use crate::route::{Matcher, RequestInfo};
+use crate::policy::breaker::{Breaker, SharedBreaker};
+use crate::policy::route::{Matcher, RequestInfo};
+use crate::policy::{Budget, Policy};
+use crate::retry::{self, End, Guards};
 use rand::Rng;
 
 /// Why a runtime could not be built from a (validated) config.
@@ -55,14 +54,11 @@ pub struct Route {
     pub name: Arc<str>,
     matcher: Matcher,
     pub upstream: Arc<Upstream>,
-    pub policy: Policy,
+    /// What every attempt passes through: policy, budget, breaker, metrics.
+    pub guards: Guards,
     /// `listen.explain`: answer `x-herdguard-explain: 1` with a trace.
     explain: bool,
     fault: Option<crate::config::FaultConfig>,
-    /// Shared with the runtime this one replaced, when the config kept it.
-    pub budget: Arc<Budget>,
-    breaker: Arc<SharedBreaker>,
-    pub metrics: RouteMetrics,
 }
 
 impl Runtime {
@@ -124,10 +120,11 @@ impl Runtime {
     pub fn refresh_gauges(&self) {
         let now = Instant::now();
         for route in &self.routes {
-            route
+            let guards = &route.guards;
+            guards
                 .metrics
                 .budget_available
-                .set(route.budget.available(now));
+                .set(guards.budget.available(now));
             route.upstream.refresh_gauges();
         }
     }
@@ -140,7 +137,7 @@ impl Runtime {
     }
 
     fn route(&self, req: &RequestInfo<'_>) -> Option<&Arc<Route>> {
-        crate::route::first_match(&self.routes, |r| &r.matcher, req)
+        crate::policy::route::first_match(&self.routes, |r| &r.matcher, req)
     }
 }
 
@@ -158,7 +155,7 @@ impl Route {
         };
         let budget = match before {
             Some((old, old_config)) if old_config.retry.budget == config.retry.budget => {
-                old.budget.clone()
+                old.guards.budget.clone()
             }
             _ => Arc::new(
                 Budget::from_config(&config.retry.budget, Instant::now())
@@ -167,74 +164,34 @@ impl Route {
         };
         let breaker = match before {
             Some((old, _)) => {
-                old.breaker
+                old.guards
+                    .breaker
                     .with(|b| b.reconfigure(&config.breaker, Instant::now()))
                     .map_err(|e| invalid(format!("breaker: {e}")))?;
-                old.breaker.clone()
+                old.guards.breaker.clone()
             }
             None => Arc::new(SharedBreaker::new(
                 Breaker::try_new(&config.breaker, Instant::now())
                     .map_err(|e| invalid(format!("breaker: {e}")))?,
             )),
         };
+        let name: Arc<str> = config.name.as_str().into();
         Ok(Self {
-            budget,
-            breaker,
+            guards: Guards {
+                route: name.clone(),
+                upstream: upstream.name.clone(),
+                policy: Policy::from_config(&config.retry)
+                    .map_err(|e| invalid(format!("retry: {e}")))?,
+                budget,
+                breaker,
+                metrics: RouteMetrics::new(registry, &config.name, &upstream.name),
+            },
             explain,
             fault: config.fault.clone(),
-            name: config.name.as_str().into(),
+            name,
             matcher: Matcher::new(&config.matcher),
-            metrics: RouteMetrics::new(registry, &config.name, &upstream.name),
             upstream,
-            policy: Policy::from_config(&config.retry)
-                .map_err(|e| invalid(format!("retry: {e}")))?,
         })
-    }
-
-    /// Asks the breaker whether an attempt may go now.
-    pub fn admit(&self) -> Admit {
-        if self.breaker.is_closed() {
-            return Admit::Yes { probe: false };
-        }
-        let (admit, transition) = self
-            .breaker
-            .with(|b| b.admit(Instant::now(), &mut rand::rng()));
-        self.transitioned(transition);
-        admit
-    }
-
-    /// Tells the breaker how an admitted attempt ended.
-    pub fn record(&self, probe: bool, outcome: BreakerOutcome) {
-        let transition = self
-            .breaker
-            .with(|b| b.record(Instant::now(), probe, outcome, &mut rand::rng()));
-        self.transitioned(transition);
-    }
-
-    /// Whether the breaker is open now (without admitting anything).
-    pub fn breaker_open(&self) -> bool {
-        !self.breaker.is_closed() && self.breaker.with(|b| b.state()) == BreakerState::Open
-    }
-
-    /// Operator override from the admin endpoint: open, close, or `None` to reset.
-    pub fn force_breaker(&self, state: Option<BreakerState>) -> Snapshot {
-        let now = Instant::now();
-        let (transition, snapshot) = self
-            .breaker
-            .with(|b| (b.force(now, state), b.snapshot(now)));
-        self.transitioned(transition);
-        snapshot
-    }
-
-    pub fn breaker_snapshot(&self) -> Snapshot {
-        self.breaker.with(|b| b.snapshot(Instant::now()))
-    }
-
-    fn transitioned(&self, transition: Option<Transition>) {
-        if let Some(t) = transition {
-            self.metrics.breaker(t.to);
-            info!(route = %self.name, upstream = %self.upstream.name, to = t.to.as_str(), "circuit breaker");
-        }
     }
 }
 
@@ -322,7 +279,7 @@ impl Proxy {
             return resp;
         };
         let resp = forward(&route, req, caller, start).await;
-        route.metrics.request(resp.status(), start.elapsed());
+        route.guards.metrics.request(resp.status(), start.elapsed());
         resp
     }
 }
@@ -348,8 +305,6 @@ async fn forward(
         Some(authority) => HeaderValue::from_str(authority.as_str()).ok(),
         None => parts.headers.get(HOST).cloned(),
     };
-    let inner_hop = parts.headers.contains_key(&headers::X_HERDGUARD_ATTEMPT);
-    let facts = route.policy.facts(&parts.method, &parts.headers, inner_hop);
     let explain = parts
         .headers
         .remove(&headers::X_HERDGUARD_EXPLAIN)
@@ -378,18 +333,27 @@ async fn forward(
     // on each insert.
     h.reserve(5);
     headers::strip_hop_by_hop(h, upgrade);
+    // What makes a request safe to repeat is read from what the upstream
+    // will see: a key named in `Connection` was just dropped, and counts not.
+    let inner_hop = h.contains_key(&headers::X_HERDGUARD_ATTEMPT);
+    let policy = &route.guards.policy;
+    let facts = policy.facts(&parts.method, h, inner_hop);
     headers::add_via(h, parts.version);
     headers::add_forwarded(h, &caller.ip, "http", original_host);
-    let out = retry::Outgoing {
-        method: parts.method,
-        path_and_query: parts.uri.path_and_query().cloned(),
-        headers: parts.headers,
+    let mut attempts = attempt::Forward::new(
+        &route.upstream,
+        parts.method,
+        parts.uri.path_and_query().cloned(),
+        parts.headers,
         body,
-        facts,
-        explain,
-    };
-    let sent = retry::send(route, out, start).await;
-    let attempts = retry::attempt_value(sent.attempts);
+        policy.may_retry(&facts),
+        inner_hop,
+        policy.max_replay_body,
+        policy.timeout,
+    );
+    let sent = retry::run(&route.guards, facts, &mut attempts, start, explain).await;
+    drop(attempts);
+    let attempts = attempt::attempt_value(sent.attempts);
     // What the caller is told besides the answer: the trace, an injected delay.
     let notes = |h: &mut http::HeaderMap| {
         if let Some(trace) = sent
@@ -403,12 +367,14 @@ async fn forward(
             h.insert(&headers::X_HERDGUARD_FAULT, note);
         }
     };
-    let (mut resp, slot) = match sent.result {
-        Ok(pair) => pair,
-        Err(refusal) => {
-            let mut resp = refusal
-                .error
-                .response_with(&refusal.detail, refusal.retry_after);
+    let (mut resp, slot) = match sent.end {
+        End::Answer(pair) => pair,
+        End::Failed {
+            outcome,
+            detail,
+            retry_after,
+        } => {
+            let mut resp = LocalError::for_outcome(outcome).response_with(&detail, retry_after);
             resp.headers_mut()
                 .insert(&headers::X_HERDGUARD_ATTEMPTS, attempts);
             notes(resp.headers_mut());

@@ -18,8 +18,9 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::{ClientConfig, RootCertStore};
 
 use crate::config::{Http2Mode, UpstreamConfig};
-use crate::limit::{Limiter, Sample};
 use crate::metrics::{Metrics, UpstreamMetrics};
+use crate::policy::limit::{Limiter, Sample};
+use crate::policy::{Outcome, UpstreamFault};
 
 use super::body::RequestBody;
 use super::pool::{self, H1Pool, PoolError, Pooled};
@@ -55,6 +56,34 @@ impl SendError {
             SendError::Pool(e) => e.is_connect(),
             SendError::Client(e) => e.is_connect(),
         }
+    }
+
+    /// Which of the upstream's failures this is, as `retry_on` names them.
+    /// (A failure of the caller's body is told apart before this is asked:
+    /// see `Progress::caller_fault`.)
+    pub fn fault(&self) -> UpstreamFault {
+        if self.is_connect() {
+            return UpstreamFault::ConnectFailure;
+        }
+        let mut source: Option<&(dyn std::error::Error + 'static)> = match self {
+            SendError::Pool(e) => Some(e),
+            SendError::Client(e) => Some(e),
+        };
+        while let Some(s) = source {
+            if let Some(h) = s.downcast_ref::<hyper::Error>() {
+                // The request was never written: its pooled connection closed first.
+                if h.is_canceled() {
+                    return UpstreamFault::ConnectFailure;
+                }
+            }
+            if let Some(h2) = s.downcast_ref::<h2::Error>() {
+                if h2.reason() == Some(h2::Reason::REFUSED_STREAM) {
+                    return UpstreamFault::RefusedStream;
+                }
+            }
+            source = s.source();
+        }
+        UpstreamFault::Reset
     }
 }
 
@@ -217,8 +246,12 @@ impl Upstream {
         self.max_in_flight
     }
 
-    /// Feeds an attempt's outcome to the adaptive limit.
-    pub fn observe(&self, sample: Sample) {
+    /// Feeds an attempt's outcome to the adaptive limit, as
+    /// [`Sample::of`] maps it. `uploaded`: the request was sent whole.
+    pub fn observe(&self, outcome: Outcome, elapsed: std::time::Duration, uploaded: bool) {
+        let Some(sample) = Sample::of(outcome, elapsed, uploaded) else {
+            return;
+        };
         if let Some(limiter) = &self.limiter {
             let mut limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
             limiter.update(sample, self.in_flight(), tokio::time::Instant::now());
@@ -252,6 +285,7 @@ impl Upstream {
         Some(InFlight {
             upstream: self.clone(),
             conn: None,
+            counted: true,
         })
     }
 }
@@ -261,6 +295,8 @@ impl Upstream {
 pub struct InFlight {
     upstream: Arc<Upstream>,
     conn: Option<(usize, Pooled)>,
+    /// Whether it still counts toward the upstream's in-flight requests.
+    counted: bool,
 }
 
 impl InFlight {
@@ -269,16 +305,27 @@ impl InFlight {
     pub fn hold(&mut self, index: usize, conn: Pooled) {
         self.conn = Some((index, conn));
     }
+
+    /// The upstream is done with this request (it answered, and the answer
+    /// is kept while a retry is tried): stop counting it in flight. The
+    /// connection stays held until the slot is dropped.
+    pub fn park(&mut self) {
+        if std::mem::replace(&mut self.counted, false) {
+            self.upstream.in_flight.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         if let Some((index, conn)) = self.conn.take() {
-            if let Transport::Pool(pool) = &self.upstream.endpoints[index].transport {
+            if let Some(Transport::Pool(pool)) =
+                self.upstream.endpoints.get(index).map(|e| &e.transport)
+            {
                 pool.put_back(conn);
             }
         }
-        self.upstream.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.park();
     }
 }
 

@@ -16,7 +16,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::config::AdaptiveConfig;
+use crate::config::schema::AdaptiveConfig;
+
+use super::outcome::{Outcome, UpstreamFault};
 
 #[derive(Debug, Clone)]
 pub struct Limiter {
@@ -45,6 +47,29 @@ pub enum Sample {
     Latency(Duration),
     /// Timed out or failed in a way that says the upstream is struggling.
     Dropped,
+}
+
+impl Sample {
+    /// What an attempt that ended in `outcome` after `elapsed` teaches the
+    /// limit: the one mapping from an outcome to the limiter.
+    ///
+    /// An answer is a latency. A per-try timeout is a drop: the upstream is
+    /// struggling now. A caller that hung up, or a request cut short by its
+    /// deadline, waited at least `elapsed` for the upstream: a latency of at
+    /// least that much, never a drop, so callers who give up cannot shrink
+    /// the limit. Connection failures and the caller's bad bodies say nothing
+    /// about the upstream's latency. `uploaded` says whether the request had
+    /// been sent whole: before that, the wait was the caller's upload.
+    pub fn of(outcome: Outcome, elapsed: Duration, uploaded: bool) -> Option<Sample> {
+        match outcome {
+            Outcome::Response(_) => Some(Sample::Latency(elapsed)),
+            Outcome::Upstream(UpstreamFault::Timeout) => Some(Sample::Dropped),
+            Outcome::Caller(super::outcome::CallerFault::Gone) | Outcome::Deadline if uploaded => {
+                Some(Sample::Latency(elapsed))
+            }
+            _ => None,
+        }
+    }
 }
 
 /// Samples over which the long-run average mostly forms.
@@ -106,7 +131,9 @@ impl Limiter {
         if !(ripe || w.dropped) {
             return;
         }
-        let w = self.window.take().expect("just filled");
+        let Some(w) = self.window.take() else {
+            return;
+        };
         if w.dropped {
             // A timeout says the upstream is struggling now: back off at once.
             self.limit = (self.limit * 0.9).clamp(self.min_limit, self.max_limit);
@@ -240,6 +267,39 @@ mod tests {
             l.update(Sample::Dropped, 0, clock);
         }
         assert_eq!(l.limit(), 5);
+    }
+
+    #[test]
+    fn callers_who_give_up_never_shrink_it() {
+        use crate::policy::outcome::CallerFault;
+        let (mut l, mut clock) = (limiter(), Instant::now());
+        let before = l.limit();
+        for _ in 0..100 {
+            clock += Duration::from_millis(1);
+            let sample = Sample::of(
+                Outcome::Caller(CallerFault::Gone),
+                Duration::from_millis(700),
+                true,
+            );
+            assert_eq!(sample, Some(ms(700)));
+            l.update(sample.unwrap(), 1, clock);
+        }
+        assert!(l.limit() >= before, "{} from {before}", l.limit());
+        let malformed = Outcome::Caller(CallerFault::MalformedBody);
+        assert_eq!(Sample::of(malformed, Duration::from_secs(1), true), None);
+        assert_eq!(
+            Sample::of(
+                Outcome::Caller(CallerFault::Gone),
+                Duration::from_secs(1),
+                false
+            ),
+            None
+        );
+        let timeout = Outcome::Upstream(UpstreamFault::Timeout);
+        assert_eq!(
+            Sample::of(timeout, Duration::from_secs(1), true),
+            Some(Sample::Dropped)
+        );
     }
 
     #[test]

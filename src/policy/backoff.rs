@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use rand::Rng;
 
-use crate::config::{BackoffConfig, Jitter};
+use crate::config::schema::{BackoffConfig, Jitter};
 
 /// A backoff that exists is valid: base > 0, cap >= base, multiplier in [1, 100].
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::config::BudgetConfig;
+use crate::config::schema::BudgetConfig;
 
 const SLOTS: usize = 10;
 
@@ -39,6 +39,8 @@ struct Slot {
     epoch: AtomicU64,
     deposits: AtomicU64,
     withdrawals: AtomicU64,
+    /// Tokens given back by retries refused after they were taken.
+    refunds: AtomicU64,
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -89,18 +91,26 @@ impl Budget {
         true
     }
 
+    /// Gives back a token taken by [`withdraw`](Self::withdraw) for a retry
+    /// that was then not sent (the breaker or the upstream's limit refused it).
+    pub fn refund(&self, now: Instant) {
+        self.slot(now).refunds.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Retries the budget would allow now.
     pub fn available(&self, now: Instant) -> f64 {
         let current = self.index(now);
-        let (mut deposits, mut withdrawals) = (0u64, 0u64);
+        let (mut deposits, mut withdrawals, mut refunds) = (0u64, 0u64, 0u64);
         for slot in &self.slots {
             let epoch = slot.epoch.load(Ordering::Acquire);
             if epoch + (SLOTS as u64) > current && epoch <= current {
                 deposits += slot.deposits.load(Ordering::Relaxed);
                 withdrawals += slot.withdrawals.load(Ordering::Relaxed);
+                refunds += slot.refunds.load(Ordering::Relaxed);
             }
         }
-        (self.floor + self.ratio * deposits as f64 - withdrawals as f64).max(0.0)
+        let spent = withdrawals.saturating_sub(refunds);
+        (self.floor + self.ratio * deposits as f64 - spent as f64).max(0.0)
     }
 
     fn index(&self, now: Instant) -> u64 {
@@ -120,6 +130,7 @@ impl Budget {
         {
             slot.deposits.store(0, Ordering::Relaxed);
             slot.withdrawals.store(0, Ordering::Relaxed);
+            slot.refunds.store(0, Ordering::Relaxed);
         }
         slot
     }
@@ -165,6 +176,22 @@ mod tests {
         b.deposit(later);
         b.deposit(later);
         assert_eq!(b.available(later), 1.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refund_gives_the_token_back() {
+        let now = Instant::now();
+        let b = Budget::try_new(0.0, 1, Duration::from_secs(1), now).unwrap();
+        assert!(b.withdraw(now));
+        assert!(!b.withdraw(now));
+        b.refund(now);
+        assert_eq!(b.available(now), 1.0);
+        assert!(b.withdraw(now));
+        // More refunds than withdrawals never mint tokens.
+        b.refund(now);
+        b.refund(now);
+        b.refund(now);
+        assert_eq!(b.available(now), 1.0);
     }
 
     #[test]

@@ -12,8 +12,10 @@
 //! random factor in [0.75, 1.25) so that a fleet of sidecars does not probe in
 //! lockstep. Then it lets `half_open_probes` requests through at a time: when
 //! a majority of them succeed it closes, when a majority fail it opens again.
-//! Failures are 5xx, connect failures, resets and timeouts; 4xx and the
-//! proxy's own shedding are not the upstream failing.
+//! Failures are the upstream's own (see `outcome.rs`): 5xx, connect
+//! failures, resets and per-try timeouts. A 4xx, a caller that hangs up or
+//! sends a bad body, a request cut short by its deadline and the proxy's
+//! own shedding are not the upstream failing.
 //!
 //! A pure state machine: the clock and the randomness are passed in; the
 //! route keeps it behind a mutex held for a few instructions.
@@ -25,7 +27,9 @@ use std::time::Duration;
 use rand::Rng;
 use tokio::time::Instant;
 
-use crate::config::BreakerConfig;
+use crate::config::schema::BreakerConfig;
+
+use super::outcome::{Fault, Outcome as AttemptOutcome};
 
 const SLOTS: usize = 10;
 
@@ -81,6 +85,20 @@ pub enum Outcome {
     Failure,
     /// It ended without telling (cancelled, shed): frees a probe slot, counts nothing.
     Unknown,
+}
+
+impl Outcome {
+    /// What an attempt's outcome counts for: the one mapping from an
+    /// outcome to the breaker. Only the upstream's own failures count as
+    /// failures; the caller's faults, the deadline's cut and the proxy's
+    /// refusals count for nothing (but free a probe slot).
+    pub fn of(outcome: AttemptOutcome) -> Self {
+        match outcome.fault() {
+            Fault::None => Outcome::Success,
+            Fault::Upstream => Outcome::Failure,
+            Fault::Caller | Fault::Deadline | Fault::Proxy => Outcome::Unknown,
+        }
+    }
 }
 
 #[derive(Debug)]

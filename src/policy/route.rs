@@ -3,7 +3,7 @@
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 
-use crate::config::MatchConfig;
+use crate::config::schema::MatchConfig;
 
 /// A compiled `match = { ... }` table. Every condition given must hold.
 #[derive(Debug, Clone, Default)]

@@ -1,0 +1,264 @@
+//! Who is at fault: how one attempt ended, and whose doing it was.
+//!
+//! Why one model: a proxy that cannot tell whose fault a failure is lets any
+//! caller black out a route. A caller that hangs up, sends a malformed body
+//! or stalls its upload would otherwise look like an upstream that failed,
+//! and the breaker, the adaptive limit and the retries would punish every
+//! other caller for it. So every attempt ends in one [`Outcome`] that names
+//! its owner, and the breaker, the limit, the budget and the metrics each map
+//! it in exactly one place. Only the upstream's faults count against it.
+//!
+//! This is a leaf: the label enums shared by the metrics, the breaker and the
+//! retry loop live here, and this module imports nothing of the crate.
+
+use http::StatusCode;
+
+/// How one attempt ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The upstream answered. A 5xx is its fault; anything below is an answer.
+    Response(StatusCode),
+    /// The upstream failed without answering.
+    Upstream(UpstreamFault),
+    /// The caller failed the attempt: it went away, or its body was
+    /// malformed or stalled. Never the upstream's fault, never retried.
+    Caller(CallerFault),
+    /// The request's `timeout` ran out before the attempt could end: it was
+    /// cut short, not given its per-try time, so the upstream is not blamed.
+    Deadline,
+    /// The proxy did not send the attempt at all.
+    Refused(Refusal),
+}
+
+/// The upstream's failures, as `retry_on` names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum UpstreamFault {
+    /// No connection could be made, or the request was never written on a
+    /// pooled connection that closed: the upstream did not see it.
+    ConnectFailure,
+    /// The upstream refused the HTTP/2 stream: it did not process the request.
+    RefusedStream,
+    /// The connection failed after the request was (perhaps) sent.
+    Reset,
+    /// No response headers within `per_try_timeout` of the request being sent.
+    Timeout,
+}
+
+/// The caller's failures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CallerFault {
+    /// The caller went away: it hung up, or its body ended early.
+    Gone,
+    /// The caller's body broke the protocol (a bad chunk size, say).
+    MalformedBody,
+    /// The caller stopped sending its body until the request's `timeout` ran out.
+    StalledBody,
+}
+
+/// Why the proxy did not send an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// The route's circuit breaker is open (or its probes are all out).
+    CircuitOpen,
+    /// The upstream is at its in-flight limit.
+    Overloaded,
+}
+
+/// Whose fault an outcome was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Fault {
+    /// Nobody's: the upstream answered below 500.
+    None,
+    Upstream,
+    Caller,
+    Deadline,
+    /// The proxy's own refusal.
+    Proxy,
+}
+
+impl Outcome {
+    pub fn fault(self) -> Fault {
+        match self {
+            Outcome::Response(status) if status.is_server_error() => Fault::Upstream,
+            Outcome::Response(_) => Fault::None,
+            Outcome::Upstream(_) => Fault::Upstream,
+            Outcome::Caller(_) => Fault::Caller,
+            Outcome::Deadline => Fault::Deadline,
+            Outcome::Refused(_) => Fault::Proxy,
+        }
+    }
+
+    /// Whether the upstream may have acted on the request: false only when
+    /// it certainly did not (never connected, stream refused, not sent).
+    pub fn reached_upstream(self) -> bool {
+        !matches!(
+            self,
+            Outcome::Upstream(UpstreamFault::ConnectFailure | UpstreamFault::RefusedStream)
+                | Outcome::Refused(_)
+        )
+    }
+
+    /// The `outcome` label of `herdguard_upstream_attempts_total`: the one
+    /// mapping from an outcome to the metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Response(status) if status.is_server_error() => "5xx",
+            Outcome::Response(_) => "ok",
+            Outcome::Upstream(f) => f.label(),
+            Outcome::Caller(CallerFault::Gone) => "cancelled",
+            Outcome::Caller(CallerFault::MalformedBody) => "caller-malformed",
+            Outcome::Caller(CallerFault::StalledBody) => "caller-stalled",
+            Outcome::Deadline => "deadline",
+            Outcome::Refused(Refusal::CircuitOpen) => "circuit-open",
+            Outcome::Refused(Refusal::Overloaded) => "overloaded",
+        }
+    }
+
+    /// The `reason` label of `herdguard_retries_total` for a retry after this
+    /// outcome: the status code of a response, else the outcome's label.
+    pub fn cause(&self) -> &str {
+        match self {
+            Outcome::Response(status) => status.as_str(),
+            other => other.label(),
+        }
+    }
+
+    /// Every label of an attempt that was sent (refusals are not attempts).
+    pub const SENT: [Outcome; 10] = [
+        Outcome::Response(StatusCode::OK),
+        Outcome::Response(StatusCode::INTERNAL_SERVER_ERROR),
+        Outcome::Upstream(UpstreamFault::ConnectFailure),
+        Outcome::Upstream(UpstreamFault::RefusedStream),
+        Outcome::Upstream(UpstreamFault::Reset),
+        Outcome::Upstream(UpstreamFault::Timeout),
+        Outcome::Caller(CallerFault::Gone),
+        Outcome::Caller(CallerFault::MalformedBody),
+        Outcome::Caller(CallerFault::StalledBody),
+        Outcome::Deadline,
+    ];
+
+    /// The position of this outcome's label in [`Outcome::SENT`], for
+    /// pre-registered counters; `None` for refusals.
+    pub fn sent_index(self) -> Option<usize> {
+        Some(match self {
+            Outcome::Response(status) if status.is_server_error() => 1,
+            Outcome::Response(_) => 0,
+            Outcome::Upstream(UpstreamFault::ConnectFailure) => 2,
+            Outcome::Upstream(UpstreamFault::RefusedStream) => 3,
+            Outcome::Upstream(UpstreamFault::Reset) => 4,
+            Outcome::Upstream(UpstreamFault::Timeout) => 5,
+            Outcome::Caller(CallerFault::Gone) => 6,
+            Outcome::Caller(CallerFault::MalformedBody) => 7,
+            Outcome::Caller(CallerFault::StalledBody) => 8,
+            Outcome::Deadline => 9,
+            Outcome::Refused(_) => return None,
+        })
+    }
+}
+
+impl UpstreamFault {
+    pub const ALL: [UpstreamFault; 4] = [
+        UpstreamFault::ConnectFailure,
+        UpstreamFault::RefusedStream,
+        UpstreamFault::Reset,
+        UpstreamFault::Timeout,
+    ];
+
+    /// The name `retry_on` and the `reason` label of `herdguard_retries_total` use.
+    pub fn label(self) -> &'static str {
+        match self {
+            UpstreamFault::ConnectFailure => "connect-failure",
+            UpstreamFault::RefusedStream => "refused-stream",
+            UpstreamFault::Reset => "reset",
+            UpstreamFault::Timeout => "timeout",
+        }
+    }
+}
+
+/// Why a retry was not made: the `reason` label of `herdguard_retries_skipped_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SkipReason {
+    Budget,
+    BreakerOpen,
+    NonIdempotent,
+    BodyTooLarge,
+    Deadline,
+    InnerHop,
+    RetryAfterTooLong,
+    AttemptsExhausted,
+    /// The upstream was at its in-flight limit when the retry would have gone.
+    Overloaded,
+}
+
+impl SkipReason {
+    pub const ALL: [SkipReason; 9] = [
+        SkipReason::Budget,
+        SkipReason::BreakerOpen,
+        SkipReason::NonIdempotent,
+        SkipReason::BodyTooLarge,
+        SkipReason::Deadline,
+        SkipReason::InnerHop,
+        SkipReason::RetryAfterTooLong,
+        SkipReason::AttemptsExhausted,
+        SkipReason::Overloaded,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SkipReason::Budget => "budget",
+            SkipReason::BreakerOpen => "breaker_open",
+            SkipReason::NonIdempotent => "non_idempotent",
+            SkipReason::BodyTooLarge => "body_too_large",
+            SkipReason::Deadline => "deadline",
+            SkipReason::InnerHop => "inner_hop",
+            SkipReason::RetryAfterTooLong => "retry_after_too_long",
+            SkipReason::AttemptsExhausted => "attempts_exhausted",
+            SkipReason::Overloaded => "overloaded",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_upstreams_failures_are_its_fault() {
+        let s = |c| Outcome::Response(StatusCode::from_u16(c).unwrap());
+        assert_eq!(s(200).fault(), Fault::None);
+        assert_eq!(s(404).fault(), Fault::None);
+        assert_eq!(s(503).fault(), Fault::Upstream);
+        for f in UpstreamFault::ALL {
+            assert_eq!(Outcome::Upstream(f).fault(), Fault::Upstream);
+        }
+        for f in [
+            CallerFault::Gone,
+            CallerFault::MalformedBody,
+            CallerFault::StalledBody,
+        ] {
+            assert_eq!(Outcome::Caller(f).fault(), Fault::Caller);
+        }
+        assert_eq!(Outcome::Deadline.fault(), Fault::Deadline);
+        assert_eq!(Outcome::Refused(Refusal::Overloaded).fault(), Fault::Proxy);
+    }
+
+    #[test]
+    fn sent_labels_line_up_with_their_index() {
+        for (i, o) in Outcome::SENT.iter().enumerate() {
+            assert_eq!(o.sent_index(), Some(i), "{o:?}");
+        }
+        let labels: std::collections::HashSet<_> =
+            Outcome::SENT.iter().map(|o| o.label()).collect();
+        assert_eq!(labels.len(), Outcome::SENT.len(), "labels are distinct");
+        assert_eq!(Outcome::Refused(Refusal::CircuitOpen).sent_index(), None);
+    }
+
+    #[test]
+    fn never_sent_means_never_reached() {
+        assert!(!Outcome::Upstream(UpstreamFault::ConnectFailure).reached_upstream());
+        assert!(!Outcome::Upstream(UpstreamFault::RefusedStream).reached_upstream());
+        assert!(Outcome::Upstream(UpstreamFault::Reset).reached_upstream());
+        assert!(Outcome::Upstream(UpstreamFault::Timeout).reached_upstream());
+        assert!(Outcome::Response(StatusCode::BAD_GATEWAY).reached_upstream());
+    }
+}

@@ -1,0 +1,251 @@
+//! The retry policy of a route, compiled from its `[retry]` table: what
+//! `retry_on` names, which requests are safe to repeat, and how long a
+//! server may ask us to wait. Nothing here sleeps, sends or reads a clock;
+//! [`super::decide`] puts it together with the other gates.
+
+use std::time::{Duration, SystemTime};
+
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+
+use crate::config::schema::{RetryConfig, RetryOn};
+
+use super::backoff::{Backoff, InvalidBackoff};
+use super::outcome::{Outcome, SkipReason, UpstreamFault};
+
+/// What the policy needs to know about the request, computed once, from
+/// the headers as they go upstream (after hop-by-hop fields are dropped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestFacts {
+    /// The method is in `methods`, or the request carries a non-empty idempotency header.
+    pub idempotent: bool,
+    /// The request came through an outer herdguard that retries for it.
+    pub inner_hop: bool,
+}
+
+/// A compiled `[retry]` table. A `Policy` that exists is valid.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    pub attempts: u32,
+    pub per_try_timeout: Duration,
+    pub timeout: Duration,
+    pub max_replay_body: u64,
+    conditions: Conditions,
+    methods: Vec<Method>,
+    idempotency_header: HeaderName,
+    respect_retry_after: bool,
+    max_retry_after: Duration,
+    pub backoff: Backoff,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Conditions {
+    connect_failure: bool,
+    refused_stream: bool,
+    reset: bool,
+    timeout: bool,
+    any_5xx: bool,
+    codes: Vec<StatusCode>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum InvalidPolicy {
+    #[error("backoff: {0}")]
+    Backoff(#[from] InvalidBackoff),
+    #[error("{0:?} is not a method")]
+    Method(String),
+    #[error("{0:?} is not a header name")]
+    Header(String),
+    #[error("attempts must be at least 1")]
+    Attempts,
+    #[error("{0} is not an HTTP status")]
+    Status(u16),
+}
+
+impl Policy {
+    pub fn from_config(c: &RetryConfig) -> Result<Self, InvalidPolicy> {
+        if c.attempts == 0 {
+            return Err(InvalidPolicy::Attempts);
+        }
+        let mut conditions = Conditions::default();
+        for r in &c.retry_on {
+            match r {
+                RetryOn::ConnectFailure => conditions.connect_failure = true,
+                RetryOn::RefusedStream => conditions.refused_stream = true,
+                RetryOn::Reset => conditions.reset = true,
+                RetryOn::Timeout => conditions.timeout = true,
+                RetryOn::Status5xx => conditions.any_5xx = true,
+                RetryOn::Status(code) => conditions
+                    .codes
+                    .push(StatusCode::from_u16(*code).map_err(|_| InvalidPolicy::Status(*code))?),
+            }
+        }
+        let methods = c
+            .methods
+            .iter()
+            .map(|m| Method::from_bytes(m.as_bytes()).map_err(|_| InvalidPolicy::Method(m.clone())))
+            .collect::<Result<_, _>>()?;
+        let idempotency_header = HeaderName::from_bytes(c.idempotency_header.as_bytes())
+            .map_err(|_| InvalidPolicy::Header(c.idempotency_header.clone()))?;
+        Ok(Self {
+            attempts: c.attempts,
+            per_try_timeout: c.per_try_timeout,
+            timeout: c.timeout,
+            max_replay_body: c.max_replay_body,
+            conditions,
+            methods,
+            idempotency_header,
+            respect_retry_after: c.respect_retry_after,
+            max_retry_after: c.max_retry_after,
+            backoff: Backoff::from_config(&c.backoff)?,
+        })
+    }
+
+    /// Whether more than one attempt could ever be made for a request with these facts.
+    pub fn may_retry(&self, facts: &RequestFacts) -> bool {
+        self.attempts > 1 && !facts.inner_hop
+    }
+
+    /// The facts of a request whose headers are as they go upstream: read
+    /// them after hop-by-hop stripping, so that a key named in `Connection`
+    /// (which never reaches the upstream) does not count. An empty key
+    /// promises nothing and does not count either.
+    pub fn facts(&self, method: &Method, headers: &HeaderMap, inner_hop: bool) -> RequestFacts {
+        let keyed = headers
+            .get_all(&self.idempotency_header)
+            .iter()
+            .any(|v| !v.as_bytes().trim_ascii().is_empty());
+        RequestFacts {
+            idempotent: self.methods.contains(method) || keyed,
+            inner_hop,
+        }
+    }
+
+    /// Whether `retry_on` names this outcome. Only the upstream's failures
+    /// can be named: a caller's fault, the deadline and the proxy's own
+    /// refusals never are.
+    pub fn names(&self, outcome: Outcome) -> bool {
+        let c = &self.conditions;
+        match outcome {
+            Outcome::Response(status) => {
+                (c.any_5xx && status.is_server_error()) || c.codes.contains(&status)
+            }
+            Outcome::Upstream(UpstreamFault::ConnectFailure) => c.connect_failure,
+            Outcome::Upstream(UpstreamFault::RefusedStream) => c.refused_stream,
+            Outcome::Upstream(UpstreamFault::Reset) => c.reset,
+            Outcome::Upstream(UpstreamFault::Timeout) => c.timeout,
+            Outcome::Caller(_) | Outcome::Deadline | Outcome::Refused(_) => false,
+        }
+    }
+
+    /// The server's own delay (a parsed `Retry-After`), when we honour it.
+    /// `Err` when it asks for longer than `max_retry_after`.
+    pub fn server_delay(
+        &self,
+        retry_after: Option<Duration>,
+    ) -> Result<Option<Duration>, SkipReason> {
+        match retry_after {
+            _ if !self.respect_retry_after => Ok(None),
+            Some(d) if d > self.max_retry_after => Err(SkipReason::RetryAfterTooLong),
+            other => Ok(other),
+        }
+    }
+
+    /// The least time a retry must have left before `timeout` to be worth
+    /// making: half of `per_try_timeout`. A retry with less would most
+    /// likely be cut short, and only add load.
+    pub fn min_retry_time(&self) -> Duration {
+        self.per_try_timeout / 2
+    }
+}
+
+/// A response's `Retry-After`, if it has one that parses.
+pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    parse_retry_after(headers.get(http::header::RETRY_AFTER)?, now)
+}
+
+/// `Retry-After` as delta-seconds or an HTTP-date (RFC 9110 §10.2.3).
+/// A date in the past means "now".
+pub fn parse_retry_after(value: &HeaderValue, now: SystemTime) -> Option<Duration> {
+    let text = value.to_str().ok()?.trim();
+    if let Ok(secs) = text.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = httpdate::parse_http_date(text).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::outcome::CallerFault;
+
+    fn policy(f: impl FnOnce(&mut RetryConfig)) -> Policy {
+        let mut c = RetryConfig::default();
+        f(&mut c);
+        Policy::from_config(&c).unwrap()
+    }
+
+    fn status(code: u16) -> Outcome {
+        Outcome::Response(StatusCode::from_u16(code).unwrap())
+    }
+
+    #[test]
+    fn names_only_what_retry_on_names() {
+        let p = policy(|_| {});
+        assert!(p.names(status(503)));
+        assert!(!p.names(status(500)), "500 is not in the default list");
+        for code in [200, 400, 401, 403, 404, 429] {
+            assert!(!p.names(status(code)), "{code} is never retried by default");
+        }
+        assert!(p.names(Outcome::Upstream(UpstreamFault::Timeout)));
+        assert!(!p.names(Outcome::Upstream(UpstreamFault::RefusedStream)));
+        // Never the upstream's failure, whatever retry_on says.
+        assert!(!p.names(Outcome::Caller(CallerFault::MalformedBody)));
+        assert!(!p.names(Outcome::Deadline));
+
+        let p = policy(|c| c.retry_on = vec![RetryOn::Status5xx, RetryOn::Status(429)]);
+        assert!(p.names(status(500)));
+        assert!(p.names(status(429)));
+        assert!(!p.names(status(404)));
+        assert!(!p.names(Outcome::Upstream(UpstreamFault::Reset)));
+    }
+
+    #[test]
+    fn idempotency_key_counts_only_when_it_says_something() {
+        let p = policy(|_| {});
+        let mut h = HeaderMap::new();
+        assert!(!p.facts(&Method::POST, &h, false).idempotent);
+        h.insert("idempotency-key", HeaderValue::from_static(""));
+        assert!(!p.facts(&Method::POST, &h, false).idempotent, "empty");
+        h.insert("idempotency-key", HeaderValue::from_static("  "));
+        assert!(!p.facts(&Method::POST, &h, false).idempotent, "blank");
+        h.append("idempotency-key", HeaderValue::from_static("k1"));
+        assert!(p.facts(&Method::POST, &h, false).idempotent);
+        assert!(p.facts(&Method::PUT, &HeaderMap::new(), false).idempotent);
+    }
+
+    #[test]
+    fn retry_after_forms() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let v = |s: &str| parse_retry_after(&HeaderValue::from_str(s).unwrap(), now);
+        assert_eq!(v("3"), Some(Duration::from_secs(3)));
+        let later = httpdate::fmt_http_date(now + Duration::from_secs(7));
+        assert_eq!(v(&later), Some(Duration::from_secs(7)));
+        let earlier = httpdate::fmt_http_date(now - Duration::from_secs(7));
+        assert_eq!(v(&earlier), Some(Duration::ZERO));
+        assert_eq!(v("soon"), None);
+        assert_eq!(
+            v("99999999999999999999999"),
+            None,
+            "overflow is not a delay"
+        );
+
+        let p = policy(|c| c.max_retry_after = Duration::from_secs(5));
+        let secs = |n| Some(Duration::from_secs(n));
+        assert_eq!(p.server_delay(None), Ok(None));
+        assert_eq!(p.server_delay(secs(2)), Ok(secs(2)));
+        assert_eq!(p.server_delay(secs(60)), Err(SkipReason::RetryAfterTooLong));
+        let p = policy(|c| c.respect_retry_after = false);
+        assert_eq!(p.server_delay(secs(60)), Ok(None));
+    }
+}

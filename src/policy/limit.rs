@@ -54,19 +54,14 @@ impl Sample {
     /// limit: the one mapping from an outcome to the limiter.
     ///
     /// An answer is a latency. A per-try timeout is a drop: the upstream is
-    /// struggling now. A caller that hung up, or a request cut short by its
-    /// deadline, waited at least `elapsed` for the upstream: a latency of at
-    /// least that much, never a drop, so callers who give up cannot shrink
-    /// the limit. Connection failures and the caller's bad bodies say nothing
-    /// about the upstream's latency. `uploaded` says whether the request had
-    /// been sent whole: before that, the wait was the caller's upload.
-    pub fn of(outcome: Outcome, elapsed: Duration, uploaded: bool) -> Option<Sample> {
+    /// struggling now. Nothing else is a sample: a caller that hung up, sent
+    /// a bad body or stalled, and a request cut short by its own deadline,
+    /// say nothing about the upstream, so callers who give up cannot move
+    /// the limit. Neither do connection failures, which the breaker counts.
+    pub fn of(outcome: Outcome, elapsed: Duration) -> Option<Sample> {
         match outcome {
             Outcome::Response(_) => Some(Sample::Latency(elapsed)),
             Outcome::Upstream(UpstreamFault::Timeout) => Some(Sample::Dropped),
-            Outcome::Caller(super::outcome::CallerFault::Gone) | Outcome::Deadline if uploaded => {
-                Some(Sample::Latency(elapsed))
-            }
             _ => None,
         }
     }
@@ -270,36 +265,23 @@ mod tests {
     }
 
     #[test]
-    fn callers_who_give_up_never_shrink_it() {
-        use crate::policy::outcome::CallerFault;
-        let (mut l, mut clock) = (limiter(), Instant::now());
-        let before = l.limit();
-        for _ in 0..100 {
-            clock += Duration::from_millis(1);
-            let sample = Sample::of(
-                Outcome::Caller(CallerFault::Gone),
-                Duration::from_millis(700),
-                true,
-            );
-            assert_eq!(sample, Some(ms(700)));
-            l.update(sample.unwrap(), 1, clock);
-        }
-        assert!(l.limit() >= before, "{} from {before}", l.limit());
-        let malformed = Outcome::Caller(CallerFault::MalformedBody);
-        assert_eq!(Sample::of(malformed, Duration::from_secs(1), true), None);
-        assert_eq!(
-            Sample::of(
-                Outcome::Caller(CallerFault::Gone),
-                Duration::from_secs(1),
-                false
-            ),
-            None
-        );
+    fn only_answers_and_timeouts_are_samples() {
+        use crate::policy::outcome::{CallerFault, Refusal};
+        let second = Duration::from_secs(1);
+        let ok = Outcome::Response(http::StatusCode::OK);
+        assert_eq!(Sample::of(ok, second), Some(Sample::Latency(second)));
         let timeout = Outcome::Upstream(UpstreamFault::Timeout);
-        assert_eq!(
-            Sample::of(timeout, Duration::from_secs(1), true),
-            Some(Sample::Dropped)
-        );
+        assert_eq!(Sample::of(timeout, second), Some(Sample::Dropped));
+        for o in [
+            Outcome::Caller(CallerFault::Gone),
+            Outcome::Caller(CallerFault::MalformedBody),
+            Outcome::Caller(CallerFault::StalledBody),
+            Outcome::Deadline,
+            Outcome::Upstream(UpstreamFault::ConnectFailure),
+            Outcome::Refused(Refusal::Overloaded),
+        ] {
+            assert_eq!(Sample::of(o, second), None, "{o:?}");
+        }
     }
 
     #[test]

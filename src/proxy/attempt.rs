@@ -176,13 +176,6 @@ impl retry::Attempts for Forward<'_> {
         let (req, progress) = self.request(n, &target.host);
 
         let sent_at = Instant::now();
-        // Should the caller go away mid-attempt, this future is dropped
-        // and the watch tells the limiter: never as a drop.
-        let watch = Watch {
-            upstream,
-            progress: progress.as_deref(),
-            sent_at,
-        };
         let timed = timed(
             target.send(self.path_and_query.as_ref(), req),
             progress.as_deref(),
@@ -190,9 +183,7 @@ impl retry::Attempts for Forward<'_> {
             deadline,
         )
         .await;
-        std::mem::forget(watch);
         let elapsed = sent_at.elapsed();
-        let uploaded = progress.as_deref().is_none_or(Progress::is_sent);
         let name = &upstream.name;
         let (outcome, answer, detail) = match timed {
                 Timed::Done(Ok((resp, conn))) => {
@@ -232,7 +223,7 @@ impl retry::Attempts for Forward<'_> {
                     format!("the request body stalled: it was not complete when the request's timeout ({:?}) ran out", self.timeout),
                 ),
             };
-        upstream.observe(outcome, elapsed, uploaded);
+        upstream.observe(outcome, elapsed);
         if answer.is_none() {
             tracing::debug!(upstream = %name, outcome = outcome.label(), error = %detail, "upstream attempt failed");
         }
@@ -272,31 +263,15 @@ impl retry::Attempts for Forward<'_> {
     }
 }
 
-/// Held while an attempt is on the wire; dropped (not forgotten) only when
-/// the caller went away mid-attempt.
-struct Watch<'a> {
-    upstream: &'a Upstream,
-    progress: Option<&'a Progress>,
-    sent_at: Instant,
-}
-
-impl Drop for Watch<'_> {
-    fn drop(&mut self) {
-        let uploaded = self.progress.is_none_or(Progress::is_sent);
-        self.upstream.observe(
-            Outcome::Caller(CallerFault::Gone),
-            self.sent_at.elapsed(),
-            uploaded,
-        );
-    }
-}
-
 /// How the timers ended an attempt.
 enum Timed<T> {
     Done(T),
     /// No answer within the per-try time after the request was sent.
     PerTry,
-    /// The request's deadline came first.
+    /// The request's deadline cut the attempt short: it had less than half
+    /// its per-try time (what [`Policy::min_retry_time`] asks of a retry).
+    ///
+    /// [`Policy::min_retry_time`]: crate::policy::Policy::min_retry_time
     Deadline,
     /// The deadline came while the body was waiting on the caller.
     Stalled,
@@ -304,6 +279,11 @@ enum Timed<T> {
 
 /// Runs `send` under the attempt's timers: until the body is sent, only the
 /// deadline; from then on, `per_try` too.
+///
+/// When the deadline ends an attempt, whose fault that was: the caller's,
+/// if its body was still waiting on the caller (a stalled upload); the
+/// upstream's (a timeout), if the attempt had at least half its per-try
+/// time; otherwise the deadline's, which cut it short.
 async fn timed<F: Future>(
     send: F,
     progress: Option<&Progress>,
@@ -311,6 +291,8 @@ async fn timed<F: Future>(
     deadline: Instant,
 ) -> Timed<F::Output> {
     tokio::pin!(send);
+    let start = Instant::now();
+    let fair = per_try / 2;
     let sent = match progress {
         Some(p) if !p.is_sent() => {
             tokio::select! {
@@ -318,14 +300,21 @@ async fn timed<F: Future>(
                 out = &mut send => return Timed::Done(out),
                 () = p.sent() => Instant::now(),
                 () = tokio::time::sleep_until(deadline) => {
-                    return if p.waiting_on_caller() { Timed::Stalled } else { Timed::Deadline };
+                    return if p.waiting_on_caller() {
+                        Timed::Stalled
+                    } else if deadline.saturating_duration_since(start) >= fair {
+                        Timed::PerTry
+                    } else {
+                        Timed::Deadline
+                    };
                 }
             }
         }
-        _ => Instant::now(),
+        _ => start,
     };
     let (until, late) = match sent.checked_add(per_try) {
         Some(end) if end < deadline => (end, Timed::PerTry),
+        _ if deadline.saturating_duration_since(sent) >= fair => (deadline, Timed::PerTry),
         _ => (deadline, Timed::Deadline),
     };
     match tokio::time::timeout_at(until, send).await {
@@ -340,5 +329,65 @@ pub(crate) fn attempt_value(n: u32) -> http::HeaderValue {
     match SMALL.get(n as usize) {
         Some(s) => http::HeaderValue::from_static(s),
         None => http::HeaderValue::from(n),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::body::{SENT, WAITING};
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// How `timed` ends an attempt that never answers, given the upload's
+    /// state when the timers fire.
+    async fn ends(progress: Option<&Progress>, per_try: Duration, left: Duration) -> &'static str {
+        let deadline = Instant::now() + left;
+        match timed(std::future::pending::<()>(), progress, per_try, deadline).await {
+            Timed::Done(()) => "done",
+            Timed::PerTry => "per-try",
+            Timed::Deadline => "deadline",
+            Timed::Stalled => "stalled",
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn whose_fault_the_timers_make_it() {
+        let per_try = 400 * MS;
+        // No body: per-try time runs from the start.
+        assert_eq!(ends(None, per_try, 1000 * MS).await, "per-try");
+        // Cut short by the deadline, with less than half of per-try: the deadline's.
+        assert_eq!(ends(None, per_try, 150 * MS).await, "deadline");
+        // Half or more of it: the upstream had its fair chance.
+        assert_eq!(ends(None, per_try, 250 * MS).await, "per-try");
+
+        // A body still waiting on its caller when the deadline comes: a stall.
+        let waiting = Progress::default();
+        waiting.set(WAITING);
+        assert_eq!(ends(Some(&waiting), per_try, 1000 * MS).await, "stalled");
+        // A body the upstream does not take (not waiting on the caller).
+        let pushing = Progress::default();
+        assert_eq!(ends(Some(&pushing), per_try, 1000 * MS).await, "per-try");
+        assert_eq!(ends(Some(&pushing), per_try, 100 * MS).await, "deadline");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn per_try_time_starts_once_the_body_is_sent() {
+        let progress = Arc::new(Progress::default());
+        progress.set(WAITING);
+        let uploader = progress.clone();
+        // The caller uploads for 900 ms; per-try time is 400 ms.
+        tokio::spawn(async move {
+            tokio::time::sleep(900 * MS).await;
+            uploader.set(SENT);
+        });
+        let answer = async {
+            // The upstream answers 300 ms after the upload ends.
+            progress.sent().await;
+            tokio::time::sleep(300 * MS).await;
+        };
+        let deadline = Instant::now() + 10_000 * MS;
+        let got = timed(answer, Some(&progress), 400 * MS, deadline).await;
+        assert!(matches!(got, Timed::Done(())), "not a timeout");
     }
 }

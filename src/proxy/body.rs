@@ -126,8 +126,8 @@ impl Body for RequestBody {
     }
 }
 
-const SENT: u8 = 1;
-const WAITING: u8 = 2;
+pub(super) const SENT: u8 = 1;
+pub(super) const WAITING: u8 = 2;
 const GONE: u8 = 4;
 const MALFORMED: u8 = 8;
 
@@ -178,14 +178,14 @@ impl Progress {
         }
     }
 
-    fn set(&self, flag: u8) {
+    pub(super) fn set(&self, flag: u8) {
         let before = self.flags.fetch_or(flag, Ordering::AcqRel);
         if flag & SENT != 0 && before & SENT == 0 {
             self.sent.notify_waiters();
         }
     }
 
-    fn clear(&self, flag: u8) {
+    pub(super) fn clear(&self, flag: u8) {
         self.flags.fetch_and(!flag, Ordering::AcqRel);
     }
 

@@ -246,10 +246,9 @@ impl Upstream {
         self.max_in_flight
     }
 
-    /// Feeds an attempt's outcome to the adaptive limit, as
-    /// [`Sample::of`] maps it. `uploaded`: the request was sent whole.
-    pub fn observe(&self, outcome: Outcome, elapsed: std::time::Duration, uploaded: bool) {
-        let Some(sample) = Sample::of(outcome, elapsed, uploaded) else {
+    /// Feeds an attempt's outcome to the adaptive limit, as [`Sample::of`] maps it.
+    pub fn observe(&self, outcome: Outcome, elapsed: std::time::Duration) {
+        let Some(sample) = Sample::of(outcome, elapsed) else {
             return;
         };
         if let Some(limiter) = &self.limiter {

@@ -115,8 +115,9 @@ pub async fn run<T: Attempts>(
     let deadline = start + policy.timeout;
     let mut trace = explain.then(String::new);
     let mut backoff = BackoffState::default();
-    // The previous attempt's end, while a retry it paid for is tried.
-    let mut kept: Option<End<T::Answer>> = None;
+    // The previous attempt's end, while a retry it paid for is tried, with
+    // the retry's cause and delay, counted once the retry is sent.
+    let mut kept: Option<(End<T::Answer>, Outcome, Duration)> = None;
     let mut n = 0u32;
 
     loop {
@@ -148,8 +149,11 @@ pub async fn run<T: Attempts>(
         if n == 1 {
             guards.budget.deposit(start);
         }
-        // The retry goes: the answer kept in case it could not is let go.
-        drop(kept.take());
+        // The retry goes: count it, and let go of the answer kept in case
+        // it could not.
+        if let Some((_, cause, delay)) = kept.take() {
+            guards.metrics.retry(cause, delay);
+        }
 
         // Should the caller go away mid-attempt, this whole future is
         // dropped, and the guard tells the breaker and the metrics.
@@ -212,7 +216,6 @@ pub async fn run<T: Attempts>(
                 return done(n, end(attempt), trace);
             }
         };
-        guards.metrics.retry(outcome, delay);
         debug!(
             route = %guards.route,
             retry.attempt = n + 1,
@@ -225,7 +228,7 @@ pub async fn run<T: Attempts>(
         if let End::Answer(answer) = &mut last {
             attempts.park(answer);
         }
-        kept = Some(last);
+        kept = Some((last, outcome, delay));
         tokio::time::sleep(delay).await;
     }
 }
@@ -236,11 +239,11 @@ pub async fn run<T: Attempts>(
 fn refuse<A>(
     guards: &Guards,
     n: u32,
-    kept: Option<End<A>>,
+    kept: Option<(End<A>, Outcome, Duration)>,
     refused: End<A>,
     trace: Option<String>,
 ) -> Sent<A> {
-    let Some(previous) = kept else {
+    let Some((previous, _, _)) = kept else {
         return done(n - 1, refused, trace);
     };
     guards.budget.refund(Instant::now());
@@ -355,5 +358,227 @@ impl Guards {
             self.metrics.breaker(t.to);
             tracing::info!(route = %self.route, upstream = %self.upstream, to = t.to.as_str(), "circuit breaker");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+
+    use http::StatusCode;
+
+    use super::*;
+    use crate::config::schema::{BreakerConfig, Jitter, RetryConfig};
+    use crate::metrics::Metrics;
+    use crate::policy::UpstreamFault;
+
+    /// Attempts that end as scripted, answering with their number.
+    struct Script {
+        outcomes: VecDeque<Outcome>,
+        /// `reserve` refuses the attempt with this number.
+        full_at: Option<u32>,
+        reserved: u32,
+        sent: u32,
+    }
+
+    impl Attempts for Script {
+        type Answer = u32;
+
+        fn reserve(&mut self) -> Result<(), String> {
+            self.reserved += 1;
+            match self.full_at == Some(self.reserved) {
+                true => Err("full".into()),
+                false => Ok(()),
+            }
+        }
+
+        async fn send(&mut self, n: u32, _: Duration, _: Instant) -> Attempt<u32> {
+            self.sent += 1;
+            let outcome = self.outcomes.pop_front().expect("scripted");
+            Attempt {
+                outcome,
+                answer: matches!(outcome, Outcome::Response(_)).then_some(n),
+                retry_after: None,
+                detail: outcome.label().to_owned(),
+                elapsed: Duration::from_millis(1),
+            }
+        }
+
+        async fn replayable(&mut self, _: Instant) -> bool {
+            true
+        }
+
+        fn park(&self, _: &mut u32) {}
+    }
+
+    fn script(outcomes: &[Outcome]) -> Script {
+        Script {
+            outcomes: outcomes.iter().copied().collect(),
+            full_at: None,
+            reserved: 0,
+            sent: 0,
+        }
+    }
+
+    fn guards(registry: &Arc<Metrics>) -> Guards {
+        let now = Instant::now();
+        let mut retry = RetryConfig {
+            attempts: 3,
+            ..RetryConfig::default()
+        };
+        retry.backoff.base = Duration::from_millis(100);
+        retry.backoff.jitter = Jitter::None;
+        let breaker = BreakerConfig {
+            consecutive_failures: 2,
+            ..BreakerConfig::default()
+        };
+        Guards {
+            route: "r".into(),
+            upstream: "u".into(),
+            policy: Policy::from_config(&retry).unwrap(),
+            budget: Arc::new(Budget::from_config(&retry.budget, now).unwrap()),
+            breaker: Arc::new(SharedBreaker::new(Breaker::try_new(&breaker, now).unwrap())),
+            metrics: RouteMetrics::new(registry, "r", "u"),
+        }
+    }
+
+    const S503: Outcome = Outcome::Response(StatusCode::SERVICE_UNAVAILABLE);
+    const S200: Outcome = Outcome::Response(StatusCode::OK);
+
+    fn series(registry: &Metrics, series: &str) -> f64 {
+        let text = registry.render();
+        text.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or(0.0)
+    }
+
+    use crate::policy::breaker::Breaker;
+
+    #[tokio::test(start_paused = true)]
+    async fn retries_until_an_answer() {
+        let registry = Metrics::new();
+        let g = guards(&registry);
+        let mut attempts = script(&[S503, S200]);
+        let sent = run(&g, facts(), &mut attempts, Instant::now(), true).await;
+        assert_eq!(sent.attempts, 2);
+        assert!(matches!(sent.end, End::Answer(2)));
+        assert_eq!(
+            sent.trace.as_deref(),
+            Some("1=503@1ms;backoff=100ms;2=200@1ms")
+        );
+        let retries = r#"herdguard_retries_total{route="r",reason="503"}"#;
+        assert_eq!(series(&registry, retries), 1.0);
+    }
+
+    fn facts() -> RequestFacts {
+        RequestFacts {
+            idempotent: true,
+            inner_hop: false,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_refused_by_the_limit_refunds_its_token_and_passes_the_answer_on() {
+        let registry = Metrics::new();
+        let g = guards(&registry);
+        let before = g.budget.available(Instant::now());
+        let mut attempts = Script {
+            full_at: Some(2),
+            ..script(&[S503])
+        };
+        let sent = run(&g, facts(), &mut attempts, Instant::now(), true).await;
+        assert_eq!(sent.attempts, 1, "one attempt was sent");
+        assert!(
+            matches!(sent.end, End::Answer(1)),
+            "the upstream's own answer"
+        );
+        assert_eq!(attempts.sent, 1);
+        let now = Instant::now();
+        // The request's own deposit is all that changed.
+        let deposit = 0.2;
+        assert_eq!(g.budget.available(now), before + deposit, "refunded");
+        let skipped = r#"herdguard_retries_skipped_total{route="r",reason="overloaded"}"#;
+        assert_eq!(series(&registry, skipped), 1.0);
+        let retries = r#"herdguard_retries_total{route="r",reason="503"}"#;
+        assert_eq!(series(&registry, retries), 0.0, "not counted as made");
+        assert_eq!(
+            sent.trace.as_deref(),
+            Some("1=503@1ms;backoff=100ms;2=overloaded;skip=overloaded")
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_breaker_that_opens_during_the_backoff_refunds_and_passes_the_answer_on() {
+        let registry = Metrics::new();
+        let g = Arc::new(guards(&registry));
+        let before = g.budget.available(Instant::now());
+        // Another request trips the breaker while this one waits to retry.
+        let other = g.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            other.force_breaker(Some(BreakerState::Open));
+        });
+        let mut attempts = script(&[S503]);
+        let sent = run(&g, facts(), &mut attempts, Instant::now(), false).await;
+        assert_eq!(sent.attempts, 1);
+        assert!(matches!(sent.end, End::Answer(1)));
+        assert_eq!(g.budget.available(Instant::now()), before + 0.2, "refunded");
+        let skipped = r#"herdguard_retries_skipped_total{route="r",reason="breaker_open"}"#;
+        assert_eq!(series(&registry, skipped), 1.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_callers_faults_stop_at_once_and_never_open_the_breaker() {
+        let registry = Metrics::new();
+        let g = guards(&registry);
+        for _ in 0..10 {
+            let mut attempts = script(&[Outcome::Caller(CallerFault::MalformedBody)]);
+            let sent = run(&g, facts(), &mut attempts, Instant::now(), false).await;
+            assert_eq!(sent.attempts, 1);
+            assert!(matches!(
+                sent.end,
+                End::Failed {
+                    outcome: Outcome::Caller(CallerFault::MalformedBody),
+                    ..
+                }
+            ));
+        }
+        assert!(g.breaker.is_closed());
+        // While two upstream failures in a row open it.
+        let timeout = Outcome::Upstream(UpstreamFault::Timeout);
+        let mut attempts = script(&[timeout, timeout]);
+        run(&g, facts(), &mut attempts, Instant::now(), false).await;
+        assert!(!g.breaker.is_closed());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_caller_gone_mid_attempt_counts_for_nothing() {
+        struct Never;
+        impl Attempts for Never {
+            type Answer = ();
+            fn reserve(&mut self) -> Result<(), String> {
+                Ok(())
+            }
+            async fn send(&mut self, _: u32, _: Duration, _: Instant) -> Attempt<()> {
+                std::future::pending().await
+            }
+            async fn replayable(&mut self, _: Instant) -> bool {
+                true
+            }
+            fn park(&self, _: &mut ()) {}
+        }
+        let registry = Metrics::new();
+        let g = guards(&registry);
+        for _ in 0..5 {
+            let mut never = Never;
+            let run = run(&g, facts(), &mut never, Instant::now(), false);
+            // The caller gives up after a while: the request's future is dropped.
+            let gave_up = tokio::time::timeout(Duration::from_secs(1), run).await;
+            assert!(gave_up.is_err());
+        }
+        assert!(g.breaker.is_closed());
+        let cancelled =
+            r#"herdguard_upstream_attempts_total{route="r",upstream="u",outcome="cancelled"}"#;
+        assert_eq!(series(&registry, cancelled), 5.0);
     }
 }

@@ -86,3 +86,70 @@ pub async fn line_with(
     .await
     .unwrap()
 }
+
+/// The real binary started on a config file, on ephemeral ports; killed if
+/// a test fails before it is terminated.
+pub struct Binary {
+    running: Option<Running>,
+    pub listen: String,
+    pub admin: String,
+    _config: tempfile::NamedTempFile,
+}
+
+impl Binary {
+    /// Starts `herdguard --config FILE` with `toml` after a `[listen]` and
+    /// `[admin]` on 127.0.0.1:0 (so `toml` must not have them).
+    pub async fn start(toml: &str) -> Binary {
+        use std::io::Write as _;
+        let mut config = tempfile::NamedTempFile::new().unwrap();
+        write!(
+            config,
+            "[listen]\naddress = \"127.0.0.1:0\"\n[admin]\naddress = \"127.0.0.1:0\"\n{toml}"
+        )
+        .unwrap();
+        let mut cmd = Command::new(BIN);
+        cmd.arg("--config")
+            .arg(config.path())
+            .args(["--log-format", "json", "--threads", "2"]);
+        let running = start(cmd).await;
+        let admin = running.serving["admin"]
+            .as_str()
+            .expect("an admin address")
+            .to_owned();
+        Binary {
+            listen: running.listen.clone(),
+            admin,
+            running: Some(running),
+            _config: config,
+        }
+    }
+
+    /// The admin listener's `/metrics` text.
+    pub async fn metrics(&self) -> String {
+        let req = http::Request::get(format!("http://{}/metrics", self.admin))
+            .body(super::empty())
+            .unwrap();
+        let (_, _, body) = super::send(&super::client(), req).await;
+        String::from_utf8(body.to_vec()).unwrap()
+    }
+
+    /// One series of `/metrics`, 0 when it is not there yet.
+    pub async fn metric(&self, series: &str) -> f64 {
+        super::metric(&self.metrics().await, series).unwrap_or(0.0)
+    }
+
+    /// Sends SIGTERM and checks the exit.
+    pub async fn terminate(mut self) -> Vec<String> {
+        let running = self.running.take().expect("running");
+        running.terminate().await
+    }
+}
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        if let Some(running) = &mut self.running {
+            let _ = running.child.kill();
+            let _ = running.child.wait();
+        }
+    }
+}

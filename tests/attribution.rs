@@ -132,7 +132,11 @@ async fn a_malformed_body_is_the_callers_400_and_never_opens_the_breaker() {
     for blamed in ["5xx", "reset", "timeout"] {
         assert_eq!(metric(&text, &attempts_with(blamed)), Some(0.0), "{blamed}");
     }
-    assert_eq!(sum(&text, "herdguard_retries_total{"), 0.0, "no retry:\n{text}");
+    assert_eq!(
+        sum(&text, "herdguard_retries_total{"),
+        0.0,
+        "no retry:\n{text}"
+    );
     assert_eq!(metric(&text, LIMIT), Some(100.0));
     // Everyone else is still served.
     let req = http::Request::get(format!("http://{}/", hg.listen))

@@ -236,3 +236,33 @@ timeout = \"10s\"
         "the defaults raise no warning"
     );
 }
+
+#[test]
+fn policy_tables_are_checked_by_the_constructors_that_build_them() {
+    let src = r#"
+[upstreams.api]
+endpoints = ["http://127.0.0.1:3000"]
+adaptive_concurrency = { tolerance = 0.5 }
+
+[[routes]]
+name = "a"
+upstream = "api"
+match = { methods = ["get"] }
+retry = { attempts = 0, methods = ["GET", "bad method"] }
+breaker = { failure_rate = 2.0 }
+"#;
+    let errs = errors(src);
+    let expect = [
+        "upstreams.api.adaptive_concurrency.tolerance (line 4): 0.5 must be at least 1.0",
+        "routes[0].match.methods[0] (line 9): \"get\" is not a method (write it in capitals",
+        "routes[0].retry.attempts (line 10): 0 is out of range 1..=100",
+        "routes[0].breaker.failure_rate (line 11): 2 is out of range (0.0, 1.0]",
+    ];
+    for e in expect {
+        assert!(
+            errs.iter().any(|got| got.starts_with(e)),
+            "missing {e:?} in {errs:#?}"
+        );
+    }
+    assert_eq!(errs.len(), expect.len(), "{errs:#?}");
+}

@@ -1,16 +1,22 @@
 //! Semantic checks that types alone cannot express. Each problem is reported
-//! with the key path it concerns; the loader adds the line.
+//! with the key path it concerns; the loader adds the line. Policy tables
+//! (retry, backoff, budget, breaker, adaptive limit, match) are checked by
+//! compiling them with the constructors the proxy uses: a config that passes
+//! here builds.
 
 use std::collections::HashSet;
 use std::time::Duration;
 
-use http::{HeaderName, HeaderValue, Method, Uri};
+use http::Uri;
 
 use super::load::KeyPath;
-use super::schema::{
-    BackoffConfig, BreakerConfig, BudgetConfig, Config, MatchConfig, RetryConfig, RetryOn,
-    UpstreamConfig,
-};
+use super::schema::{BreakerConfig, Config, MatchConfig, RetryConfig, RetryOn, UpstreamConfig};
+use crate::policy::breaker::Breaker;
+use crate::policy::limit::Limiter;
+use crate::policy::retry::InvalidPolicy;
+use crate::policy::route::{InvalidMatch, Matcher};
+use crate::policy::{Budget, Policy};
+use tokio::time::Instant;
 
 type Report<'a> = dyn FnMut(KeyPath, String) + 'a;
 
@@ -114,28 +120,8 @@ fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) 
     if u.max_in_flight == 0 {
         report(path.key("max_in_flight"), "must be at least 1".into());
     }
-    let a = &u.adaptive_concurrency;
-    let apath = path.key("adaptive_concurrency");
-    if a.min_limit == 0 {
-        report(apath.key("min_limit"), "must be at least 1".into());
-    }
-    if a.initial_limit < a.min_limit {
-        report(
-            apath.key("initial_limit"),
-            "must not be below min_limit".into(),
-        );
-    }
-    if !(a.tolerance.is_finite() && a.tolerance >= 1.0) {
-        report(
-            apath.key("tolerance"),
-            format!("{} must be at least 1.0", a.tolerance),
-        );
-    }
-    if !(a.smoothing > 0.0 && a.smoothing <= 1.0) {
-        report(
-            apath.key("smoothing"),
-            format!("{} is out of range (0.0, 1.0]", a.smoothing),
-        );
+    if let Err(e) = Limiter::try_new(&u.adaptive_concurrency, u.max_in_flight) {
+        report(path.key("adaptive_concurrency").key(e.key()), e.to_string());
     }
     match (&u.client_cert, &u.client_key) {
         (Some(_), None) => report(
@@ -192,130 +178,42 @@ pub(crate) fn check_endpoint(endpoint: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn matcher(report: &mut Report<'_>, path: &KeyPath, m: &MatchConfig) {
-    for (key, value) in [("path", &m.path), ("path_prefix", &m.path_prefix)] {
-        if let Some(p) = value {
-            if !p.starts_with('/') {
-                report(path.key(key), format!("{p:?} must start with '/'"));
-            }
-        }
-    }
-    if let Some(host) = &m.host {
-        if host.is_empty() || host.parse::<http::uri::Authority>().is_err() {
-            report(path.key("host"), format!("{host:?} is not a host name"));
-        }
-    }
-    if let Some(methods) = &m.methods {
-        methods_list(report, &path.key("methods"), methods);
-    }
-    for (name, value) in &m.headers {
-        if HeaderName::from_bytes(name.as_bytes()).is_err() {
-            report(
-                path.key("headers").key(name.clone()),
-                format!("{name:?} is not a header name"),
-            );
-        }
-        if HeaderValue::from_str(value).is_err() {
-            report(
-                path.key("headers").key(name.clone()),
-                format!("{value:?} is not a header value"),
-            );
-        }
-    }
-}
+// Validation is construction: each table is compiled by the constructor
+// the proxy uses, and its error, which names its key, is reported at that
+// key's path. Nothing here re-checks what a constructor checks.
 
-fn methods_list(report: &mut Report<'_>, path: &KeyPath, methods: &[String]) {
-    for (i, m) in methods.iter().enumerate() {
-        if Method::from_bytes(m.as_bytes()).is_err() || m.bytes().any(|b| b.is_ascii_lowercase()) {
-            report(
-                path.index(i),
-                format!("{m:?} is not a method (write it in capitals, e.g. \"GET\")"),
-            );
+fn matcher(report: &mut Report<'_>, path: &KeyPath, m: &MatchConfig) {
+    let Err(e) = Matcher::try_new(m) else {
+        return;
+    };
+    let at = match &e {
+        InvalidMatch::Path(key, _) => path.key(*key),
+        InvalidMatch::Host(_) => path.key("host"),
+        InvalidMatch::Method { index, .. } => path.key("methods").index(*index),
+        InvalidMatch::HeaderName(name) | InvalidMatch::HeaderValue { name, .. } => {
+            path.key("headers").key(name.clone())
         }
-    }
+    };
+    report(at, e.to_string());
 }
 
 fn retry(report: &mut Report<'_>, path: &KeyPath, r: &RetryConfig) {
-    if !(1..=100).contains(&r.attempts) {
-        report(
-            path.key("attempts"),
-            format!(
-                "{} is out of range 1..=100 (1 turns retries off)",
-                r.attempts
-            ),
-        );
+    if let Err(e) = Policy::from_config(r) {
+        let at = match (&e, e.key()) {
+            (InvalidPolicy::Backoff(inner), _) => path.key("backoff").key(inner.key()),
+            (_, (key, Some(index))) => path.key(key).index(index),
+            (_, (key, None)) => path.key(key),
+        };
+        report(at, e.to_string());
     }
-    positive(report, &path.key("per_try_timeout"), r.per_try_timeout);
-    positive(report, &path.key("timeout"), r.timeout);
-    methods_list(report, &path.key("methods"), &r.methods);
-    if HeaderName::from_bytes(r.idempotency_header.as_bytes()).is_err() {
-        report(
-            path.key("idempotency_header"),
-            format!("{:?} is not a header name", r.idempotency_header),
-        );
-    }
-    backoff(report, &path.key("backoff"), &r.backoff);
-    budget(report, &path.key("budget"), &r.budget);
-}
-
-fn backoff(report: &mut Report<'_>, path: &KeyPath, b: &BackoffConfig) {
-    positive(report, &path.key("base"), b.base);
-    if b.cap < b.base {
-        report(
-            path.key("cap"),
-            format!(
-                "{} is below base ({})",
-                super::units::format_duration(b.cap),
-                super::units::format_duration(b.base)
-            ),
-        );
-    }
-    if !(b.multiplier.is_finite() && (1.0..=100.0).contains(&b.multiplier)) {
-        report(
-            path.key("multiplier"),
-            format!("{} is out of range 1.0..=100.0", b.multiplier),
-        );
-    }
-}
-
-fn budget(report: &mut Report<'_>, path: &KeyPath, b: &BudgetConfig) {
-    if !(0.0..=1.0).contains(&b.ratio) {
-        report(
-            path.key("ratio"),
-            format!("{} is out of range 0.0..=1.0", b.ratio),
-        );
-    }
-    if !(Duration::from_secs(1)..=Duration::from_secs(3600)).contains(&b.window) {
-        report(path.key("window"), "must be between 1s and 1h".into());
+    if let Err(e) = Budget::from_config(&r.budget, Instant::now()) {
+        report(path.key("budget").key(e.key()), e.to_string());
     }
 }
 
 fn breaker(report: &mut Report<'_>, path: &KeyPath, b: &BreakerConfig) {
-    if b.consecutive_failures == 0 {
-        report(
-            path.key("consecutive_failures"),
-            "must be at least 1".into(),
-        );
-    }
-    if !(b.failure_rate > 0.0 && b.failure_rate <= 1.0) {
-        report(
-            path.key("failure_rate"),
-            format!("{} is out of range (0.0, 1.0]", b.failure_rate),
-        );
-    }
-    if b.min_requests == 0 {
-        report(path.key("min_requests"), "must be at least 1".into());
-    }
-    positive(report, &path.key("window"), b.window);
-    positive(report, &path.key("open_for"), b.open_for);
-    if b.max_open_for < b.open_for {
-        report(
-            path.key("max_open_for"),
-            "must not be below open_for".into(),
-        );
-    }
-    if b.half_open_probes == 0 {
-        report(path.key("half_open_probes"), "must be at least 1".into());
+    if let Err(e) = Breaker::try_new(b, Instant::now()) {
+        report(path.key(e.key()), e.to_string());
     }
 }
 

@@ -17,6 +17,7 @@ use std::time::Duration;
 use rand::Rng;
 
 use crate::config::schema::{BackoffConfig, Jitter};
+use crate::config::units::format_duration;
 
 /// A backoff that exists is valid: base > 0, cap >= base, multiplier in [1, 100].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -27,14 +28,26 @@ pub struct Backoff {
     jitter: Jitter,
 }
 
+/// Why a backoff could not be built; [`key`](InvalidBackoff::key) names
+/// the config key at fault.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum InvalidBackoff {
-    #[error("base must be longer than zero")]
+    #[error("must be longer than zero")]
     ZeroBase,
-    #[error("cap must not be below base")]
-    CapBelowBase,
-    #[error("multiplier must be a finite number from 1.0 to 100.0")]
-    Multiplier,
+    #[error("{} is below base ({})", format_duration(*cap), format_duration(*base))]
+    CapBelowBase { cap: Duration, base: Duration },
+    #[error("{0} is out of range 1.0..=100.0")]
+    Multiplier(f64),
+}
+
+impl InvalidBackoff {
+    pub fn key(&self) -> &'static str {
+        match self {
+            InvalidBackoff::ZeroBase => "base",
+            InvalidBackoff::CapBelowBase { .. } => "cap",
+            InvalidBackoff::Multiplier(_) => "multiplier",
+        }
+    }
 }
 
 /// What one request remembers between its retries.
@@ -57,10 +70,10 @@ impl Backoff {
             return Err(InvalidBackoff::ZeroBase);
         }
         if cap < base {
-            return Err(InvalidBackoff::CapBelowBase);
+            return Err(InvalidBackoff::CapBelowBase { cap, base });
         }
         if !(multiplier.is_finite() && (1.0..=100.0).contains(&multiplier)) {
-            return Err(InvalidBackoff::Multiplier);
+            return Err(InvalidBackoff::Multiplier(multiplier));
         }
         Ok(Self {
             base,
@@ -154,16 +167,19 @@ mod tests {
         );
         assert_eq!(
             Backoff::try_new(ms(2), ms(1), 2.0, Jitter::Full),
-            Err(InvalidBackoff::CapBelowBase)
-        );
-        assert_eq!(
-            Backoff::try_new(ms(1), ms(2), f64::NAN, Jitter::Full),
-            Err(InvalidBackoff::Multiplier)
+            Err(InvalidBackoff::CapBelowBase {
+                cap: ms(1),
+                base: ms(2)
+            })
         );
         assert_eq!(
             Backoff::try_new(ms(1), ms(2), 0.5, Jitter::Full),
-            Err(InvalidBackoff::Multiplier)
+            Err(InvalidBackoff::Multiplier(0.5))
         );
+        assert!(matches!(
+            Backoff::try_new(ms(1), ms(2), f64::NAN, Jitter::Full),
+            Err(InvalidBackoff::Multiplier(_))
+        ));
     }
 
     #[test]

@@ -59,14 +59,28 @@ impl State {
     }
 }
 
+/// Why a breaker could not be built; [`key`](InvalidBreaker::key) names
+/// the config key at fault.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum InvalidBreaker {
-    #[error("consecutive_failures, min_requests and half_open_probes must be at least 1")]
-    Zero,
-    #[error("failure_rate must be in (0, 1]")]
-    Rate,
-    #[error("window and open_for must be longer than zero, and max_open_for not below open_for")]
-    Durations,
+    #[error("must be at least 1")]
+    Zero(&'static str),
+    #[error("{0} is out of range (0.0, 1.0]")]
+    Rate(f64),
+    #[error("must be longer than zero")]
+    ZeroDuration(&'static str),
+    #[error("must not be below open_for")]
+    MaxOpenFor,
+}
+
+impl InvalidBreaker {
+    pub fn key(&self) -> &'static str {
+        match self {
+            InvalidBreaker::Zero(key) | InvalidBreaker::ZeroDuration(key) => key,
+            InvalidBreaker::Rate(_) => "failure_rate",
+            InvalidBreaker::MaxOpenFor => "max_open_for",
+        }
+    }
 }
 
 /// What `admit` answers.
@@ -150,14 +164,25 @@ pub struct Snapshot {
 
 impl Breaker {
     pub fn try_new(c: &BreakerConfig, now: Instant) -> Result<Self, InvalidBreaker> {
-        if c.consecutive_failures == 0 || c.min_requests == 0 || c.half_open_probes == 0 {
-            return Err(InvalidBreaker::Zero);
+        for (key, n) in [
+            ("consecutive_failures", c.consecutive_failures),
+            ("min_requests", c.min_requests),
+            ("half_open_probes", c.half_open_probes),
+        ] {
+            if n == 0 {
+                return Err(InvalidBreaker::Zero(key));
+            }
         }
         if !(c.failure_rate > 0.0 && c.failure_rate <= 1.0) {
-            return Err(InvalidBreaker::Rate);
+            return Err(InvalidBreaker::Rate(c.failure_rate));
         }
-        if c.window.is_zero() || c.open_for.is_zero() || c.max_open_for < c.open_for {
-            return Err(InvalidBreaker::Durations);
+        for (key, d) in [("window", c.window), ("open_for", c.open_for)] {
+            if d.is_zero() {
+                return Err(InvalidBreaker::ZeroDuration(key));
+            }
+        }
+        if c.max_open_for < c.open_for {
+            return Err(InvalidBreaker::MaxOpenFor);
         }
         Ok(Self {
             consecutive_limit: c.consecutive_failures,

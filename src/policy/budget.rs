@@ -43,12 +43,23 @@ struct Slot {
     refunds: AtomicU64,
 }
 
+/// Why a budget could not be built; [`key`](InvalidBudget::key) names the
+/// config key at fault.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum InvalidBudget {
-    #[error("ratio must be from 0.0 to 1.0")]
-    Ratio,
-    #[error("window must be at least 1s")]
+    #[error("{0} is out of range 0.0..=1.0")]
+    Ratio(f64),
+    #[error("must be between 1s and 1h")]
     Window,
+}
+
+impl InvalidBudget {
+    pub fn key(&self) -> &'static str {
+        match self {
+            InvalidBudget::Ratio(_) => "ratio",
+            InvalidBudget::Window => "window",
+        }
+    }
 }
 
 impl Budget {
@@ -59,9 +70,9 @@ impl Budget {
         now: Instant,
     ) -> Result<Self, InvalidBudget> {
         if !(0.0..=1.0).contains(&ratio) {
-            return Err(InvalidBudget::Ratio);
+            return Err(InvalidBudget::Ratio(ratio));
         }
-        if window < Duration::from_secs(1) {
+        if !(Duration::from_secs(1)..=Duration::from_secs(3600)).contains(&window) {
             return Err(InvalidBudget::Window);
         }
         Ok(Self {
@@ -199,7 +210,7 @@ mod tests {
         let now = Instant::now();
         assert_eq!(
             Budget::try_new(1.5, 0, Duration::from_secs(1), now).unwrap_err(),
-            InvalidBudget::Ratio
+            InvalidBudget::Ratio(1.5)
         );
         assert_eq!(
             Budget::try_new(0.1, 0, Duration::from_millis(10), now).unwrap_err(),

@@ -32,12 +32,29 @@ pub struct Limiter {
     window: Option<Window>,
 }
 
+/// Why a limiter could not be built; [`key`](InvalidLimiter::key) names
+/// the key of `adaptive_concurrency` at fault.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum InvalidLimiter {
-    #[error("need 1 <= min_limit <= initial_limit, and max_in_flight >= 1")]
-    Limits,
-    #[error("tolerance must be at least 1.0, smoothing in (0, 1]")]
-    Factors,
+    #[error("must be at least 1")]
+    MinLimit,
+    #[error("must not be below min_limit")]
+    InitialLimit,
+    #[error("{0} must be at least 1.0")]
+    Tolerance(f64),
+    #[error("{0} is out of range (0.0, 1.0]")]
+    Smoothing(f64),
+}
+
+impl InvalidLimiter {
+    pub fn key(&self) -> &'static str {
+        match self {
+            InvalidLimiter::MinLimit => "min_limit",
+            InvalidLimiter::InitialLimit => "initial_limit",
+            InvalidLimiter::Tolerance(_) => "tolerance",
+            InvalidLimiter::Smoothing(_) => "smoothing",
+        }
+    }
 }
 
 /// How an attempt went, as the limiter sees it.
@@ -75,14 +92,21 @@ const WINDOW: Duration = Duration::from_millis(100);
 const MIN_SAMPLES: u32 = 10;
 
 impl Limiter {
-    /// The initial and minimum limits are taken down to `max_in_flight` when above it.
+    /// The initial and minimum limits are taken down to `max_in_flight` when
+    /// above it (and `max_in_flight` up to 1, its least).
     pub fn try_new(c: &AdaptiveConfig, max_in_flight: usize) -> Result<Self, InvalidLimiter> {
-        let max = max_in_flight as f64;
-        if !(1 <= c.min_limit && c.min_limit <= c.initial_limit && max_in_flight >= 1) {
-            return Err(InvalidLimiter::Limits);
+        let max = max_in_flight.max(1) as f64;
+        if c.min_limit == 0 {
+            return Err(InvalidLimiter::MinLimit);
         }
-        if !(c.tolerance >= 1.0 && c.smoothing > 0.0 && c.smoothing <= 1.0) {
-            return Err(InvalidLimiter::Factors);
+        if c.initial_limit < c.min_limit {
+            return Err(InvalidLimiter::InitialLimit);
+        }
+        if !(c.tolerance.is_finite() && c.tolerance >= 1.0) {
+            return Err(InvalidLimiter::Tolerance(c.tolerance));
+        }
+        if !(c.smoothing > 0.0 && c.smoothing <= 1.0) {
+            return Err(InvalidLimiter::Smoothing(c.smoothing));
         }
         Ok(Self {
             limit: (c.initial_limit as f64).min(max),

@@ -47,42 +47,76 @@ struct Conditions {
     codes: Vec<StatusCode>,
 }
 
-#[derive(Debug, thiserror::Error)]
+/// Why a `[retry]` table could not be compiled; [`key`](InvalidPolicy::key)
+/// names the key at fault.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum InvalidPolicy {
-    #[error("backoff: {0}")]
-    Backoff(#[from] InvalidBackoff),
-    #[error("{0:?} is not a method")]
-    Method(String),
+    #[error("{0} is out of range 1..=100 (1 turns retries off)")]
+    Attempts(u32),
+    #[error("must be longer than zero")]
+    ZeroDuration(&'static str),
+    #[error("{name:?} is not a method (write it in capitals, e.g. \"GET\")")]
+    Method { index: usize, name: String },
     #[error("{0:?} is not a header name")]
     Header(String),
-    #[error("attempts must be at least 1")]
-    Attempts,
-    #[error("{0} is not an HTTP status")]
-    Status(u16),
+    #[error("{code} is not an HTTP status")]
+    Status { index: usize, code: u16 },
+    #[error(transparent)]
+    Backoff(#[from] InvalidBackoff),
+}
+
+impl InvalidPolicy {
+    /// The key of the `[retry]` table at fault, and the position in its list
+    /// when it is one. For `backoff`, the key inside it is the inner error's.
+    pub fn key(&self) -> (&'static str, Option<usize>) {
+        match self {
+            InvalidPolicy::Attempts(_) => ("attempts", None),
+            InvalidPolicy::ZeroDuration(key) => (key, None),
+            InvalidPolicy::Method { index, .. } => ("methods", Some(*index)),
+            InvalidPolicy::Header(_) => ("idempotency_header", None),
+            InvalidPolicy::Status { index, .. } => ("retry_on", Some(*index)),
+            InvalidPolicy::Backoff(_) => ("backoff", None),
+        }
+    }
 }
 
 impl Policy {
     pub fn from_config(c: &RetryConfig) -> Result<Self, InvalidPolicy> {
-        if c.attempts == 0 {
-            return Err(InvalidPolicy::Attempts);
+        if !(1..=100).contains(&c.attempts) {
+            return Err(InvalidPolicy::Attempts(c.attempts));
+        }
+        for (key, d) in [
+            ("per_try_timeout", c.per_try_timeout),
+            ("timeout", c.timeout),
+        ] {
+            if d.is_zero() {
+                return Err(InvalidPolicy::ZeroDuration(key));
+            }
         }
         let mut conditions = Conditions::default();
-        for r in &c.retry_on {
+        for (index, r) in c.retry_on.iter().enumerate() {
             match r {
                 RetryOn::ConnectFailure => conditions.connect_failure = true,
                 RetryOn::RefusedStream => conditions.refused_stream = true,
                 RetryOn::Reset => conditions.reset = true,
                 RetryOn::Timeout => conditions.timeout = true,
                 RetryOn::Status5xx => conditions.any_5xx = true,
-                RetryOn::Status(code) => conditions
-                    .codes
-                    .push(StatusCode::from_u16(*code).map_err(|_| InvalidPolicy::Status(*code))?),
+                RetryOn::Status(code) => conditions.codes.push(
+                    StatusCode::from_u16(*code)
+                        .map_err(|_| InvalidPolicy::Status { index, code: *code })?,
+                ),
             }
         }
         let methods = c
             .methods
             .iter()
-            .map(|m| Method::from_bytes(m.as_bytes()).map_err(|_| InvalidPolicy::Method(m.clone())))
+            .enumerate()
+            .map(|(index, m)| {
+                method(m).ok_or_else(|| InvalidPolicy::Method {
+                    index,
+                    name: m.clone(),
+                })
+            })
             .collect::<Result<_, _>>()?;
         let idempotency_header = HeaderName::from_bytes(c.idempotency_header.as_bytes())
             .map_err(|_| InvalidPolicy::Header(c.idempotency_header.clone()))?;
@@ -156,6 +190,15 @@ impl Policy {
     pub fn min_retry_time(&self) -> Duration {
         self.per_try_timeout / 2
     }
+}
+
+/// A method as the config writes it: a valid token, in capitals (a
+/// lower-case `get` is a different, extension method, and surely a typo).
+pub fn method(name: &str) -> Option<Method> {
+    if name.bytes().any(|b| b.is_ascii_lowercase()) {
+        return None;
+    }
+    Method::from_bytes(name.as_bytes()).ok()
 }
 
 /// A response's `Retry-After`, if it has one that parses.

@@ -25,6 +25,22 @@ enum HostMatch {
     Suffix(String),
 }
 
+/// Why a match table could not be compiled.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum InvalidMatch {
+    /// `path` or `path_prefix`.
+    #[error("{1:?} must start with '/'")]
+    Path(&'static str, String),
+    #[error("{0:?} is not a host name")]
+    Host(String),
+    #[error("{name:?} is not a method (write it in capitals, e.g. \"GET\")")]
+    Method { index: usize, name: String },
+    #[error("{0:?} is not a header name")]
+    HeaderName(String),
+    #[error("{value:?} is not a header value")]
+    HeaderValue { name: String, value: String },
+}
+
 /// What a matcher looks at.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestInfo<'a> {
@@ -36,43 +52,65 @@ pub struct RequestInfo<'a> {
 }
 
 impl Matcher {
-    /// Compiles a validated match table.
-    ///
-    /// # Panics
-    /// Never on a config that passed validation: it checks every name and value parsed here.
-    pub fn new(m: &MatchConfig) -> Self {
-        let host = m.host.as_ref().map(|h| {
-            let h = h.to_ascii_lowercase();
-            if let Some(rest) = h.strip_prefix('*') {
-                HostMatch::Suffix(rest.to_owned())
-            } else if h.contains(':') && !h.ends_with(']') {
-                HostMatch::Authority(h)
-            } else {
-                HostMatch::Host(h)
+    /// Compiles a match table, or names what in it is wrong.
+    pub fn try_new(m: &MatchConfig) -> Result<Self, InvalidMatch> {
+        for (key, value) in [("path", &m.path), ("path_prefix", &m.path_prefix)] {
+            if let Some(p) = value {
+                if !p.starts_with('/') {
+                    return Err(InvalidMatch::Path(key, p.clone()));
+                }
             }
-        });
-        let methods = m.methods.as_ref().map(|ms| {
-            ms.iter()
-                .map(|s| Method::from_bytes(s.as_bytes()).expect("validated method"))
-                .collect()
-        });
+        }
+        let host = match &m.host {
+            Some(h) if h.is_empty() || h.parse::<http::uri::Authority>().is_err() => {
+                return Err(InvalidMatch::Host(h.clone()))
+            }
+            Some(h) => {
+                let h = h.to_ascii_lowercase();
+                Some(if let Some(rest) = h.strip_prefix('*') {
+                    HostMatch::Suffix(rest.to_owned())
+                } else if h.contains(':') && !h.ends_with(']') {
+                    HostMatch::Authority(h)
+                } else {
+                    HostMatch::Host(h)
+                })
+            }
+            None => None,
+        };
+        let methods = match &m.methods {
+            Some(ms) => Some(
+                ms.iter()
+                    .enumerate()
+                    .map(|(index, name)| {
+                        crate::policy::retry::method(name).ok_or_else(|| InvalidMatch::Method {
+                            index,
+                            name: name.clone(),
+                        })
+                    })
+                    .collect::<Result<_, _>>()?,
+            ),
+            None => None,
+        };
         let headers = m
             .headers
             .iter()
             .map(|(k, v)| {
-                (
-                    HeaderName::from_bytes(k.as_bytes()).expect("validated header name"),
-                    HeaderValue::from_str(v).expect("validated header value"),
-                )
+                let name = HeaderName::from_bytes(k.as_bytes())
+                    .map_err(|_| InvalidMatch::HeaderName(k.clone()))?;
+                let value = HeaderValue::from_str(v).map_err(|_| InvalidMatch::HeaderValue {
+                    name: k.clone(),
+                    value: v.clone(),
+                })?;
+                Ok((name, value))
             })
-            .collect();
-        Self {
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
             host,
             path: m.path.clone(),
             path_prefix: m.path_prefix.clone(),
             methods,
             headers,
-        }
+        })
     }
 
     pub fn matches(&self, req: &RequestInfo<'_>) -> bool {
@@ -148,6 +186,10 @@ mod tests {
 
     use super::*;
 
+    fn compile(m: &MatchConfig) -> Matcher {
+        Matcher::try_new(m).unwrap()
+    }
+
     fn info<'a>(
         host: Option<&'a str>,
         method: &'a Method,
@@ -164,7 +206,7 @@ mod tests {
 
     #[test]
     fn empty_match_takes_everything() {
-        let m = Matcher::new(&MatchConfig::default());
+        let m = compile(&MatchConfig::default());
         let h = HeaderMap::new();
         assert!(m.matches(&info(None, &Method::POST, "/x", &h)));
     }
@@ -174,7 +216,7 @@ mod tests {
         let h = HeaderMap::new();
         let get = Method::GET;
         let host = |s: &str| {
-            Matcher::new(&MatchConfig {
+            compile(&MatchConfig {
                 host: Some(s.into()),
                 ..Default::default()
             })
@@ -208,7 +250,7 @@ mod tests {
     fn path_method_and_headers() {
         let mut headers = BTreeMap::new();
         headers.insert("x-env".to_owned(), "canary".to_owned());
-        let m = Matcher::new(&MatchConfig {
+        let m = compile(&MatchConfig {
             path_prefix: Some("/v1/".into()),
             methods: Some(vec!["POST".into()]),
             headers,
@@ -224,7 +266,7 @@ mod tests {
         assert!(!m.matches(&info(None, &Method::GET, "/v1/orders", &h)));
         assert!(!m.matches(&info(None, &Method::POST, "/v2/orders", &h)));
 
-        let exact = Matcher::new(&MatchConfig {
+        let exact = compile(&MatchConfig {
             path: Some("/health".into()),
             ..Default::default()
         });
@@ -237,14 +279,14 @@ mod tests {
         let routes = [
             (
                 "specific",
-                Matcher::new(&MatchConfig {
+                compile(&MatchConfig {
                     path_prefix: Some("/a/b".into()),
                     ..Default::default()
                 }),
             ),
             (
                 "broad",
-                Matcher::new(&MatchConfig {
+                compile(&MatchConfig {
                     path_prefix: Some("/a".into()),
                     ..Default::default()
                 }),

@@ -189,7 +189,8 @@ impl Route {
             explain,
             fault: config.fault.clone(),
             name,
-            matcher: Matcher::new(&config.matcher),
+            matcher: Matcher::try_new(&config.matcher)
+                .map_err(|e| invalid(format!("match: {e}")))?,
             upstream,
         })
     }

@@ -30,6 +30,10 @@ pub type HttpClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
 /// Why an upstream could not be built from its (validated) config.
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
+    #[error("upstreams.{upstream}.endpoints: needs at least one endpoint")]
+    NoEndpoints { upstream: String },
+    #[error("upstreams.{upstream}.endpoints: {endpoint:?} is not scheme://host[:port]")]
+    Endpoint { upstream: String, endpoint: String },
     #[error("upstreams.{upstream}.adaptive_concurrency: {message}")]
     Limit { upstream: String, message: String },
     #[error("upstreams.{upstream}.{key}: {message}")]
@@ -108,13 +112,20 @@ impl Endpoint {
     /// Plain HTTP/1.1 endpoints get their own pool; the others share the
     /// upstream's TLS/HTTP/2 client, built (system roots loaded) only for them.
     fn parse(
+        name: &str,
         url: &str,
         config: &UpstreamConfig,
         client: &mut dyn FnMut() -> Result<Arc<HttpClient>, UpstreamError>,
     ) -> Result<Self, UpstreamError> {
-        let uri: Uri = url.parse().expect("validated endpoint");
-        let authority = uri.authority().expect("validated endpoint").clone();
-        let scheme = uri.scheme().expect("validated endpoint").clone();
+        let bad = || UpstreamError::Endpoint {
+            upstream: name.to_owned(),
+            endpoint: url.to_owned(),
+        };
+        let uri: Uri = url.parse().map_err(|_| bad())?;
+        let (Some(authority), Some(scheme)) = (uri.authority().cloned(), uri.scheme().cloned())
+        else {
+            return Err(bad());
+        };
         let transport = if scheme == Scheme::HTTP && config.http2 != Http2Mode::Always {
             Transport::Pool(H1Pool::new(
                 authority.clone(),
@@ -126,8 +137,7 @@ impl Endpoint {
         };
         Ok(Self {
             scheme,
-            host: HeaderValue::from_str(authority.as_str())
-                .expect("an authority is a header value"),
+            host: HeaderValue::from_str(authority.as_str()).map_err(|_| bad())?,
             authority,
             transport,
         })
@@ -203,8 +213,13 @@ impl Upstream {
         let endpoints = config
             .endpoints
             .iter()
-            .map(|e| Endpoint::parse(e, config, &mut shared_client))
-            .collect::<Result<_, _>>()?;
+            .map(|e| Endpoint::parse(name, e, config, &mut shared_client))
+            .collect::<Result<Box<[_]>, _>>()?;
+        if endpoints.is_empty() {
+            return Err(UpstreamError::NoEndpoints {
+                upstream: name.to_owned(),
+            });
+        }
         Ok(Arc::new(Self {
             name: name.into(),
             endpoints,

@@ -112,7 +112,10 @@ pub async fn run<T: Attempts>(
     explain: bool,
 ) -> Sent<T::Answer> {
     let policy = &guards.policy;
-    let deadline = start + policy.timeout;
+    // A `timeout` too long to add to a clock reading is as good as none.
+    let deadline = start
+        .checked_add(policy.timeout)
+        .unwrap_or_else(|| start + Duration::from_secs(365 * 24 * 3600));
     let mut trace = explain.then(String::new);
     let mut backoff = BackoffState::default();
     // The previous attempt's end, while a retry it paid for is tried, with

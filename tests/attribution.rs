@@ -68,6 +68,19 @@ async fn exchange(addr: &str, head: &str, chunks: Vec<Vec<u8>>, pace: Duration) 
     parse(&out)
 }
 
+/// Sends one request with no body (or one written into `head`).
+async fn request(addr: &str, head: &str) -> Answer {
+    exchange(addr, head, vec![], Duration::ZERO).await
+}
+
+/// PUTs `count` chunks of `size` bytes to `path`, one every `pace`.
+async fn slow_put(addr: &str, path: &str, size: usize, count: usize, pace: Duration) -> Answer {
+    let head = format!(
+        "PUT {path} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    );
+    exchange(addr, &head, vec![vec![b'x'; size]; count], pace).await
+}
+
 fn parse(raw: &[u8]) -> Answer {
     let text = String::from_utf8_lossy(raw);
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
@@ -111,12 +124,7 @@ async fn a_malformed_body_is_the_callers_400_and_never_opens_the_breaker() {
     let up = echo_upstream().await;
     let hg = Binary::start(&route(&up.url(), "", "")).await;
     for _ in 0..30 {
-        let answer = exchange(
-            &hg.listen,
-            "PUT /things/1 HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\nZZ\r\nhello\r\n0\r\n\r\n",
-            vec![],
-            Duration::ZERO,
-        )
+        let answer = request(&hg.listen, "PUT /things/1 HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\nZZ\r\nhello\r\n0\r\n\r\n")
         .await;
         assert_eq!(answer.status, 400, "{answer:?}");
         assert_eq!(answer.header("x-herdguard-error"), Some("bad-request"));
@@ -215,14 +223,8 @@ async fn a_body_over_max_replay_body_is_sent_once_however_slow_its_upload() {
     let (up, lengths) = reading_upstream(503).await;
     let hg = Binary::start(&route(&up.url(), r#"per_try_timeout = "1s""#, "")).await;
     // 3 MiB at about 2 MiB/s: the upload alone outlasts the per-try timeout.
-    let chunks = vec![vec![b'x'; 64 * 1024]; 48];
-    let answer = exchange(
-        &hg.listen,
-        "PUT /blob HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
-        chunks,
-        Duration::from_millis(31),
-    )
-    .await;
+    let pace = Duration::from_millis(31);
+    let answer = slow_put(&hg.listen, "/blob", 64 * 1024, 48, pace).await;
     assert_eq!(answer.status, 503, "the upstream's answer: {answer:?}");
     assert_eq!(answer.header("x-herdguard-attempts"), Some("1"));
     assert_eq!(answer.header("x-herdguard-error"), None);
@@ -247,14 +249,8 @@ async fn per_try_time_starts_when_the_upload_ends() {
     let (up, lengths) = reading_upstream(200).await;
     let hg = Binary::start(&route(&up.url(), r#"per_try_timeout = "500ms""#, "")).await;
     // 32 KiB, well under max_replay_body, uploaded over about 1.2 s.
-    let chunks = vec![vec![b'y'; 4 * 1024]; 8];
-    let answer = exchange(
-        &hg.listen,
-        "PUT /doc HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
-        chunks,
-        Duration::from_millis(150),
-    )
-    .await;
+    let pace = Duration::from_millis(150);
+    let answer = slow_put(&hg.listen, "/doc", 4 * 1024, 8, pace).await;
     assert_eq!(answer.status, 200, "{answer:?}");
     assert_eq!(answer.header("x-herdguard-attempts"), Some("1"));
     assert_eq!(*lengths.lock().unwrap(), vec![32 * 1024]);
@@ -278,11 +274,9 @@ async fn a_retry_needs_time_left_and_the_deadline_is_not_the_upstreams_timeout()
         "",
     ))
     .await;
-    let answer = exchange(
+    let answer = request(
         &hg.listen,
         "GET /hangs HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
-        vec![],
-        Duration::ZERO,
     )
     .await;
     assert_eq!(answer.status, 504, "{answer:?}");
@@ -323,11 +317,9 @@ async fn a_retry_refused_after_it_was_paid_for_refunds_and_passes_the_upstreams_
     .await;
     let addr = hg.listen.clone();
     let first = tokio::spawn(async move {
-        exchange(
+        request(
             &addr,
             "GET /a HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
-            vec![],
-            Duration::ZERO,
         )
         .await
     });
@@ -341,11 +333,9 @@ async fn a_retry_refused_after_it_was_paid_for_refunds_and_passes_the_upstreams_
     )
     .await;
     // While the first waits out its 1 s backoff, a second failure trips the breaker.
-    let second = exchange(
+    let second = request(
         &hg.listen,
         "GET /b HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
-        vec![],
-        Duration::ZERO,
     )
     .await;
     assert_eq!(second.status, 503);
@@ -392,39 +382,72 @@ async fn retry_safety_is_read_from_what_the_upstream_sees() {
         )
     };
     // A key that is hop-by-hop never reaches the upstream: no promise made.
-    let hop = exchange(
+    let hop = request(
         &hg.listen,
         &post(", idempotency-key\r\nIdempotency-Key: k1"),
-        vec![],
-        Duration::ZERO,
     )
     .await;
     assert_eq!(hop.status, 503);
     assert_eq!(hop.header("x-herdguard-attempts"), Some("1"), "{hop:?}");
     assert!(!up.last().headers.contains_key("idempotency-key"));
     // An empty key promises nothing.
-    let empty = exchange(
-        &hg.listen,
-        &post("\r\nIdempotency-Key: "),
-        vec![],
-        Duration::ZERO,
-    )
-    .await;
+    let empty = request(&hg.listen, &post("\r\nIdempotency-Key: ")).await;
     assert_eq!(empty.header("x-herdguard-attempts"), Some("1"), "{empty:?}");
     // A real key does.
-    let keyed = exchange(
-        &hg.listen,
-        &post("\r\nIdempotency-Key: k2"),
-        vec![],
-        Duration::ZERO,
-    )
-    .await;
+    let keyed = request(&hg.listen, &post("\r\nIdempotency-Key: k2")).await;
     assert_eq!(keyed.header("x-herdguard-attempts"), Some("3"), "{keyed:?}");
     let text = hg.metrics().await;
     assert_eq!(
         metric(&text, &skipped("non_idempotent")),
         Some(2.0),
         "{text}"
+    );
+    hg.terminate().await;
+}
+
+#[tokio::test]
+async fn a_stalled_upload_is_the_callers_408_and_a_cut_off_one_costs_nothing() {
+    let (up, lengths) = reading_upstream(200).await;
+    let hg = Binary::start(&route(&up.url(), r#"timeout = "1s""#, "")).await;
+    // Promises 100 bytes, sends 10, then waits.
+    let mut stalled = TcpStream::connect(&hg.listen).await.unwrap();
+    stalled
+        .write_all(b"PUT /doc HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\nConnection: close\r\n\r\n0123456789")
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    stalled.read_to_end(&mut out).await.unwrap();
+    let answer = parse(&out);
+    assert_eq!(answer.status, 408, "{answer:?}");
+    assert_eq!(answer.header("x-herdguard-error"), Some("request-timeout"));
+
+    // Promises 100 bytes, sends 10, then hangs up its side.
+    let mut cut = TcpStream::connect(&hg.listen).await.unwrap();
+    cut.write_all(b"PUT /doc HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n0123456789")
+        .await
+        .unwrap();
+    cut.shutdown().await.unwrap();
+    let mut out = Vec::new();
+    let _ = cut.read_to_end(&mut out).await;
+
+    let gone = attempts_with("cancelled");
+    eventually(
+        Duration::from_secs(5),
+        "the cut-off upload is seen",
+        || async { hg.metric(&gone).await == 1.0 },
+    )
+    .await;
+    let text = hg.metrics().await;
+    assert_eq!(
+        metric(&text, &attempts_with("caller-stalled")),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(metric(&text, BREAKER_CLOSED), Some(0.0));
+    assert_eq!(sum(&text, "herdguard_retries_total{"), 0.0);
+    assert!(
+        lengths.lock().unwrap().iter().all(|&n| n < 100),
+        "nothing whole reached it"
     );
     hg.terminate().await;
 }

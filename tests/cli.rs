@@ -34,6 +34,50 @@ fn check_prints_the_effective_config() {
 }
 
 #[test]
+fn check_refuses_absurd_durations_and_sizes_with_key_and_line_and_never_aborts() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            "[defaults.retry]\nper_try_timeout = \"500000000000y\"",
+            "defaults.retry.per_try_timeout (line 5)",
+        ),
+        (
+            "[defaults.retry]\ntimeout = \"18446744073709551615s\"",
+            "defaults.retry.timeout (line 5)",
+        ),
+        (
+            "[defaults.retry]\nmax_replay_body = \"9000TiB\"",
+            "defaults.retry.max_replay_body (line 5)",
+        ),
+        (
+            "[defaults.retry.backoff]\ncap = \"100000h\"",
+            "defaults.retry.backoff.cap (line 5)",
+        ),
+        (
+            "[defaults.breaker]\nmax_open_for = \"1000000000h\"",
+            "defaults.breaker.max_open_for (line 5)",
+        ),
+    ];
+    for (table, key) in cases {
+        let path = write(
+            &dir,
+            "absurd.toml",
+            &format!(
+                "[upstreams.api]\nendpoints = [\"http://127.0.0.1:3000\"]\n\n{table}\n\n[[routes]]\nname = \"a\"\nupstream = \"api\"\n"
+            ),
+        );
+        let out = Command::new(BIN)
+            .args(["check", "--config"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{table}: {out:?}");
+        let stderr = String::from_utf8(out.stderr).unwrap();
+        assert!(stderr.contains(key), "{key} not named:\n{stderr}");
+    }
+}
+
+#[test]
 fn check_reports_every_error_with_key_and_line() {
     let dir = tempfile::tempdir().unwrap();
     let path = write(

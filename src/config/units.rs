@@ -8,10 +8,23 @@ use std::time::Duration;
 
 use serde::{de, Deserialize, Deserializer, Serializer};
 
-/// Parses a duration such as `"250ms"`, `"2s"` or `"1m 30s"`.
+/// The longest duration any key takes: a day. Every sum and product the
+/// proxy makes of durations (attempts × per-try time, backoff ceilings,
+/// doubled open times, a clock reading plus a timeout) stays far from
+/// overflowing below it.
+pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
+
+/// The largest size any key takes: 1 TiB.
+pub const MAX_SIZE: u64 = 1 << 40;
+
+/// Parses a duration such as `"250ms"`, `"2s"` or `"1m 30s"`, at most [`MAX_DURATION`].
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    humantime::parse_duration(text.trim())
-        .map_err(|_| format!("{text:?} is not a duration (try \"250ms\", \"2s\" or \"1m\")"))
+    let d = humantime::parse_duration(text.trim())
+        .map_err(|_| format!("{text:?} is not a duration (try \"250ms\", \"2s\" or \"1m\")"))?;
+    if d > MAX_DURATION {
+        return Err(format!("{text:?} is longer than the longest allowed, 1d"));
+    }
+    Ok(d)
 }
 
 /// Writes a duration the way `parse_duration` reads it back.
@@ -19,12 +32,17 @@ pub fn format_duration(d: Duration) -> String {
     humantime::format_duration(d).to_string().replace(' ', "")
 }
 
-/// Parses a size such as `"64KiB"`, `"1MiB"` or `"512"` (bytes).
+/// Parses a size such as `"64KiB"`, `"1MiB"` or `"512"` (bytes), at most [`MAX_SIZE`].
 pub fn parse_size(text: &str) -> Result<u64, String> {
-    text.trim()
+    let n = text
+        .trim()
         .parse::<bytesize::ByteSize>()
         .map(|b| b.as_u64())
-        .map_err(|_| format!("{text:?} is not a size (try \"64KiB\" or \"1MiB\")"))
+        .map_err(|_| format!("{text:?} is not a size (try \"64KiB\" or \"1MiB\")"))?;
+    if n > MAX_SIZE {
+        return Err(format!("{text:?} is larger than the largest allowed, 1TiB"));
+    }
+    Ok(n)
 }
 
 /// Writes a size in the largest binary unit that divides it exactly.
@@ -77,6 +95,14 @@ mod tests {
         assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
         let err = parse_duration("ten seconds").unwrap_err();
         assert!(err.contains("not a duration"), "{err}");
+        assert_eq!(parse_duration("1d").unwrap(), MAX_DURATION);
+        for absurd in ["25h", "500000000000y", "18446744073709551615s"] {
+            let err = parse_duration(absurd).unwrap_err();
+            assert!(
+                err.contains("longest") || err.contains("not a duration"),
+                "{absurd}: {err}"
+            );
+        }
     }
 
     #[test]
@@ -89,5 +115,6 @@ mod tests {
         assert_eq!(format_size(1000), "1000B");
         assert_eq!(parse_size(&format_size(1000)).unwrap(), 1000);
         assert!(parse_size("lots").is_err());
+        assert!(parse_size("2TiB").unwrap_err().contains("largest"));
     }
 }

@@ -42,6 +42,9 @@ pub enum UpstreamFault {
     Reset,
     /// No response headers within `per_try_timeout` of the request being sent.
     Timeout,
+    /// A response that breaks HTTP: a status outside 100-599, a head too
+    /// large or malformed. It would only fail again: never retried.
+    BadResponse,
 }
 
 /// The caller's failures.
@@ -124,13 +127,14 @@ impl Outcome {
     }
 
     /// Every label of an attempt that was sent (refusals are not attempts).
-    pub const SENT: [Outcome; 10] = [
+    pub const SENT: [Outcome; 11] = [
         Outcome::Response(StatusCode::OK),
         Outcome::Response(StatusCode::INTERNAL_SERVER_ERROR),
         Outcome::Upstream(UpstreamFault::ConnectFailure),
         Outcome::Upstream(UpstreamFault::RefusedStream),
         Outcome::Upstream(UpstreamFault::Reset),
         Outcome::Upstream(UpstreamFault::Timeout),
+        Outcome::Upstream(UpstreamFault::BadResponse),
         Outcome::Caller(CallerFault::Gone),
         Outcome::Caller(CallerFault::MalformedBody),
         Outcome::Caller(CallerFault::StalledBody),
@@ -147,21 +151,23 @@ impl Outcome {
             Outcome::Upstream(UpstreamFault::RefusedStream) => 3,
             Outcome::Upstream(UpstreamFault::Reset) => 4,
             Outcome::Upstream(UpstreamFault::Timeout) => 5,
-            Outcome::Caller(CallerFault::Gone) => 6,
-            Outcome::Caller(CallerFault::MalformedBody) => 7,
-            Outcome::Caller(CallerFault::StalledBody) => 8,
-            Outcome::Deadline => 9,
+            Outcome::Upstream(UpstreamFault::BadResponse) => 6,
+            Outcome::Caller(CallerFault::Gone) => 7,
+            Outcome::Caller(CallerFault::MalformedBody) => 8,
+            Outcome::Caller(CallerFault::StalledBody) => 9,
+            Outcome::Deadline => 10,
             Outcome::Refused(_) => return None,
         })
     }
 }
 
 impl UpstreamFault {
-    pub const ALL: [UpstreamFault; 4] = [
+    pub const ALL: [UpstreamFault; 5] = [
         UpstreamFault::ConnectFailure,
         UpstreamFault::RefusedStream,
         UpstreamFault::Reset,
         UpstreamFault::Timeout,
+        UpstreamFault::BadResponse,
     ];
 
     /// The name `retry_on` and the `reason` label of `herdguard_retries_total` use.
@@ -171,6 +177,7 @@ impl UpstreamFault {
             UpstreamFault::RefusedStream => "refused-stream",
             UpstreamFault::Reset => "reset",
             UpstreamFault::Timeout => "timeout",
+            UpstreamFault::BadResponse => "bad-response",
         }
     }
 }

@@ -167,6 +167,7 @@ impl Policy {
             Outcome::Upstream(UpstreamFault::RefusedStream) => c.refused_stream,
             Outcome::Upstream(UpstreamFault::Reset) => c.reset,
             Outcome::Upstream(UpstreamFault::Timeout) => c.timeout,
+            Outcome::Upstream(UpstreamFault::BadResponse) => false,
             Outcome::Caller(_) | Outcome::Deadline | Outcome::Refused(_) => false,
         }
     }

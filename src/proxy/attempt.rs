@@ -186,6 +186,15 @@ impl retry::Attempts for Forward<'_> {
         let elapsed = sent_at.elapsed();
         let name = &upstream.name;
         let (outcome, answer, detail) = match timed {
+                // HTTP allows three digits; a status from 600 up means nothing.
+                Timed::Done(Ok((resp, _))) if resp.status().as_u16() > 599 => (
+                    Outcome::Upstream(UpstreamFault::BadResponse),
+                    None,
+                    format!(
+                        "upstream {name} answered with status {}, outside 100-599",
+                        resp.status().as_u16()
+                    ),
+                ),
                 Timed::Done(Ok((resp, conn))) => {
                     if let Some(conn) = conn {
                         slot.hold(index, conn);

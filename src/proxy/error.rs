@@ -25,6 +25,8 @@ pub enum LocalError {
     ConnectFailure,
     /// The connection failed after the request was sent (502).
     Reset,
+    /// The upstream's response broke HTTP (502).
+    BadResponse,
     /// No response headers in time (504).
     Timeout,
     /// The upstream is at its in-flight limit (503).
@@ -43,7 +45,9 @@ impl LocalError {
             LocalError::NoRoute => StatusCode::NOT_FOUND,
             LocalError::BadRequest => StatusCode::BAD_REQUEST,
             LocalError::NotProxied => StatusCode::METHOD_NOT_ALLOWED,
-            LocalError::ConnectFailure | LocalError::Reset => StatusCode::BAD_GATEWAY,
+            LocalError::ConnectFailure | LocalError::Reset | LocalError::BadResponse => {
+                StatusCode::BAD_GATEWAY
+            }
             LocalError::Timeout => StatusCode::GATEWAY_TIMEOUT,
             LocalError::Overloaded | LocalError::CircuitOpen => StatusCode::SERVICE_UNAVAILABLE,
             LocalError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -58,6 +62,7 @@ impl LocalError {
             LocalError::BadRequest | LocalError::NotProxied => "bad-request",
             LocalError::ConnectFailure => "connect-failure",
             LocalError::Reset => "reset",
+            LocalError::BadResponse => "bad-response",
             LocalError::Timeout => "timeout",
             LocalError::Overloaded => "overloaded",
             LocalError::CircuitOpen => "circuit-open",
@@ -76,6 +81,7 @@ impl LocalError {
                 LocalError::Reset
             }
             Outcome::Upstream(UpstreamFault::Timeout) | Outcome::Deadline => LocalError::Timeout,
+            Outcome::Upstream(UpstreamFault::BadResponse) => LocalError::BadResponse,
             Outcome::Caller(CallerFault::MalformedBody | CallerFault::Gone) => {
                 LocalError::BadRequest
             }

@@ -79,6 +79,10 @@ impl SendError {
                 if h.is_canceled() {
                     return UpstreamFault::ConnectFailure;
                 }
+                // The response's head broke HTTP: it would only break again.
+                if h.is_parse() || h.is_parse_too_large() || h.is_parse_status() {
+                    return UpstreamFault::BadResponse;
+                }
             }
             if let Some(h2) = s.downcast_ref::<h2::Error>() {
                 if h2.reason() == Some(h2::Reason::REFUSED_STREAM) {

@@ -1,0 +1,97 @@
+//! Upstream faults from a raw socket: responses that break HTTP are the
+//! upstream's fault, answered 502 `bad-response`, never retried (they could
+//! only fail again), and never crash the proxy.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use common::process::Binary;
+use common::*;
+use http::StatusCode;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// An upstream on a raw socket: reads each request head, writes `response`
+/// as it is, and closes. Counts the requests it saw.
+async fn raw_upstream(response: Vec<u8>) -> (String, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let seen = Arc::new(AtomicUsize::new(0));
+    let count = seen.clone();
+    let response = Arc::new(response);
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let (count, response) = (count.clone(), response.clone());
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                count.fetch_add(1, Ordering::SeqCst);
+                let _ = stream.write_all(&response).await;
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    (url, seen)
+}
+
+async fn get(hg: &Binary, path: &str) -> (StatusCode, http::HeaderMap, bytes::Bytes) {
+    let req = http::Request::get(format!("http://{}{path}", hg.listen))
+        .body(empty())
+        .unwrap();
+    send(&client(), req).await
+}
+
+fn config(url: &str) -> String {
+    format!(
+        "[upstreams.u]\nendpoints = [\"{url}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n\
+         retry = {{ retry_on = [\"5xx\", \"reset\", \"connect-failure\", \"timeout\"] }}\n"
+    )
+}
+
+#[tokio::test]
+async fn responses_that_break_http_are_502_bad_response_and_not_retried() {
+    let mut many_fields = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n".to_vec();
+    for i in 0..150 {
+        many_fields.extend_from_slice(format!("x-field-{i}: v\r\n").as_bytes());
+    }
+    many_fields.extend_from_slice(b"\r\nok");
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "status 600",
+            b"HTTP/1.1 600 Odd\r\nContent-Length: 2\r\n\r\nok".to_vec(),
+        ),
+        (
+            "status 999",
+            b"HTTP/1.1 999 Odd\r\nContent-Length: 0\r\n\r\n".to_vec(),
+        ),
+        ("150 header fields", many_fields),
+        ("garbage", b"NOT HTTP AT ALL\r\n\r\n".to_vec()),
+    ];
+    for (what, response) in cases {
+        let (url, seen) = raw_upstream(response).await;
+        let hg = Binary::start(&config(&url)).await;
+        let (status, headers, body) = get(&hg, "/x").await;
+        assert_eq!(status, StatusCode::BAD_GATEWAY, "{what}: {body:?}");
+        assert_eq!(
+            headers.get("x-herdguard-error").unwrap(),
+            "bad-response",
+            "{what}"
+        );
+        assert_eq!(seen.load(Ordering::SeqCst), 1, "{what}: not retried");
+        let attempts =
+            r#"herdguard_upstream_attempts_total{route="r",upstream="u",outcome="bad-response"}"#;
+        assert_eq!(hg.metric(attempts).await, 1.0, "{what}");
+        // Still serving: the process did not abort.
+        let (status, _, _) = get(&hg, "/again").await;
+        assert_eq!(status, StatusCode::BAD_GATEWAY, "{what}");
+        hg.terminate().await;
+    }
+}

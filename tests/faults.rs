@@ -95,3 +95,17 @@ async fn responses_that_break_http_are_502_bad_response_and_not_retried() {
         hg.terminate().await;
     }
 }
+
+#[tokio::test]
+async fn a_retry_after_too_large_to_count_is_passed_on_not_retried_at_once() {
+    use common::scripted::{scripted, Act};
+    let up = scripted(&[Act::StatusRetryAfter(503, "99999999999999999999999".into())]).await;
+    let hg = Binary::start(&config(&up.upstream.url())).await;
+    let (status, headers, _) = get(&hg, "/x").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(headers.get("x-herdguard-attempts").unwrap(), "1");
+    assert_eq!(up.hits().len(), 1);
+    let skipped = r#"herdguard_retries_skipped_total{route="r",reason="retry_after_too_long"}"#;
+    assert_eq!(hg.metric(skipped).await, 1.0);
+    hg.terminate().await;
+}

@@ -113,8 +113,13 @@ pub fn decide<R: Rng + ?Sized>(
     let delay = match policy.server_delay(ended.retry_after) {
         Err(reason) => return skip(reason),
         // The server's delay, plus up to a tenth more, so that callers told
-        // the same Retry-After do not all come back at once.
-        Ok(Some(d)) => d.saturating_add(rng.random_range(Duration::ZERO..=d / 10)),
+        // the same Retry-After do not all come back at once; never less than
+        // our own jittered backoff, so `Retry-After: 0` (or a date in the
+        // past) does not bring every caller back at the same instant.
+        Ok(Some(d)) => {
+            let server = d.saturating_add(rng.random_range(Duration::ZERO..=d / 10));
+            server.max(policy.backoff.next_delay(backoff, rng))
+        }
         Ok(None) => policy.backoff.next_delay(backoff, rng),
     };
     let left = deadline.saturating_duration_since(now);
@@ -294,7 +299,7 @@ mod tests {
                     retry_after: Some(Duration::ZERO),
                     ..ended(s(503))
                 },
-                ..row("Retry-After: 0 replaces the backoff", s(503), retry(0))
+                ..row("Retry-After: 0 is our backoff at least", s(503), retry(100))
             },
             Row {
                 left: Duration::from_millis(50),

@@ -211,8 +211,9 @@ pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
 /// A date in the past means "now".
 pub fn parse_retry_after(value: &HeaderValue, now: SystemTime) -> Option<Duration> {
     let text = value.to_str().ok()?.trim();
-    if let Ok(secs) = text.parse::<u64>() {
-        return Some(Duration::from_secs(secs));
+    if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
+        // Too many seconds to count is simply "a very long time".
+        return Some(text.parse().map_or(Duration::MAX, Duration::from_secs));
     }
     let at = httpdate::parse_http_date(text).ok()?;
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
@@ -280,9 +281,11 @@ mod tests {
         assert_eq!(v("soon"), None);
         assert_eq!(
             v("99999999999999999999999"),
-            None,
-            "overflow is not a delay"
+            Some(Duration::MAX),
+            "longer than any limit"
         );
+        assert_eq!(v("-5"), None);
+        assert_eq!(v(""), None);
 
         let p = policy(|c| c.max_retry_after = Duration::from_secs(5));
         let secs = |n| Some(Duration::from_secs(n));

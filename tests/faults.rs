@@ -109,3 +109,69 @@ async fn a_retry_after_too_large_to_count_is_passed_on_not_retried_at_once() {
     assert_eq!(hg.metric(skipped).await, 1.0);
     hg.terminate().await;
 }
+
+/// Writes `request` on a raw connection to the proxy and reads the answer.
+async fn raw(hg: &Binary, request: &[u8]) -> String {
+    let mut stream = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+    stream.write_all(request).await.unwrap();
+    let mut out = Vec::new();
+    stream.read_to_end(&mut out).await.unwrap();
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[tokio::test]
+async fn a_response_framed_by_both_lengths_is_forwarded_whole() {
+    // Transfer-Encoding wins (RFC 9112 §6.3); the Content-Length of 2 is a lie.
+    let (url, _) = raw_upstream(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+            .to_vec(),
+    )
+    .await;
+    let hg = Binary::start(&config(&url)).await;
+    let (status, headers, body) = get(&hg, "/x").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(&body[..], b"hello world");
+    assert_ne!(
+        headers.get("content-length").map(|v| v.as_bytes()),
+        Some(&b"2"[..])
+    );
+    hg.terminate().await;
+}
+
+#[tokio::test]
+async fn request_framing_the_proxy_cannot_forward_faithfully_is_refused() {
+    let up = ok_upstream("ok").await;
+    let hg = Binary::start(&config(&up.url())).await;
+    let twice = raw(
+        &hg,
+        b"POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, chunked\r\nConnection: close\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+    )
+    .await;
+    assert!(twice.starts_with("HTTP/1.1 400"), "{twice}");
+    assert!(twice.contains("x-herdguard-error: bad-request"), "{twice}");
+    let gzip = raw(
+        &hg,
+        b"POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\nConnection: close\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+    )
+    .await;
+    assert!(gzip.starts_with("HTTP/1.1 501"), "{gzip}");
+    assert_eq!(up.hits(), 0, "nothing was forwarded");
+    hg.terminate().await;
+}
+
+#[tokio::test]
+async fn an_h2c_upgrade_is_never_tunnelled() {
+    let up = ok_upstream("plain").await;
+    let hg = Binary::start(&config(&up.url())).await;
+    let answer = raw(
+        &hg,
+        b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: Upgrade, HTTP2-Settings, close\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.ends_with("plain"), "{answer}");
+    let seen = up.last();
+    assert!(seen.headers.get("upgrade").is_none(), "{:?}", seen.headers);
+    assert!(seen.headers.get("http2-settings").is_none());
+    hg.terminate().await;
+}

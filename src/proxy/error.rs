@@ -21,6 +21,8 @@ pub enum LocalError {
     BadRequest,
     /// A method the proxy does not forward: `CONNECT` (405).
     NotProxied,
+    /// A request the proxy cannot forward faithfully: a transfer coding other than chunked (501).
+    NotImplemented,
     /// No connection to the upstream could be made (502).
     ConnectFailure,
     /// The connection failed after the request was sent (502).
@@ -45,6 +47,7 @@ impl LocalError {
             LocalError::NoRoute => StatusCode::NOT_FOUND,
             LocalError::BadRequest => StatusCode::BAD_REQUEST,
             LocalError::NotProxied => StatusCode::METHOD_NOT_ALLOWED,
+            LocalError::NotImplemented => StatusCode::NOT_IMPLEMENTED,
             LocalError::ConnectFailure | LocalError::Reset | LocalError::BadResponse => {
                 StatusCode::BAD_GATEWAY
             }
@@ -59,7 +62,9 @@ impl LocalError {
     pub fn as_str(self) -> &'static str {
         match self {
             LocalError::NoRoute => "no-route",
-            LocalError::BadRequest | LocalError::NotProxied => "bad-request",
+            LocalError::BadRequest | LocalError::NotProxied | LocalError::NotImplemented => {
+                "bad-request"
+            }
             LocalError::ConnectFailure => "connect-failure",
             LocalError::Reset => "reset",
             LocalError::BadResponse => "bad-response",

@@ -12,6 +12,7 @@ const HOPS: usize = 7;
 /// Where `Connection` and `TE` are in [`HOP_BY_HOP`].
 const CONNECTION_AT: usize = 0;
 const TE_AT: usize = 3;
+const TRANSFER_ENCODING_AT: usize = 5;
 const HOP_BY_HOP: [HeaderName; HOPS] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
@@ -101,6 +102,12 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
         }
         headers.remove(name);
     }
+    // A message with both framed itself by `Transfer-Encoding`; its
+    // `Content-Length` is wrong, and this hop frames the body anew
+    // (RFC 9112 §6.3: a proxy removes it).
+    if present[TRANSFER_ENCODING_AT] {
+        headers.remove(header::CONTENT_LENGTH);
+    }
     if upgrade {
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     }
@@ -109,9 +116,18 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     }
 }
 
-/// The `Upgrade` protocol an HTTP/1.1 request asks for, if it asks for one.
+/// Whether an HTTP/1.1 request asks to upgrade to a protocol the proxy
+/// tunnels (WebSocket and the like). An upgrade to `h2c` is never tunnelled:
+/// the caller would then speak HTTP/2 straight to the upstream, past every
+/// header rule ("h2c smuggling"); it is forwarded as a plain request.
 pub fn requested_upgrade(version: Version, headers: &HeaderMap) -> bool {
+    let h2c = headers.get_all(header::UPGRADE).iter().any(|v| {
+        v.as_bytes()
+            .split(|b| *b == b',')
+            .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"h2c"))
+    });
     version == Version::HTTP_11
+        && !h2c
         && headers.contains_key(header::UPGRADE)
         && headers.get_all(header::CONNECTION).iter().any(|v| {
             v.as_bytes()
@@ -200,6 +216,39 @@ pub fn check_host(
             Err("the Host header is not a valid host[:port]")
         }
         (host, _) => Ok(host),
+    }
+}
+
+/// Checks a request's framing: a `Transfer-Encoding` must be `chunked`,
+/// once, and nothing else (RFC 9112 §6.1). `chunked` twice is malformed
+/// (400); another coding is one the proxy does not implement (501), and
+/// forwarding its bytes without it would hand the upstream a body it
+/// cannot read.
+pub fn check_framing(headers: &HeaderMap) -> Result<(), (http::StatusCode, &'static str)> {
+    let mut codings = headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty());
+    let Some(first) = codings.next() else {
+        return Ok(());
+    };
+    let chunked = |t: &[u8]| t.eq_ignore_ascii_case(b"chunked");
+    match codings.next() {
+        None if chunked(first) => Ok(()),
+        None => Err((
+            http::StatusCode::NOT_IMPLEMENTED,
+            "transfer codings other than chunked are not supported",
+        )),
+        Some(_) if chunked(first) => Err((
+            http::StatusCode::BAD_REQUEST,
+            "chunked must be the only and last transfer coding, applied once",
+        )),
+        Some(_) => Err((
+            http::StatusCode::NOT_IMPLEMENTED,
+            "transfer codings other than chunked are not supported",
+        )),
     }
 }
 

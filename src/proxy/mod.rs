@@ -250,10 +250,20 @@ impl Proxy {
             metrics::unrouted(&self.metrics, resp.status());
             return resp;
         }
-        let host_field = match headers::check_host(req.version(), req.headers()) {
+        let checked = headers::check_host(req.version(), req.headers())
+            .map_err(|problem| (LocalError::BadRequest, problem))
+            .and_then(|host| {
+                headers::check_framing(req.headers())
+                    .map(|()| host)
+                    .map_err(|(status, problem)| match status {
+                        StatusCode::NOT_IMPLEMENTED => (LocalError::NotImplemented, problem),
+                        _ => (LocalError::BadRequest, problem),
+                    })
+            });
+        let host_field = match checked {
             Ok(field) => field,
-            Err(problem) => {
-                let resp = LocalError::BadRequest.response(problem);
+            Err((error, problem)) => {
+                let resp = error.response(problem);
                 metrics::unrouted(&self.metrics, resp.status());
                 return resp;
             }

@@ -306,6 +306,25 @@ impl Reloader {
     }
 }
 
+/// Whether the caller sends enough to tell its protocol within `wait`: a
+/// first byte, and all of the HTTP/2 preface when it starts like one.
+async fn speaks_within(stream: &tokio::net::TcpStream, wait: Duration) -> bool {
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    let told = async {
+        let mut buf = [0u8; PREFACE.len()];
+        loop {
+            match stream.peek(&mut buf).await {
+                Ok(0) | Err(_) => return false,
+                Ok(n) if n == PREFACE.len() || !PREFACE.starts_with(&buf[..n]) => return true,
+                // Part of a preface: peeking again at once would spin on the
+                // same bytes, so look again shortly.
+                Ok(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        }
+    };
+    tokio::time::timeout(wait, told).await.unwrap_or(false)
+}
+
 fn local_addr(listener: &TcpListener) -> SocketAddr {
     listener
         .local_addr()
@@ -369,10 +388,19 @@ async fn accept_loop<M, S, B>(
         };
         let _ = stream.set_nodelay(true);
         let service = make_service(peer);
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-        let conn = drain.watch(conn.into_owned());
+        let (builder, drain) = (builder.clone(), drain.clone());
+        let wait = limits.header_read_timeout;
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            // A connection that says nothing must not hold its slot: hyper's
+            // header timer starts only once it knows the protocol, and it
+            // learns that from the first bytes.
+            if !speaks_within(&stream, wait).await {
+                debug!(listener = what, %peer, "connection closed: nothing sent within header_read_timeout");
+                drop(permit);
+                return;
+            }
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            if let Err(e) = drain.watch(conn.into_owned()).await {
                 debug!(listener = what, %peer, error = %e, "connection ended with an error");
             }
             drop(permit);

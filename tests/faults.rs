@@ -175,3 +175,29 @@ async fn an_h2c_upgrade_is_never_tunnelled() {
     assert!(seen.headers.get("http2-settings").is_none());
     hg.terminate().await;
 }
+
+#[tokio::test]
+async fn silent_connections_do_not_hold_their_slots() {
+    let up = ok_upstream("served").await;
+    let hg = Binary::start_with(
+        "header_read_timeout = \"300ms\"\nmax_connections = 3",
+        &config(&up.url()),
+    )
+    .await;
+    // Three callers take every slot and say nothing, or half an HTTP/2 preface.
+    let mut silent = Vec::new();
+    for opening in [&b""[..], b"", b"PRI * HTTP/2.0\r\n"] {
+        let mut s = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+        s.write_all(opening).await.unwrap();
+        silent.push(s);
+    }
+    // Each is closed by the proxy once header_read_timeout has passed.
+    for mut s in silent {
+        let mut buf = [0u8; 16];
+        let read = tokio::time::timeout(std::time::Duration::from_secs(5), s.read(&mut buf));
+        assert!(matches!(read.await, Ok(Ok(0)) | Ok(Err(_))), "closed");
+    }
+    let (status, _, body) = get(&hg, "/x").await;
+    assert_eq!((status, &body[..]), (StatusCode::OK, &b"served"[..]));
+    hg.terminate().await;
+}

@@ -100,11 +100,16 @@ impl Binary {
     /// Starts `herdguard --config FILE` with `toml` after a `[listen]` and
     /// `[admin]` on 127.0.0.1:0 (so `toml` must not have them).
     pub async fn start(toml: &str) -> Binary {
+        Self::start_with("", toml).await
+    }
+
+    /// Like [`start`](Self::start), with more keys of `[listen]`.
+    pub async fn start_with(listen: &str, toml: &str) -> Binary {
         use std::io::Write as _;
         let mut config = tempfile::NamedTempFile::new().unwrap();
         write!(
             config,
-            "[listen]\naddress = \"127.0.0.1:0\"\n[admin]\naddress = \"127.0.0.1:0\"\n{toml}"
+            "[listen]\naddress = \"127.0.0.1:0\"\n{listen}\n[admin]\naddress = \"127.0.0.1:0\"\n{toml}"
         )
         .unwrap();
         let mut cmd = Command::new(BIN);

@@ -13,7 +13,7 @@ fn agrees_with_metrics(summary: &Summary) {
     );
     let ok = summary.sum("herdguard_requests_total", "code=\"200\"");
     assert_eq!(ok, summary.callers.ok as f64, "successes agree");
-    let reached: f64 = ["ok", "5xx", "reset", "timeout"]
+    let reached: f64 = ["ok", "5xx", "reset", "stale-connection", "timeout"]
         .iter()
         .map(|o| {
             summary.sum(

@@ -29,7 +29,7 @@ use tokio::time::Instant;
 
 use crate::config::schema::BreakerConfig;
 
-use super::outcome::{Fault, Outcome as AttemptOutcome};
+use super::outcome::{Fault, Outcome as AttemptOutcome, UpstreamFault};
 
 const SLOTS: usize = 10;
 
@@ -107,6 +107,10 @@ impl Outcome {
     /// failures; the caller's faults, the deadline's cut and the proxy's
     /// refusals count for nothing (but free a probe slot).
     pub fn of(outcome: AttemptOutcome) -> Self {
+        // The keep-alive race: the upstream's doing, not a sign of trouble.
+        if outcome == AttemptOutcome::Upstream(UpstreamFault::StaleConnection) {
+            return Outcome::Unknown;
+        }
         match outcome.fault() {
             Fault::None => Outcome::Success,
             Fault::Upstream => Outcome::Failure,

@@ -45,6 +45,11 @@ pub enum UpstreamFault {
     /// A response that breaks HTTP: a status outside 100-599, a head too
     /// large or malformed. It would only fail again: never retried.
     BadResponse,
+    /// A reused keep-alive connection closed before any byte of the answer:
+    /// the upstream closed it as the request went out (the keep-alive race
+    /// of RFC 9112 §9.3.1). A reset for `retry_on`, so idempotent requests
+    /// are retried; but the upstream is alive, so the breaker does not count it.
+    StaleConnection,
 }
 
 /// The caller's failures.
@@ -127,7 +132,7 @@ impl Outcome {
     }
 
     /// Every label of an attempt that was sent (refusals are not attempts).
-    pub const SENT: [Outcome; 11] = [
+    pub const SENT: [Outcome; 12] = [
         Outcome::Response(StatusCode::OK),
         Outcome::Response(StatusCode::INTERNAL_SERVER_ERROR),
         Outcome::Upstream(UpstreamFault::ConnectFailure),
@@ -135,6 +140,7 @@ impl Outcome {
         Outcome::Upstream(UpstreamFault::Reset),
         Outcome::Upstream(UpstreamFault::Timeout),
         Outcome::Upstream(UpstreamFault::BadResponse),
+        Outcome::Upstream(UpstreamFault::StaleConnection),
         Outcome::Caller(CallerFault::Gone),
         Outcome::Caller(CallerFault::MalformedBody),
         Outcome::Caller(CallerFault::StalledBody),
@@ -152,22 +158,24 @@ impl Outcome {
             Outcome::Upstream(UpstreamFault::Reset) => 4,
             Outcome::Upstream(UpstreamFault::Timeout) => 5,
             Outcome::Upstream(UpstreamFault::BadResponse) => 6,
-            Outcome::Caller(CallerFault::Gone) => 7,
-            Outcome::Caller(CallerFault::MalformedBody) => 8,
-            Outcome::Caller(CallerFault::StalledBody) => 9,
-            Outcome::Deadline => 10,
+            Outcome::Upstream(UpstreamFault::StaleConnection) => 7,
+            Outcome::Caller(CallerFault::Gone) => 8,
+            Outcome::Caller(CallerFault::MalformedBody) => 9,
+            Outcome::Caller(CallerFault::StalledBody) => 10,
+            Outcome::Deadline => 11,
             Outcome::Refused(_) => return None,
         })
     }
 }
 
 impl UpstreamFault {
-    pub const ALL: [UpstreamFault; 5] = [
+    pub const ALL: [UpstreamFault; 6] = [
         UpstreamFault::ConnectFailure,
         UpstreamFault::RefusedStream,
         UpstreamFault::Reset,
         UpstreamFault::Timeout,
         UpstreamFault::BadResponse,
+        UpstreamFault::StaleConnection,
     ];
 
     /// The name `retry_on` and the `reason` label of `herdguard_retries_total` use.
@@ -178,6 +186,7 @@ impl UpstreamFault {
             UpstreamFault::Reset => "reset",
             UpstreamFault::Timeout => "timeout",
             UpstreamFault::BadResponse => "bad-response",
+            UpstreamFault::StaleConnection => "stale-connection",
         }
     }
 }

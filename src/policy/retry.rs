@@ -165,7 +165,7 @@ impl Policy {
             }
             Outcome::Upstream(UpstreamFault::ConnectFailure) => c.connect_failure,
             Outcome::Upstream(UpstreamFault::RefusedStream) => c.refused_stream,
-            Outcome::Upstream(UpstreamFault::Reset) => c.reset,
+            Outcome::Upstream(UpstreamFault::Reset | UpstreamFault::StaleConnection) => c.reset,
             Outcome::Upstream(UpstreamFault::Timeout) => c.timeout,
             Outcome::Upstream(UpstreamFault::BadResponse) => false,
             Outcome::Caller(_) | Outcome::Deadline | Outcome::Refused(_) => false,

@@ -82,9 +82,11 @@ impl LocalError {
     pub fn for_outcome(outcome: Outcome) -> Self {
         match outcome {
             Outcome::Upstream(UpstreamFault::ConnectFailure) => LocalError::ConnectFailure,
-            Outcome::Upstream(UpstreamFault::Reset | UpstreamFault::RefusedStream) => {
-                LocalError::Reset
-            }
+            Outcome::Upstream(
+                UpstreamFault::Reset
+                | UpstreamFault::RefusedStream
+                | UpstreamFault::StaleConnection,
+            ) => LocalError::Reset,
             Outcome::Upstream(UpstreamFault::Timeout) | Outcome::Deadline => LocalError::Timeout,
             Outcome::Upstream(UpstreamFault::BadResponse) => LocalError::BadResponse,
             Outcome::Caller(CallerFault::MalformedBody | CallerFault::Gone) => {

@@ -54,24 +54,53 @@ pub enum PoolError {
         #[source]
         source: hyper::Error,
     },
+    /// A reused connection closed before any byte of the answer came.
+    #[error("request to {authority} failed: the reused connection closed before an answer")]
+    Stale {
+        authority: Authority,
+        #[source]
+        source: hyper::Error,
+    },
+    /// The connection gave the request back unwritten: it never left.
+    #[error("request to {authority} was not sent: the connection closed first")]
+    Unsent {
+        authority: Authority,
+        #[source]
+        source: hyper::Error,
+    },
 }
 
 impl PoolError {
     /// No connection was made: nothing reached the upstream.
     pub fn is_connect(&self) -> bool {
-        !matches!(self, PoolError::Request { .. })
+        !matches!(self, PoolError::Request { .. } | PoolError::Stale { .. })
     }
 }
 
 struct Conn {
-    sender: http1::SendRequest<RequestBody>,
+    pooled: Pooled,
     /// When it was returned.
     last_used: Instant,
 }
 
 /// A connection checked out of the pool, with a request or its response
 /// body on it.
-pub struct Pooled(http1::SendRequest<RequestBody>);
+pub struct Pooled {
+    sender: http1::SendRequest<RequestBody>,
+    /// The same socket (a second descriptor of it), to look at while the
+    /// connection is idle: hyper learns that the upstream closed it only
+    /// when its connection task next runs, which may be after a checkout.
+    probe: std::net::TcpStream,
+}
+
+impl Pooled {
+    /// Whether an idle connection is still open and quiet: no end of stream
+    /// and no stray bytes from the upstream. Never blocks.
+    fn is_quiet(&self) -> bool {
+        let mut byte = [0u8; 1];
+        matches!(self.probe.peek(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    }
+}
 
 pub struct H1Pool {
     authority: Authority,
@@ -93,38 +122,75 @@ impl H1Pool {
     /// Sends `req` (origin-form URI, `Host` set) on an idle connection, or on
     /// a new one. The connection comes back with the response: hand it to
     /// [`H1Pool::put_back`] once the response body is done with.
+    ///
+    /// A request that a pooled connection gives back unwritten (it found the
+    /// connection closed by the upstream first) is sent again on a fresh
+    /// connection: the upstream never saw it, so this is the same attempt,
+    /// not a retry behind the retry loop's back.
     pub async fn send(
         &self,
         req: Request<RequestBody>,
     ) -> Result<(Response<Incoming>, Pooled), PoolError> {
-        let mut sender = match self.checkout() {
-            Some(sender) => sender,
-            None => self.connect().await?,
+        let (mut conn, reused) = match self.checkout() {
+            Some(conn) => (conn, true),
+            None => (self.connect().await?, false),
         };
-        let resp = sender
-            .send_request(req)
-            .await
-            .map_err(|source| PoolError::Request {
-                authority: self.authority.clone(),
-                source,
-            })?;
-        Ok((resp, Pooled(sender)))
+        let failed = match conn.sender.try_send_request(req).await {
+            Ok(resp) => return Ok((resp, conn)),
+            Err(failed) => failed,
+        };
+        let (source, unsent) = {
+            let mut failed = failed;
+            let unsent = failed.take_message();
+            (failed.into_error(), unsent)
+        };
+        match unsent {
+            Some(req) if reused => {
+                debug!(upstream = %self.authority, error = %source, "pooled connection closed before the request was written; sending it on a new one");
+                let mut conn = self.connect().await?;
+                let resp = conn
+                    .sender
+                    .send_request(req)
+                    .await
+                    .map_err(|source| self.request_error(source, false, false))?;
+                Ok((resp, conn))
+            }
+            unsent => Err(self.request_error(source, unsent.is_some(), reused)),
+        }
+    }
+
+    fn request_error(&self, source: hyper::Error, unsent: bool, reused: bool) -> PoolError {
+        let authority = self.authority.clone();
+        match unsent {
+            true => PoolError::Unsent { authority, source },
+            // Closed with nothing of an answer, on a connection that had
+            // served before: the upstream closed it as the request went out.
+            false if reused && source.is_incomplete_message() => {
+                PoolError::Stale { authority, source }
+            }
+            false => PoolError::Request { authority, source },
+        }
     }
 
     /// Takes the most recently returned connection that is ready, dropping
     /// the closed and the long idle ones on the way. A connection whose last
     /// response was read a moment ago may not be ready yet: it stays.
-    fn checkout(&self) -> Option<http1::SendRequest<RequestBody>> {
+    fn checkout(&self) -> Option<Pooled> {
         let now = Instant::now();
         let mut idle = self.lock();
         let mut i = idle.len();
         while i > 0 {
             i -= 1;
             let conn = &idle[i];
-            if conn.sender.is_closed() || self.expired(conn, now) {
+            if conn.pooled.sender.is_closed() || self.expired(conn, now) {
                 idle.swap_remove(i);
-            } else if conn.sender.is_ready() {
-                return Some(idle.swap_remove(i).sender);
+            } else if conn.pooled.sender.is_ready() {
+                let conn = idle.swap_remove(i);
+                // The upstream closed it and hyper has not noticed yet: a
+                // request written now would be lost in the close.
+                if conn.pooled.is_quiet() {
+                    return Some(conn.pooled);
+                }
             }
         }
         None
@@ -132,9 +198,9 @@ impl H1Pool {
 
     /// Returns a connection whose response is finished with.
     pub fn put_back(&self, pooled: Pooled) {
-        if !pooled.0.is_closed() {
+        if !pooled.sender.is_closed() {
             self.lock().push(Conn {
-                sender: pooled.0,
+                pooled,
                 last_used: Instant::now(),
             });
         }
@@ -148,14 +214,14 @@ impl H1Pool {
     pub fn sweep(&self) {
         let now = Instant::now();
         self.lock()
-            .retain(|c| !c.sender.is_closed() && !self.expired(c, now));
+            .retain(|c| !c.pooled.sender.is_closed() && !self.expired(c, now));
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Conn>> {
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    async fn connect(&self) -> Result<http1::SendRequest<RequestBody>, PoolError> {
+    async fn connect(&self) -> Result<Pooled, PoolError> {
         let host = self.authority.host();
         let host = host
             .strip_prefix('[')
@@ -175,6 +241,11 @@ impl H1Pool {
         let _ = stream.set_nodelay(true);
         let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
         let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+        let probe = probe_of(stream).map_err(|source| PoolError::Connect {
+            authority: self.authority.clone(),
+            source,
+        });
+        let (stream, probe) = probe?;
         let (sender, conn) = http1::Builder::new()
             .handshake(TokioIo::new(stream))
             .await
@@ -188,8 +259,16 @@ impl H1Pool {
                 debug!(upstream = %authority, error = %e, "upstream connection ended with an error");
             }
         });
-        Ok(sender)
+        Ok(Pooled { sender, probe })
     }
+}
+
+/// Splits a connected socket into the stream hyper drives and a second
+/// descriptor of the same socket for [`Pooled::is_quiet`].
+fn probe_of(stream: TcpStream) -> std::io::Result<(TcpStream, std::net::TcpStream)> {
+    let std = stream.into_std()?;
+    let probe = std.try_clone()?;
+    Ok((TcpStream::from_std(std)?, probe))
 }
 
 /// The origin-form target of a request sent on a connection of the pool.

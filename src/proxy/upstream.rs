@@ -69,6 +69,9 @@ impl SendError {
         if self.is_connect() {
             return UpstreamFault::ConnectFailure;
         }
+        if let SendError::Pool(PoolError::Stale { .. }) = self {
+            return UpstreamFault::StaleConnection;
+        }
         let mut source: Option<&(dyn std::error::Error + 'static)> = match self {
             SendError::Pool(e) => Some(e),
             SendError::Client(e) => Some(e),

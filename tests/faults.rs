@@ -258,3 +258,42 @@ async fn a_connection_the_upstream_closed_is_never_blamed_on_it() {
         assert_eq!(metric(&text, &series), Some(0.0), "{blamed}\n{text}");
     }
 }
+
+#[tokio::test]
+async fn max_forwards_zero_is_answered_here_and_counted_down_otherwise() {
+    let up = ok_upstream("upstream").await;
+    let hg = Binary::start(&config(&up.url())).await;
+    let options = raw(
+        &hg,
+        b"OPTIONS /x HTTP/1.1\r\nHost: a\r\nMax-Forwards: 0\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(options.starts_with("HTTP/1.1 200"), "{options}");
+    assert!(
+        options.to_ascii_lowercase().contains("allow: get"),
+        "{options}"
+    );
+    let trace = raw(
+        &hg,
+        b"TRACE /t HTTP/1.1\r\nHost: a\r\nMax-Forwards: 0\r\nCookie: secret=1\r\nX-Mine: yes\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(trace.starts_with("HTTP/1.1 200"), "{trace}");
+    assert!(trace.contains("message/http"), "{trace}");
+    assert!(trace.contains("TRACE /t HTTP/1.1"), "{trace}");
+    assert!(trace.contains("x-mine: yes"), "{trace}");
+    assert!(
+        !trace.contains("secret"),
+        "credentials are not echoed: {trace}"
+    );
+    assert_eq!(up.hits(), 0, "answered by this hop");
+
+    let on = raw(
+        &hg,
+        b"OPTIONS /x HTTP/1.1\r\nHost: a\r\nMax-Forwards: 3\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(on.starts_with("HTTP/1.1 200"), "{on}");
+    assert_eq!(up.last().headers.get("max-forwards").unwrap(), "2");
+    hg.terminate().await;
+}

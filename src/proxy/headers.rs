@@ -252,6 +252,73 @@ pub fn check_framing(headers: &HeaderMap) -> Result<(), (http::StatusCode, &'sta
     }
 }
 
+/// `Max-Forwards` of an `OPTIONS` or `TRACE` request (RFC 9110 §7.6.2);
+/// other methods ignore it.
+fn max_forwards(method: &http::Method, headers: &HeaderMap) -> Option<u64> {
+    if method != http::Method::OPTIONS && method != http::Method::TRACE {
+        return None;
+    }
+    headers
+        .get(header::MAX_FORWARDS)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// The answer to an `OPTIONS` or `TRACE` with `Max-Forwards: 0`: this hop is
+/// its final recipient, and answers itself. `OPTIONS` gets the methods the
+/// proxy forwards; `TRACE` its own request head back as `message/http`,
+/// without the fields that carry credentials.
+pub fn max_forwards_reached<B>(
+    req: &http::Request<B>,
+) -> Option<http::Response<super::ResponseBody>> {
+    if max_forwards(req.method(), req.headers())? != 0 {
+        return None;
+    }
+    let mut resp = if req.method() == http::Method::TRACE {
+        let mut echo = format!("TRACE {} {:?}\r\n", req.uri(), req.version()).into_bytes();
+        for (name, value) in req.headers() {
+            if [
+                header::AUTHORIZATION,
+                header::COOKIE,
+                header::PROXY_AUTHORIZATION,
+            ]
+            .contains(name)
+            {
+                continue;
+            }
+            echo.extend_from_slice(name.as_str().as_bytes());
+            echo.extend_from_slice(b": ");
+            echo.extend_from_slice(value.as_bytes());
+            echo.extend_from_slice(b"\r\n");
+        }
+        let mut resp = http::Response::new(super::ResponseBody::local(echo));
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("message/http"),
+        );
+        resp
+    } else {
+        let mut resp = http::Response::new(super::ResponseBody::local(bytes::Bytes::new()));
+        resp.headers_mut().insert(
+            header::ALLOW,
+            HeaderValue::from_static("GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS, TRACE"),
+        );
+        resp
+    };
+    add_via(resp.headers_mut(), Version::HTTP_11);
+    Some(resp)
+}
+
+/// Takes one from `Max-Forwards` of an `OPTIONS` or `TRACE` on its way on.
+pub fn decrement_max_forwards(method: &http::Method, headers: &mut HeaderMap) {
+    if let Some(n @ 1..) = max_forwards(method, headers) {
+        headers.insert(header::MAX_FORWARDS, HeaderValue::from(n - 1));
+    }
+}
+
 /// The caller's IP as a header value, for `X-Forwarded-For`.
 pub fn ip_value(ip: IpAddr) -> HeaderValue {
     HeaderValue::from_str(&ip.to_string()).expect("an IP address is a valid header value")

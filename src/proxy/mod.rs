@@ -268,6 +268,10 @@ impl Proxy {
                 return resp;
             }
         };
+        if let Some(resp) = headers::max_forwards_reached(&req) {
+            metrics::unrouted(&self.metrics, resp.status());
+            return resp;
+        }
         let host = request_host(req.uri(), host_field);
         let route = {
             let runtime = self.runtime.load();
@@ -344,6 +348,7 @@ async fn forward(
     // on each insert.
     h.reserve(5);
     headers::strip_hop_by_hop(h, upgrade);
+    headers::decrement_max_forwards(&parts.method, h);
     // What makes a request safe to repeat is read from what the upstream
     // will see: a key named in `Connection` was just dropped, and counts not.
     let inner_hop = h.contains_key(&headers::X_HERDGUARD_ATTEMPT);

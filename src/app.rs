@@ -87,6 +87,7 @@ impl Server {
             let limits = Limits {
                 max_connections: config.listen.max_connections,
                 header_read_timeout: config.listen.header_read_timeout,
+                write_timeout: config.listen.write_timeout,
                 drain_timeout: config.listen.drain_timeout,
             };
             accept_loop("listen", listener, limits, shutdown_rx, move |peer| {
@@ -104,6 +105,7 @@ impl Server {
             let limits = Limits {
                 max_connections: 64,
                 header_read_timeout: Duration::from_secs(10),
+                write_timeout: Duration::from_secs(10),
                 drain_timeout: Duration::from_secs(1),
             };
             accept_loop("admin", admin_listener, limits, admin_stop_rx, move |_| {
@@ -334,6 +336,7 @@ fn local_addr(listener: &TcpListener) -> SocketAddr {
 struct Limits {
     max_connections: usize,
     header_read_timeout: Duration,
+    write_timeout: Duration,
     drain_timeout: Duration,
 }
 
@@ -389,7 +392,7 @@ async fn accept_loop<M, S, B>(
         let _ = stream.set_nodelay(true);
         let service = make_service(peer);
         let (builder, drain) = (builder.clone(), drain.clone());
-        let wait = limits.header_read_timeout;
+        let (wait, write_timeout) = (limits.header_read_timeout, limits.write_timeout);
         tokio::spawn(async move {
             // A connection that says nothing must not hold its slot: hyper's
             // header timer starts only once it knows the protocol, and it
@@ -399,7 +402,8 @@ async fn accept_loop<M, S, B>(
                 drop(permit);
                 return;
             }
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            let io = TokioIo::new(crate::stall::WriteStall::new(stream, write_timeout));
+            let conn = builder.serve_connection_with_upgrades(io, service);
             if let Err(e) = drain.watch(conn.into_owned()).await {
                 debug!(listener = what, %peer, error = %e, "connection ended with an error");
             }

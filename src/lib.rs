@@ -14,4 +14,5 @@ pub mod metrics;
 pub mod policy;
 pub mod proxy;
 pub mod retry;
+pub mod stall;
 pub mod telemetry;

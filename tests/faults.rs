@@ -297,3 +297,85 @@ async fn max_forwards_zero_is_answered_here_and_counted_down_otherwise() {
     assert_eq!(up.last().headers.get("max-forwards").unwrap(), "2");
     hg.terminate().await;
 }
+
+/// An upstream that writes `response` on each connection and then holds it
+/// open, sending nothing more.
+async fn hanging_upstream(response: &'static [u8]) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                let _ = stream.read(&mut buf).await;
+                let _ = stream.write_all(response).await;
+                // Hold it: read until the proxy gives up on it.
+                while matches!(stream.read(&mut buf).await, Ok(n) if n > 0) {}
+            });
+        }
+    });
+    url
+}
+
+const IN_FLIGHT: &str = r#"herdguard_in_flight{upstream="u"}"#;
+
+#[tokio::test]
+async fn a_caller_that_stops_reading_lets_go_of_its_upstream_slot() {
+    let big = upstream(|_| async { http::Response::new(full(vec![b'x'; 32 << 20])) }).await;
+    let hg = Binary::start_with(
+        "write_timeout = \"500ms\"",
+        &format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\nmax_in_flight = 1\nadaptive_concurrency = {{ enabled = false }}\n\
+             [[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+            big.url()
+        ),
+    )
+    .await;
+    // Asks for 32 MiB and reads none of it.
+    let mut stuck = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+    stuck
+        .write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    eventually(
+        std::time::Duration::from_secs(5),
+        "the slot is taken",
+        || async { hg.metric(IN_FLIGHT).await == 1.0 },
+    )
+    .await;
+    eventually(
+        std::time::Duration::from_secs(10),
+        "the slot comes back",
+        || async { hg.metric(IN_FLIGHT).await == 0.0 },
+    )
+    .await;
+    // The only slot serves the next caller again.
+    let (status, _, body) = get(&hg, "/next").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body.len(), 32 << 20);
+    drop(stuck);
+    hg.terminate().await;
+}
+
+#[tokio::test]
+async fn an_upstream_that_stops_sending_its_body_is_cut_off() {
+    let url = hanging_upstream(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nabc").await;
+    let hg = Binary::start_with("write_timeout = \"500ms\"", &config(&url)).await;
+    let answer = raw(
+        &hg,
+        b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        answer.ends_with("abc"),
+        "the caller got what came, then the close: {answer}"
+    );
+    eventually(
+        std::time::Duration::from_secs(5),
+        "the slot comes back",
+        || async { hg.metric(IN_FLIGHT).await == 0.0 },
+    )
+    .await;
+    hg.terminate().await;
+}

@@ -43,6 +43,11 @@ pub struct ListenConfig {
     pub header_read_timeout: Duration,
     /// Open client connections at most; more wait in the kernel's accept queue.
     pub max_connections: usize,
+    /// A response that makes no progress this long is aborted and what it
+    /// holds upstream let go: a caller that reads nothing, or an upstream
+    /// that sends nothing more of its body.
+    #[serde(with = "duration")]
+    pub write_timeout: Duration,
     /// Answer `x-herdguard-explain: 1` with the request's attempt trace.
     pub explain: bool,
 }
@@ -54,6 +59,7 @@ impl Default for ListenConfig {
             drain_timeout: Duration::from_secs(15),
             header_read_timeout: Duration::from_secs(10),
             max_connections: 10_000,
+            write_timeout: Duration::from_secs(30),
             explain: false,
         }
     }

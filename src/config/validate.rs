@@ -41,6 +41,11 @@ pub(super) fn validate(config: &Config, report: &mut Report<'_>) {
         &listen.key("header_read_timeout"),
         config.listen.header_read_timeout,
     );
+    positive(
+        report,
+        &listen.key("write_timeout"),
+        config.listen.write_timeout,
+    );
     if config.admin.address == config.listen.address && config.admin.address.port() != 0 {
         report(
             root.key("admin").key("address"),

@@ -1,10 +1,12 @@
 //! Body types of the proxy: what is sent upstream and what goes back to the
 //! caller. Both stream; neither buffers a whole body.
 
+use std::future::Future as _;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
@@ -12,6 +14,7 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 use tokio::sync::Notify;
+use tokio::time::Sleep;
 
 use crate::policy::CallerFault;
 
@@ -240,16 +243,29 @@ pin_project! {
     /// until it is finished or dropped.
     #[project = ResponseBodyProj]
     pub enum ResponseBody {
-        Upstream { #[pin] body: Incoming, slot: Option<InFlight> },
+        Upstream {
+            #[pin] body: Incoming,
+            slot: Option<InFlight>,
+            // How long the upstream may send nothing more (`write_timeout`),
+            // and the timer that runs while it does.
+            idle: Duration,
+            timer: Option<Pin<Box<Sleep>>>,
+            waiting: bool,
+        },
         Local { #[pin] body: Full<Bytes> },
     }
 }
 
 impl ResponseBody {
-    pub fn upstream(body: Incoming, slot: InFlight) -> Self {
+    /// The upstream's body, cut with an error should the upstream send
+    /// nothing more of it for `idle`.
+    pub fn upstream(body: Incoming, slot: InFlight, idle: Duration) -> Self {
         ResponseBody::Upstream {
             body,
             slot: Some(slot),
+            idle,
+            timer: None,
+            waiting: false,
         }
     }
 
@@ -269,8 +285,31 @@ impl Body for ResponseBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.project() {
-            ResponseBodyProj::Upstream { body, slot } => {
+            ResponseBodyProj::Upstream {
+                body,
+                slot,
+                idle,
+                timer,
+                waiting,
+            } => {
                 let polled = body.poll_frame(cx);
+                if polled.is_pending() {
+                    // Made on the first wait, pushed back at the start of each later one.
+                    let deadline = tokio::time::Instant::now() + *idle;
+                    let timer =
+                        timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                    if !std::mem::replace(waiting, true) {
+                        timer.as_mut().reset(deadline);
+                    }
+                    if timer.as_mut().poll(cx).is_ready() {
+                        slot.take();
+                        return Poll::Ready(Some(Err(
+                            "the upstream sent nothing more of its body for write_timeout".into(),
+                        )));
+                    }
+                    return Poll::Pending;
+                }
+                *waiting = false;
                 if matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
                     slot.take();
                 }

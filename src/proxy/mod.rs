@@ -58,6 +58,8 @@ pub struct Route {
     pub guards: Guards,
     /// `listen.explain`: answer `x-herdguard-explain: 1` with a trace.
     explain: bool,
+    /// `listen.write_timeout`: how long a response body may make no progress.
+    write_timeout: std::time::Duration,
     fault: Option<crate::config::FaultConfig>,
 }
 
@@ -108,7 +110,7 @@ impl Runtime {
                     upstreams[r.upstream.as_str()].clone(),
                     registry,
                     before,
-                    config.listen.explain,
+                    &config.listen,
                 )
                 .map(Arc::new)
             })
@@ -147,7 +149,7 @@ impl Route {
         upstream: Arc<Upstream>,
         registry: &Arc<Metrics>,
         before: Option<(&Route, &RouteConfig)>,
-        explain: bool,
+        listen: &crate::config::ListenConfig,
     ) -> Result<Self, BuildError> {
         let invalid = |message: String| BuildError::Route {
             route: config.name.clone(),
@@ -186,7 +188,8 @@ impl Route {
                 breaker,
                 metrics: RouteMetrics::new(registry, &config.name, &upstream.name),
             },
-            explain,
+            explain: listen.explain,
+            write_timeout: listen.write_timeout,
             fault: config.fault.clone(),
             name,
             matcher: Matcher::try_new(&config.matcher)
@@ -410,7 +413,10 @@ async fn forward(
     let (mut parts, body) = resp.into_parts();
     finish_headers(&mut parts.headers, false, attempts);
     notes(&mut parts.headers);
-    Response::from_parts(parts, ResponseBody::upstream(body, slot))
+    Response::from_parts(
+        parts,
+        ResponseBody::upstream(body, slot, route.write_timeout),
+    )
 }
 
 fn finish_headers(h: &mut http::HeaderMap, upgrade: bool, attempts: HeaderValue) {

@@ -1,0 +1,149 @@
+//! A caller connection whose writes make no progress for `write_timeout`
+//! fails, so that what it holds (a response body, the upstream slot and
+//! connection behind it) is let go.
+//!
+//! Why: a caller that stops reading a large response keeps its response
+//! body, its upstream connection and its in-flight slot for ever; enough of
+//! them shed every other caller as `overloaded`. A response that keeps
+//! flowing, however slowly, is never cut: only a write that stays pending
+//! for the whole `write_timeout` is.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use pin_project_lite::pin_project;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::{Instant, Sleep};
+
+pin_project! {
+    pub struct WriteStall<T> {
+        #[pin]
+        inner: T,
+        timeout: Duration,
+        // Armed while a write is pending; made on the first stall only.
+        timer: Option<Pin<Box<Sleep>>>,
+        stalled: bool,
+    }
+}
+
+impl<T> WriteStall<T> {
+    pub fn new(inner: T, timeout: Duration) -> Self {
+        Self {
+            inner,
+            timeout,
+            timer: None,
+            stalled: false,
+        }
+    }
+}
+
+/// Turns a pending write into an error once it has been pending `timeout`.
+fn watch<R>(
+    polled: Poll<io::Result<R>>,
+    timeout: Duration,
+    timer: &mut Option<Pin<Box<Sleep>>>,
+    stalled: &mut bool,
+    cx: &mut Context<'_>,
+) -> Poll<io::Result<R>> {
+    if polled.is_ready() {
+        *stalled = false;
+        return polled;
+    }
+    let deadline = Instant::now() + timeout;
+    let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+    if !*stalled {
+        *stalled = true;
+        timer.as_mut().reset(deadline);
+    }
+    match timer.as_mut().poll(cx) {
+        Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "the caller read nothing for write_timeout",
+        ))),
+        Poll::Pending => Poll::Pending,
+    }
+}
+
+use std::future::Future as _;
+
+impl<T: AsyncRead> AsyncRead for WriteStall<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        self.project().inner.poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.project();
+        let polled = this.inner.poll_write(cx, buf);
+        watch(polled, *this.timeout, this.timer, this.stalled, cx)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.project();
+        let polled = this.inner.poll_write_vectored(cx, bufs);
+        watch(polled, *this.timeout, this.timer, this.stalled, cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.project();
+        let polled = this.inner.poll_flush(cx);
+        watch(polled, *this.timeout, this.timer, this.stalled, cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.project().inner.poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_write_pending_for_the_whole_timeout_fails_and_a_slow_one_does_not() {
+        // A pipe with room for 64 bytes that nobody reads.
+        let (ours, mut theirs) = tokio::io::duplex(64);
+        let mut w = WriteStall::new(ours, Duration::from_secs(1));
+        w.write_all(&[0u8; 64]).await.unwrap();
+        let started = Instant::now();
+        let err = w.write_all(&[0u8; 64]).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(started.elapsed(), Duration::from_secs(1));
+
+        // A reader that takes 64 bytes every 600 ms: slow, never stalled.
+        let (ours, mut theirs2) = tokio::io::duplex(64);
+        drop(theirs.shutdown().await);
+        let reader = tokio::spawn(async move {
+            use tokio::io::AsyncReadExt;
+            let mut buf = [0u8; 64];
+            let mut total = 0;
+            while total < 640 {
+                tokio::time::sleep(Duration::from_millis(600)).await;
+                total += theirs2.read(&mut buf).await.unwrap();
+            }
+        });
+        let mut w = WriteStall::new(ours, Duration::from_secs(1));
+        w.write_all(&[0u8; 640]).await.unwrap();
+        reader.await.unwrap();
+    }
+}

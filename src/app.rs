@@ -21,7 +21,7 @@ use tokio::task::JoinHandle;
 use tracing::{debug, error, info, warn};
 
 use crate::config::Config;
-use crate::drain::Drain;
+use crate::drain::{Conduct, Drain};
 use crate::metrics::Metrics;
 use crate::proxy::{BuildError, Caller, Proxy, Runtime};
 
@@ -90,15 +90,29 @@ impl Server {
                 write_timeout: config.listen.write_timeout,
                 drain_timeout: config.listen.drain_timeout,
             };
-            accept_loop("listen", listener, limits, shutdown_rx, move |peer| {
-                let proxy = proxy.clone();
-                let caller = Arc::new(Caller::new(peer));
-                service_fn(move |req: Request<Incoming>| {
+            accept_loop(
+                "listen",
+                listener,
+                limits,
+                shutdown_rx,
+                move |peer, conduct| {
                     let proxy = proxy.clone();
-                    let caller = caller.clone();
-                    async move { Ok::<_, Infallible>(proxy.handle(req, &caller).await) }
-                })
-            })
+                    let caller = Arc::new(Caller::new(peer));
+                    let conduct = conduct.clone();
+                    service_fn(move |req: Request<Incoming>| {
+                        let proxy = proxy.clone();
+                        let caller = caller.clone();
+                        let conduct = conduct.clone();
+                        async move {
+                            // Dropped unanswered only when the caller abandoned the request.
+                            let pending = Abandoned(Some(conduct));
+                            let resp = proxy.handle(req, &caller).await;
+                            pending.answered();
+                            Ok::<_, Infallible>(resp)
+                        }
+                    })
+                },
+            )
         };
         let admin_loop = {
             let shared = shared.clone();
@@ -108,13 +122,19 @@ impl Server {
                 write_timeout: Duration::from_secs(10),
                 drain_timeout: Duration::from_secs(1),
             };
-            accept_loop("admin", admin_listener, limits, admin_stop_rx, move |_| {
-                let shared = shared.clone();
-                service_fn(move |req: Request<Incoming>| {
-                    let resp = crate::admin::handle(&shared, &req);
-                    async move { Ok::<_, Infallible>(resp) }
-                })
-            })
+            accept_loop(
+                "admin",
+                admin_listener,
+                limits,
+                admin_stop_rx,
+                move |_, _| {
+                    let shared = shared.clone();
+                    service_fn(move |req: Request<Incoming>| {
+                        let resp = crate::admin::handle(&shared, &req);
+                        async move { Ok::<_, Infallible>(resp) }
+                    })
+                },
+            )
         };
         let upkeep = {
             let proxy = shared.proxy.clone();
@@ -308,6 +328,26 @@ impl Reloader {
     }
 }
 
+/// A request being answered: tells its connection's [`Conduct`] whether it
+/// was answered or abandoned (dropped before its answer).
+struct Abandoned(Option<Arc<Conduct>>);
+
+impl Abandoned {
+    fn answered(mut self) {
+        if let Some(conduct) = self.0.take() {
+            conduct.answered();
+        }
+    }
+}
+
+impl Drop for Abandoned {
+    fn drop(&mut self) {
+        if let Some(conduct) = self.0.take() {
+            conduct.abandoned();
+        }
+    }
+}
+
 /// Whether the caller sends enough to tell its protocol within `wait`: a
 /// first byte, and all of the HTTP/2 preface when it starts like one.
 async fn speaks_within(stream: &tokio::net::TcpStream, wait: Duration) -> bool {
@@ -349,7 +389,7 @@ async fn accept_loop<M, S, B>(
     mut stop: watch::Receiver<bool>,
     make_service: M,
 ) where
-    M: Fn(SocketAddr) -> S,
+    M: Fn(SocketAddr, &Arc<Conduct>) -> S,
     S: hyper::service::Service<Request<Incoming>, Response = http::Response<B>, Error = Infallible>
         + Send
         + 'static,
@@ -390,7 +430,8 @@ async fn accept_loop<M, S, B>(
             },
         };
         let _ = stream.set_nodelay(true);
-        let service = make_service(peer);
+        let conduct = Arc::new(Conduct::default());
+        let service = make_service(peer, &conduct);
         let (builder, drain) = (builder.clone(), drain.clone());
         let (wait, write_timeout) = (limits.header_read_timeout, limits.write_timeout);
         tokio::spawn(async move {
@@ -404,7 +445,7 @@ async fn accept_loop<M, S, B>(
             }
             let io = TokioIo::new(crate::stall::WriteStall::new(stream, write_timeout));
             let conn = builder.serve_connection_with_upgrades(io, service);
-            if let Err(e) = drain.watch(conn.into_owned()).await {
+            if let Err(e) = drain.watch(conn.into_owned(), &conduct).await {
                 debug!(listener = what, %peer, error = %e, "connection ended with an error");
             }
             drop(permit);

@@ -1,4 +1,5 @@
-//! Graceful shutdown for served connections.
+//! Graceful shutdown for served connections: all of them on a drain, and
+//! one at a time when a connection's [`Conduct`] says it abuses the proxy.
 //!
 //! On [`Drain::start`], every watched connection is asked to finish the
 //! request it is on and close. hyper-util's `GracefulShutdown` does the same,
@@ -35,8 +36,9 @@ impl Drain {
         self.notify.notify_waiters();
     }
 
-    /// `conn`, shut down gracefully once the drain starts.
-    pub fn watch<C: GracefulConnection>(&self, conn: C) -> Watched<C> {
+    /// `conn`, shut down gracefully once the drain starts, or once its
+    /// `conduct` gets it expelled.
+    pub fn watch<C: GracefulConnection>(&self, conn: C, conduct: &Arc<Conduct>) -> Watched<C> {
         Watched {
             conn,
             // Made before the flag is first read: a drain that starts after
@@ -45,6 +47,43 @@ impl Drain {
             registered: None,
             asked: false,
             started: self.started.clone(),
+            expelled: conduct.expel.clone().notified_owned(),
+        }
+    }
+}
+
+/// Requests a caller connection abandoned before their answer, against
+/// those answered: one that keeps opening requests and resetting them (the
+/// HTTP/2 "rapid reset" attack, CVE-2023-44487) makes the proxy start
+/// upstream work it throws away. hyper's own limit counts only streams reset
+/// before they were accepted; this counts the accepted ones too.
+///
+/// Once a connection has abandoned [`Conduct::TOLERATED`] requests and more
+/// than twice as many as were answered, it is asked to close (HTTP/2 GOAWAY):
+/// callers that cancel now and then are never near it.
+#[derive(Debug, Default)]
+pub struct Conduct {
+    abandoned: std::sync::atomic::AtomicU32,
+    answered: std::sync::atomic::AtomicU32,
+    expel: Arc<Notify>,
+}
+
+impl Conduct {
+    pub const TOLERATED: u32 = 100;
+
+    pub fn answered(&self) {
+        self.answered.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn abandoned(&self) {
+        let abandoned = self
+            .abandoned
+            .fetch_add(1, Ordering::Relaxed)
+            .saturating_add(1);
+        let answered = self.answered.load(Ordering::Relaxed);
+        if abandoned >= Self::TOLERATED && abandoned > answered.saturating_mul(2) {
+            // Stored as a permit if the connection is not being polled now.
+            self.expel.notify_one();
         }
     }
 }
@@ -60,6 +99,9 @@ pin_project! {
         registered: Option<Waker>,
         asked: bool,
         started: Arc<AtomicBool>,
+        // Completes when this connection's conduct gets it closed.
+        #[pin]
+        expelled: OwnedNotified,
     }
 }
 
@@ -79,7 +121,7 @@ impl<C: GracefulConnection> Future for Watched<C> {
                 started = this.notified.as_mut().poll(cx).is_ready();
                 *this.registered = Some(cx.waker().clone());
             }
-            if started {
+            if started || this.expelled.as_mut().poll(cx).is_ready() {
                 *this.asked = true;
                 this.conn.as_mut().graceful_shutdown();
             }
@@ -124,7 +166,7 @@ mod tests {
                 ))
             }),
         );
-        (Box::pin(drain.watch(conn)), theirs)
+        (Box::pin(drain.watch(conn, &Arc::default())), theirs)
     }
 
     #[tokio::test]

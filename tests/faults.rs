@@ -379,3 +379,47 @@ async fn an_upstream_that_stops_sending_its_body_is_cut_off() {
     .await;
     hg.terminate().await;
 }
+
+#[tokio::test]
+async fn an_h2_connection_that_resets_what_it_asks_for_is_closed() {
+    let held = held_upstream("never sent").await;
+    let hg = Binary::start(&config(&held.upstream.url())).await;
+    let tcp = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let mut reset = 0;
+    for i in 0..400 {
+        let Ok(mut ready) = client.clone().ready().await else {
+            break;
+        };
+        let req = http::Request::get(format!("http://a/r/{i}"))
+            .body(())
+            .unwrap();
+        let Ok((_resp, mut stream)) = ready.send_request(req, true) else {
+            break;
+        };
+        // Reset only once the proxy has started the upstream's work.
+        let arrived = held.arrived.notified();
+        if tokio::time::timeout(std::time::Duration::from_secs(2), arrived)
+            .await
+            .is_err()
+        {
+            break;
+        }
+        stream.send_reset(h2::Reason::CANCEL);
+        reset += 1;
+    }
+    let tolerated = 100;
+    assert!(
+        reset < 400,
+        "the connection was closed after {reset} resets"
+    );
+    assert!(
+        held.upstream.hits() <= tolerated + 5,
+        "{} requests reached the upstream",
+        held.upstream.hits()
+    );
+    hg.terminate().await;
+}

@@ -405,21 +405,42 @@ async fn retry_safety_is_read_from_what_the_upstream_sees() {
     hg.terminate().await;
 }
 
+/// Sends `request` and then nothing more, and reads the answer.
+async fn stall(addr: &str, request: &[u8]) -> Answer {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request).await.unwrap();
+    let mut out = Vec::new();
+    stream.read_to_end(&mut out).await.unwrap();
+    parse(&out)
+}
+
 #[tokio::test]
 async fn a_stalled_upload_is_the_callers_408_and_a_cut_off_one_costs_nothing() {
     let (up, lengths) = reading_upstream(200).await;
     let hg = Binary::start(&route(&up.url(), r#"timeout = "1s""#, "")).await;
-    // Promises 100 bytes, sends 10, then waits.
-    let mut stalled = TcpStream::connect(&hg.listen).await.unwrap();
-    stalled
-        .write_all(b"PUT /doc HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\nConnection: close\r\n\r\n0123456789")
-        .await
-        .unwrap();
-    let mut out = Vec::new();
-    stalled.read_to_end(&mut out).await.unwrap();
-    let answer = parse(&out);
-    assert_eq!(answer.status, 408, "{answer:?}");
-    assert_eq!(answer.header("x-herdguard-error"), Some("request-timeout"));
+    // Promises 100 bytes, sends 10, then waits: a body small enough to keep
+    // is read whole before any attempt, so the upstream never sees it.
+    let kept = stall(
+        &hg.listen,
+        b"PUT /doc HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\nConnection: close\r\n\r\n0123456789",
+    )
+    .await;
+    assert_eq!(kept.status, 408, "{kept:?}");
+    assert_eq!(kept.header("x-herdguard-error"), Some("request-timeout"));
+    assert_eq!(kept.header("x-herdguard-attempts"), Some("0"));
+    assert_eq!(up.hits(), 0, "no attempt waited on the caller");
+
+    // Chunked, so of unknown length: it streams, and stalls mid-attempt.
+    let streamed = stall(
+        &hg.listen,
+        b"PUT /doc HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\na\r\n0123456789\r\n",
+    )
+    .await;
+    assert_eq!(streamed.status, 408, "{streamed:?}");
+    assert_eq!(
+        streamed.header("x-herdguard-error"),
+        Some("request-timeout")
+    );
 
     // Promises 100 bytes, sends 10, then hangs up its side.
     let mut cut = TcpStream::connect(&hg.listen).await.unwrap();
@@ -429,19 +450,19 @@ async fn a_stalled_upload_is_the_callers_408_and_a_cut_off_one_costs_nothing() {
     cut.shutdown().await.unwrap();
     let mut out = Vec::new();
     let _ = cut.read_to_end(&mut out).await;
-
-    let gone = attempts_with("cancelled");
+    let bad = r#"herdguard_requests_total{route="r",code="400"}"#;
     eventually(
         Duration::from_secs(5),
-        "the cut-off upload is seen",
-        || async { hg.metric(&gone).await == 1.0 },
+        "the cut-off upload is answered",
+        || async { hg.metric(bad).await == 1.0 },
     )
     .await;
+
     let text = hg.metrics().await;
     assert_eq!(
         metric(&text, &attempts_with("caller-stalled")),
         Some(1.0),
-        "{text}"
+        "only the streamed one was an attempt:\n{text}"
     );
     assert_eq!(metric(&text, BREAKER_CLOSED), Some(0.0));
     assert_eq!(sum(&text, "herdguard_retries_total{"), 0.0);
@@ -449,5 +470,43 @@ async fn a_stalled_upload_is_the_callers_408_and_a_cut_off_one_costs_nothing() {
         lengths.lock().unwrap().iter().all(|&n| n < 100),
         "nothing whole reached it"
     );
+    hg.terminate().await;
+}
+
+#[tokio::test]
+async fn an_upstream_that_gives_up_on_a_stalled_upload_is_not_blamed() {
+    // Like many servers' read timeouts: waits 300 ms for the body, then closes.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = tokio::time::timeout(Duration::from_millis(300), async {
+                    while matches!(s.read(&mut buf).await, Ok(n) if n > 0) {}
+                })
+                .await;
+            });
+        }
+    });
+    let hg = Binary::start(&route(
+        &url,
+        r#"timeout = "3s""#,
+        "consecutive_failures = 2",
+    ))
+    .await;
+    for _ in 0..3 {
+        let answer = stall(
+            &hg.listen,
+            b"PUT /doc HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n3\r\nabc\r\n",
+        )
+        .await;
+        assert_eq!(answer.status, 408, "{answer:?}");
+    }
+    let text = hg.metrics().await;
+    assert_eq!(metric(&text, BREAKER_CLOSED), Some(0.0), "{text}");
+    assert_eq!(metric(&text, &attempts_with("caller-stalled")), Some(3.0));
+    assert_eq!(metric(&text, &attempts_with("reset")), Some(0.0));
+    assert_eq!(sum(&text, "herdguard_retries_total{"), 0.0);
     hg.terminate().await;
 }

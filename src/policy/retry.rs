@@ -144,10 +144,12 @@ impl Policy {
     /// (which never reaches the upstream) does not count. An empty key
     /// promises nothing and does not count either.
     pub fn facts(&self, method: &Method, headers: &HeaderMap, inner_hop: bool) -> RequestFacts {
-        let keyed = headers
-            .get_all(&self.idempotency_header)
-            .iter()
-            .any(|v| !v.as_bytes().trim_ascii().is_empty());
+        // One key, and not blank: with two, the upstream may read either.
+        let mut keys = headers.get_all(&self.idempotency_header).iter();
+        let keyed = match (keys.next(), keys.next()) {
+            (Some(key), None) => !key.as_bytes().trim_ascii().is_empty(),
+            _ => false,
+        };
         RequestFacts {
             idempotent: self.methods.contains(method) || keyed,
             inner_hop,
@@ -265,6 +267,8 @@ mod tests {
         h.insert("idempotency-key", HeaderValue::from_static("  "));
         assert!(!p.facts(&Method::POST, &h, false).idempotent, "blank");
         h.append("idempotency-key", HeaderValue::from_static("k1"));
+        assert!(!p.facts(&Method::POST, &h, false).idempotent, "two keys");
+        h.insert("idempotency-key", HeaderValue::from_static("k1"));
         assert!(p.facts(&Method::POST, &h, false).idempotent);
         assert!(p.facts(&Method::PUT, &HeaderMap::new(), false).idempotent);
     }

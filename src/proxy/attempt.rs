@@ -91,6 +91,45 @@ impl<'a> Forward<'a> {
         }
     }
 
+    /// Reads a body the caller declared small enough to keep whole before
+    /// any attempt is made, as nginx buffers request bodies: then no
+    /// upstream slot or breaker probe waits on the caller's upload, and
+    /// every attempt's time is the upstream's alone. Larger bodies, and
+    /// bodies of unknown length, stream as they come.
+    pub async fn prefetch(&mut self, deadline: Instant) -> Result<(), (CallerFault, String)> {
+        use http_body_util::BodyExt as _;
+        let AttemptBody::Replay(replay) = &self.body else {
+            return Ok(());
+        };
+        if !replay.fits() {
+            return Ok(());
+        }
+        let mut reader = replay.replay();
+        let read = async {
+            while let Some(frame) = reader.frame().await {
+                frame.map_err(|e| (super::body::caller_fault(&*e), e.to_string()))?;
+            }
+            Ok(())
+        };
+        match tokio::time::timeout_at(deadline, read).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err((fault, why))) => Err((
+                fault,
+                match fault {
+                    CallerFault::MalformedBody => format!("the request body is malformed: {why}"),
+                    _ => "the caller's request body ended before it was complete".to_owned(),
+                },
+            )),
+            Err(_) => Err((
+                CallerFault::StalledBody,
+                format!(
+                    "the request body stalled: it was not complete when the request's timeout ({:?}) ran out",
+                    self.timeout
+                ),
+            )),
+        }
+    }
+
     /// The request of attempt `n`, with the progress of its body if it has one.
     fn request(
         &mut self,
@@ -176,7 +215,7 @@ impl retry::Attempts for Forward<'_> {
         let (req, progress) = self.request(n, &target.host);
 
         let sent_at = Instant::now();
-        let timed = timed(
+        let (timed, sent_whole) = timed(
             target.send(self.path_and_query.as_ref(), req),
             progress.as_deref(),
             per_try,
@@ -202,7 +241,13 @@ impl retry::Attempts for Forward<'_> {
                     (Outcome::Response(resp.status()), Some((resp, slot)), String::new())
                 }
                 Timed::Done(Err(e)) => {
-                    let fault = progress.as_deref().and_then(Progress::caller_fault);
+                    let fault = progress.as_deref().and_then(|p| {
+                        // An upstream that gives up on a body that stopped
+                        // coming (its read timeout) is right to: the stall is
+                        // the caller's.
+                        p.caller_fault()
+                            .or(p.waiting_on_caller().then_some(CallerFault::StalledBody))
+                    });
                     let outcome = match fault {
                         Some(fault) => Outcome::Caller(fault),
                         None => Outcome::Upstream(e.fault()),
@@ -211,7 +256,13 @@ impl retry::Attempts for Forward<'_> {
                         Some(CallerFault::MalformedBody) => {
                             format!("the request body is malformed: {}", error_chain(&e))
                         }
-                        Some(_) => "the caller's request body ended before it was complete".to_owned(),
+                        Some(CallerFault::StalledBody) => format!(
+                            "the request body stopped coming, and upstream {name} gave up on it: {}",
+                            error_chain(&e)
+                        ),
+                        Some(CallerFault::Gone) => {
+                            "the caller's request body ended before it was complete".to_owned()
+                        }
                         None => format!("upstream {name} failed: {}", error_chain(&e)),
                     };
                     (outcome, None, detail)
@@ -232,7 +283,9 @@ impl retry::Attempts for Forward<'_> {
                     format!("the request body stalled: it was not complete when the request's timeout ({:?}) ran out", self.timeout),
                 ),
             };
-        upstream.observe(outcome, elapsed);
+        // The upstream's latency runs from when it had the whole request:
+        // a slow upload is the caller's time, not the upstream's.
+        upstream.observe(outcome, sent_whole.elapsed());
         if answer.is_none() {
             tracing::debug!(upstream = %name, outcome = outcome.label(), error = %detail, "upstream attempt failed");
         }
@@ -298,7 +351,7 @@ async fn timed<F: Future>(
     progress: Option<&Progress>,
     per_try: Duration,
     deadline: Instant,
-) -> Timed<F::Output> {
+) -> (Timed<F::Output>, Instant) {
     tokio::pin!(send);
     let start = Instant::now();
     let fair = per_try / 2;
@@ -306,16 +359,17 @@ async fn timed<F: Future>(
         Some(p) if !p.is_sent() => {
             tokio::select! {
                 biased;
-                out = &mut send => return Timed::Done(out),
+                out = &mut send => return (Timed::Done(out), start),
                 () = p.sent() => Instant::now(),
                 () = tokio::time::sleep_until(deadline) => {
-                    return if p.waiting_on_caller() {
+                    let late = if p.waiting_on_caller() {
                         Timed::Stalled
                     } else if deadline.saturating_duration_since(start) >= fair {
                         Timed::PerTry
                     } else {
                         Timed::Deadline
                     };
+                    return (late, start);
                 }
             }
         }
@@ -327,8 +381,8 @@ async fn timed<F: Future>(
         _ => (deadline, Timed::Deadline),
     };
     match tokio::time::timeout_at(until, send).await {
-        Ok(out) => Timed::Done(out),
-        Err(_) => late,
+        Ok(out) => (Timed::Done(out), sent),
+        Err(_) => (late, sent),
     }
 }
 
@@ -352,7 +406,10 @@ mod tests {
     /// state when the timers fire.
     async fn ends(progress: Option<&Progress>, per_try: Duration, left: Duration) -> &'static str {
         let deadline = Instant::now() + left;
-        match timed(std::future::pending::<()>(), progress, per_try, deadline).await {
+        match timed(std::future::pending::<()>(), progress, per_try, deadline)
+            .await
+            .0
+        {
             Timed::Done(()) => "done",
             Timed::PerTry => "per-try",
             Timed::Deadline => "deadline",
@@ -396,7 +453,12 @@ mod tests {
             tokio::time::sleep(300 * MS).await;
         };
         let deadline = Instant::now() + 10_000 * MS;
-        let got = timed(answer, Some(&progress), 400 * MS, deadline).await;
+        let (got, sent) = timed(answer, Some(&progress), 400 * MS, deadline).await;
+        assert_eq!(
+            sent.elapsed(),
+            300 * MS,
+            "the upstream's time is from the upload's end"
+        );
         assert!(matches!(got, Timed::Done(())), "not a timeout");
     }
 }

@@ -212,7 +212,10 @@ pub fn check_host(
         (None, None) if version == Version::HTTP_11 => {
             Err("an HTTP/1.1 request needs a Host header")
         }
-        (Some(host), None) if !host.as_bytes().iter().all(|b| HOST_BYTE[*b as usize]) => {
+        (Some(host), None)
+            if !host.as_bytes().iter().all(|b| HOST_BYTE[*b as usize])
+                || !host_and_port(host.as_bytes()) =>
+        {
             Err("the Host header is not a valid host[:port]")
         }
         (host, _) => Ok(host),
@@ -319,6 +322,36 @@ pub fn decrement_max_forwards(method: &http::Method, headers: &mut HeaderMap) {
     }
 }
 
+/// `host[:port]`: one `[IPv6]` literal or a host without `:`, then at most
+/// one `:` and a port of up to five digits no larger than 65535.
+fn host_and_port(value: &[u8]) -> bool {
+    let (host, rest) = match value.strip_prefix(b"[") {
+        Some(literal) => match literal.iter().position(|b| *b == b']') {
+            Some(end) => (&literal[..end], &literal[end + 1..]),
+            None => return false,
+        },
+        None => match value.iter().position(|b| *b == b':') {
+            Some(colon) => (&value[..colon], &value[colon..]),
+            None => (value, &b""[..]),
+        },
+    };
+    if host.iter().any(|b| matches!(b, b'[' | b']')) {
+        return false;
+    }
+    match rest.strip_prefix(b":") {
+        None => rest.is_empty(),
+        Some(port) => {
+            port.len() <= 5
+                && port.iter().all(u8::is_ascii_digit)
+                && (port.is_empty()
+                    || std::str::from_utf8(port)
+                        .ok()
+                        .and_then(|p| p.parse::<u32>().ok())
+                        .is_some_and(|n| n <= 65535))
+        }
+    }
+}
+
 /// The caller's IP as a header value, for `X-Forwarded-For`.
 pub fn ip_value(ip: IpAddr) -> HeaderValue {
     HeaderValue::from_str(&ip.to_string()).expect("an IP address is a valid header value")
@@ -367,6 +400,25 @@ mod tests {
                 want.map(|()| hosts.first().copied()),
                 "{version:?} {hosts:?}"
             );
+        }
+        let port_games = [
+            "x:80:80", "x:-1", "[::1", "x:+80", "x:0x50", "x:65536", "x:123456", "a]:1", "[::1]x",
+        ];
+        for host in port_games {
+            let mut h = HeaderMap::new();
+            h.insert(header::HOST, HeaderValue::from_str(host).unwrap());
+            assert!(check_host(Version::HTTP_11, &h).is_err(), "{host}");
+        }
+        for host in [
+            "x:",
+            "x:65535",
+            "[::1]",
+            "[fe80::1%25eth0]:8",
+            "xn--bcher-kva.example:1",
+        ] {
+            let mut h = HeaderMap::new();
+            h.insert(header::HOST, HeaderValue::from_str(host).unwrap());
+            assert!(check_host(Version::HTTP_11, &h).is_ok(), "{host}");
         }
     }
 

@@ -370,6 +370,14 @@ async fn forward(
         policy.max_replay_body,
         policy.timeout,
     );
+    let deadline = retry::deadline(start, policy.timeout);
+    if let Err((fault, detail)) = attempts.prefetch(deadline).await {
+        let outcome = crate::policy::Outcome::Caller(fault);
+        let mut resp = LocalError::for_outcome(outcome).response(&detail);
+        resp.headers_mut()
+            .insert(&headers::X_HERDGUARD_ATTEMPTS, attempt::attempt_value(0));
+        return resp;
+    }
     let sent = retry::run(&route.guards, facts, &mut attempts, start, explain).await;
     drop(attempts);
     let attempts = attempt::attempt_value(sent.attempts);

@@ -91,6 +91,18 @@ pub struct Pooled {
     /// connection is idle: hyper learns that the upstream closed it only
     /// when its connection task next runs, which may be after a checkout.
     probe: std::net::TcpStream,
+    /// The task that drives the connection.
+    task: tokio::task::AbortHandle,
+}
+
+/// A connection dropped anywhere but back into the pool (its attempt timed
+/// out or its caller went away mid-request, or the pool threw it out) is
+/// closed at once: an upstream is not left working on a request nobody
+/// waits for, nor a half-sent body holding the connection open.
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 impl Pooled {
@@ -254,12 +266,17 @@ impl H1Pool {
                 source,
             })?;
         let authority = self.authority.clone();
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             if let Err(e) = conn.with_upgrades().await {
                 debug!(upstream = %authority, error = %e, "upstream connection ended with an error");
             }
-        });
-        Ok(Pooled { sender, probe })
+        })
+        .abort_handle();
+        Ok(Pooled {
+            sender,
+            probe,
+            task,
+        })
     }
 }
 

@@ -145,6 +145,12 @@ impl<B> ReplayBody<B> {
         Poll::Pending
     }
 
+    /// Whether the caller declared a length that the copy can hold whole.
+    pub fn fits(&self) -> bool {
+        self.exact_len
+            .is_some_and(|len| len <= self.shared.max_bytes)
+    }
+
     /// Another handle on the same body, starting from its first byte.
     pub fn replay(&self) -> Self {
         Self {

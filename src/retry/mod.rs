@@ -20,8 +20,8 @@ use crate::policy::breaker::{
     Admit, Outcome as BreakerOutcome, SharedBreaker, Snapshot, State as BreakerState, Transition,
 };
 use crate::policy::{
-    decide, decide::Guards as Gates, BackoffState, Budget, CallerFault, Decision, Ended, Outcome,
-    Policy, Refusal, RequestFacts, SkipReason, Stop,
+    decide, decide::Guards as Gates, BackoffState, Budget, CallerFault, Decision, Ended, Fault,
+    Outcome, Policy, Refusal, RequestFacts, SkipReason, Stop,
 };
 
 /// What every attempt on a route passes through: its retry policy, budget,
@@ -112,15 +112,14 @@ pub async fn run<T: Attempts>(
     explain: bool,
 ) -> Sent<T::Answer> {
     let policy = &guards.policy;
-    // A `timeout` too long to add to a clock reading is as good as none.
-    let deadline = start
-        .checked_add(policy.timeout)
-        .unwrap_or_else(|| start + Duration::from_secs(365 * 24 * 3600));
+    let deadline = deadline(start, policy.timeout);
     let mut trace = explain.then(String::new);
     let mut backoff = BackoffState::default();
     // The previous attempt's end, while a retry it paid for is tried, with
     // the retry's cause and delay, counted once the retry is sent.
     let mut kept: Option<(End<T::Answer>, Outcome, Duration)> = None;
+    // The budget token of the retry being waited for, until it is sent.
+    let mut token: Option<Token<'_>> = None;
     let mut n = 0u32;
 
     loop {
@@ -134,10 +133,12 @@ pub async fn run<T: Attempts>(
                     detail: format!("the circuit breaker of route {} is open", guards.route),
                     retry_after: Some(retry_after),
                 };
+                spend(&mut token);
                 return refuse(guards, n, kept, refused, trace);
             }
         };
         if let Err(detail) = attempts.reserve() {
+            spend(&mut token);
             guards.record(probe, BreakerOutcome::Unknown);
             note(&mut trace, format_args!("{n}=overloaded"));
             let refused = End::Failed {
@@ -147,16 +148,12 @@ pub async fn run<T: Attempts>(
             };
             return refuse(guards, n, kept, refused, trace);
         }
-        // A request earns its share of retries once it is sent: one the
-        // breaker or the limits refused never reached the upstream.
-        if n == 1 {
-            guards.budget.deposit(start);
-        }
-        // The retry goes: count it, and let go of the answer kept in case
-        // it could not.
+        // The retry goes: count it, keep its token, and let go of the
+        // answer kept in case it could not.
         if let Some((_, cause, delay)) = kept.take() {
             guards.metrics.retry(cause, delay);
         }
+        spend(&mut token);
 
         // Should the caller go away mid-attempt, this whole future is
         // dropped, and the guard tells the breaker and the metrics.
@@ -164,6 +161,13 @@ pub async fn run<T: Attempts>(
         let attempt = attempts.send(n, policy.per_try_timeout, deadline).await;
         std::mem::forget(unanswered);
         let outcome = attempt.outcome;
+        // A request earns its share of retries once it was sent and the
+        // caller did its part: one the breaker or the limits refused never
+        // reached the upstream, and a caller's bad or stalled body must not
+        // pay for retries against it.
+        if n == 1 && outcome.fault() != Fault::Caller {
+            guards.budget.deposit(start);
+        }
         guards.metrics.attempt(outcome);
         guards.record(probe, BreakerOutcome::of(outcome));
         if trace.is_some() {
@@ -232,8 +236,18 @@ pub async fn run<T: Attempts>(
             attempts.park(answer);
         }
         kept = Some((last, outcome, delay));
+        // Should the caller go away during the wait, the token goes back.
+        token = Some(Token(&guards.budget));
         tokio::time::sleep(delay).await;
     }
+}
+
+/// When a request that started at `start` must be over.
+pub fn deadline(start: Instant, timeout: Duration) -> Instant {
+    // A `timeout` too long to add to a clock reading is as good as none.
+    start
+        .checked_add(timeout)
+        .unwrap_or_else(|| start + Duration::from_secs(365 * 24 * 3600))
 }
 
 /// Attempt `n` was refused before it was sent. A first attempt answers for
@@ -271,6 +285,29 @@ fn end<A>(attempt: Attempt<A>) -> End<A> {
             detail: attempt.detail,
             retry_after: None,
         },
+    }
+}
+
+/// The budget token a retry took, while the retry waits to be sent: given
+/// back if the request is dropped first (its caller went away).
+struct Token<'a>(&'a Budget);
+
+impl Token<'_> {
+    /// Sent, or refunded by [`refuse`]: nothing more to do.
+    fn spent(self) {
+        std::mem::forget(self);
+    }
+}
+
+fn spend(token: &mut Option<Token<'_>>) {
+    if let Some(token) = token.take() {
+        token.spent();
+    }
+}
+
+impl Drop for Token<'_> {
+    fn drop(&mut self) {
+        self.0.refund(Instant::now());
     }
 }
 
@@ -552,6 +589,32 @@ mod tests {
         let mut attempts = script(&[timeout, timeout]);
         run(&g, facts(), &mut attempts, Instant::now(), false).await;
         assert!(!g.breaker.is_closed());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_caller_gone_during_the_backoff_gives_the_token_back() {
+        let registry = Metrics::new();
+        let g = guards(&registry);
+        let before = g.budget.available(Instant::now());
+        let mut attempts = script(&[S503, S200]);
+        let run = run(&g, facts(), &mut attempts, Instant::now(), false);
+        // The retry waits 100 ms; the caller leaves after 50.
+        let left = tokio::time::timeout(Duration::from_millis(50), run).await;
+        assert!(left.is_err());
+        assert_eq!(attempts.sent, 1);
+        assert_eq!(g.budget.available(Instant::now()), before + 0.2, "refunded");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_callers_fault_deposits_nothing() {
+        let registry = Metrics::new();
+        let g = guards(&registry);
+        let before = g.budget.available(Instant::now());
+        for _ in 0..20 {
+            let mut attempts = script(&[Outcome::Caller(CallerFault::StalledBody)]);
+            run(&g, facts(), &mut attempts, Instant::now(), false).await;
+        }
+        assert_eq!(g.budget.available(Instant::now()), before);
     }
 
     #[tokio::test(start_paused = true)]

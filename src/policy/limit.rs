@@ -23,6 +23,9 @@ use super::outcome::{Outcome, UpstreamFault};
 #[derive(Debug, Clone)]
 pub struct Limiter {
     limit: f64,
+    /// Where the limit starts, and where it comes back to when the upstream
+    /// is healthy, however light the traffic.
+    initial: f64,
     min_limit: f64,
     max_limit: f64,
     tolerance: f64,
@@ -30,6 +33,11 @@ pub struct Limiter {
     /// Long-run average latency, in seconds (exponentially weighted).
     long_rtt: Option<f64>,
     window: Option<Window>,
+    /// When a timeout last cut the limit: it is cut at most once per window.
+    last_cut: Option<Instant>,
+    /// When a sample last came: a limit left low by a past spell comes back
+    /// once the upstream has been quiet for [`QUIET`].
+    last_sample: Option<Instant>,
 }
 
 /// Why a limiter could not be built; [`key`](InvalidLimiter::key) names
@@ -84,6 +92,9 @@ impl Sample {
     }
 }
 
+/// With no samples this long, a limit that fell comes back to its initial value.
+const QUIET: Duration = Duration::from_secs(5);
+
 /// Samples over which the long-run average mostly forms.
 const LONG_WINDOW: f64 = 500.0;
 /// The limit moves at most once per window of samples this long ...
@@ -110,6 +121,9 @@ impl Limiter {
         }
         Ok(Self {
             limit: (c.initial_limit as f64).min(max),
+            initial: (c.initial_limit as f64).min(max),
+            last_cut: None,
+            last_sample: None,
             min_limit: (c.min_limit as f64).min(max),
             max_limit: max,
             tolerance: c.tolerance,
@@ -131,34 +145,59 @@ impl Limiter {
     /// on the window's average latency: a burst of slow answers caused by a
     /// hiccup of the proxy itself does not collapse the limit.
     pub fn update(&mut self, sample: Sample, in_flight: usize, now: Instant) {
+        self.last_sample = Some(now);
+        if sample == Sample::Dropped {
+            // A timeout says the upstream is struggling now: back off at once,
+            // but once per window, however many time out together.
+            let cut_lately = self
+                .last_cut
+                .is_some_and(|at| now.saturating_duration_since(at) < WINDOW);
+            if !cut_lately {
+                self.limit = (self.limit * 0.9).clamp(self.min_limit, self.max_limit);
+                self.last_cut = Some(now);
+            }
+            self.window = None;
+            return;
+        }
         let w = self.window.get_or_insert(Window {
             start: now,
             sum: 0.0,
             count: 0,
             max_in_flight: 0,
-            dropped: false,
         });
-        match sample {
-            Sample::Dropped => w.dropped = true,
-            Sample::Latency(rtt) => {
-                w.sum += rtt.as_secs_f64();
-                w.count += 1;
-            }
+        if let Sample::Latency(rtt) = sample {
+            w.sum += rtt.as_secs_f64();
+            w.count += 1;
         }
         w.max_in_flight = w.max_in_flight.max(in_flight);
-        let ripe = now.saturating_duration_since(w.start) >= WINDOW && w.count >= MIN_SAMPLES;
-        if !(ripe || w.dropped) {
+        let age = now.saturating_duration_since(w.start);
+        // Light traffic fills no window of MIN_SAMPLES: after ten windows'
+        // time, what came is enough.
+        let ripe = age >= WINDOW && (w.count >= MIN_SAMPLES || age >= WINDOW * 10);
+        if !ripe {
             return;
         }
         let Some(w) = self.window.take() else {
             return;
         };
-        if w.dropped {
-            // A timeout says the upstream is struggling now: back off at once.
-            self.limit = (self.limit * 0.9).clamp(self.min_limit, self.max_limit);
-            return;
+        self.apply(
+            (w.sum / f64::from(w.count.max(1))).max(1e-6),
+            w.max_in_flight,
+        );
+    }
+
+    /// A limit left below its initial value by a past spell comes back to it
+    /// once the upstream has had no traffic for [`QUIET`]: with nothing
+    /// learnt since, the first burst after a quiet time is not shed for what
+    /// happened before it. Called once a second.
+    pub fn relax(&mut self, now: Instant) {
+        let quiet = self
+            .last_sample
+            .is_none_or(|at| now.saturating_duration_since(at) >= QUIET);
+        if quiet && self.limit < self.initial {
+            self.limit = self.initial;
+            self.window = None;
         }
-        self.apply((w.sum / w.count as f64).max(1e-6), w.max_in_flight);
     }
 
     fn apply(&mut self, short: f64, in_flight: usize) {
@@ -176,8 +215,12 @@ impl Limiter {
         self.long_rtt = Some(long);
         let gradient = (self.tolerance * long / short).clamp(0.5, 1.0);
         let mut new = self.limit * gradient + self.limit.sqrt();
-        // Grow only when the limit is what holds requests back.
-        if (in_flight as f64) < self.limit / 2.0 {
+        // Grow only when the limit is what holds requests back; but a limit
+        // below where it started comes back while latency is normal, however
+        // light the traffic, doubling per window.
+        if gradient >= 1.0 && self.limit < self.initial {
+            new = new.max((self.limit * 2.0).min(self.initial));
+        } else if (in_flight as f64) < self.limit / 2.0 {
             new = new.min(self.limit);
         }
         // Shrink smoothly (one slow window is not a trend), grow at once:
@@ -198,7 +241,6 @@ struct Window {
     sum: f64,
     count: u32,
     max_in_flight: usize,
-    dropped: bool,
 }
 
 #[cfg(test)]
@@ -282,7 +324,7 @@ mod tests {
     fn timeouts_shrink_it_to_the_floor_and_no_further() {
         let (mut l, mut clock) = (limiter(), Instant::now());
         for _ in 0..100 {
-            clock += Duration::from_millis(1);
+            clock += Duration::from_millis(100);
             l.update(Sample::Dropped, 0, clock);
         }
         assert_eq!(l.limit(), 5);
@@ -306,6 +348,42 @@ mod tests {
         ] {
             assert_eq!(Sample::of(o, second), None, "{o:?}");
         }
+    }
+
+    #[test]
+    fn timeouts_together_cut_it_once_and_healthy_light_traffic_brings_it_back() {
+        let (mut l, mut clock) = (limiter(), Instant::now());
+        // 30 attempts time out together.
+        for _ in 0..30 {
+            l.update(Sample::Dropped, 30, clock);
+        }
+        assert_eq!(l.limit(), 45, "one cut of 10% from 50");
+        // A spell of timeouts over seconds takes it to the floor.
+        for _ in 0..100 {
+            clock += Duration::from_millis(100);
+            l.update(Sample::Dropped, 1, clock);
+        }
+        assert_eq!(l.limit(), 5);
+        // Then two healthy answers a second, one in flight at a time.
+        for _ in 0..20 {
+            clock += Duration::from_millis(500);
+            l.update(ms(10), 1, clock);
+        }
+        assert_eq!(l.limit(), 50, "back to where it started within 10 s");
+    }
+
+    #[test]
+    fn a_quiet_upstream_gets_its_initial_limit_back() {
+        let (mut l, mut clock) = (limiter(), Instant::now());
+        for _ in 0..100 {
+            clock += Duration::from_millis(100);
+            l.update(Sample::Dropped, 1, clock);
+        }
+        assert_eq!(l.limit(), 5);
+        l.relax(clock + Duration::from_secs(1));
+        assert_eq!(l.limit(), 5, "not quiet yet");
+        l.relax(clock + QUIET);
+        assert_eq!(l.limit(), 50);
     }
 
     #[test]

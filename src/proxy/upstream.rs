@@ -281,11 +281,18 @@ impl Upstream {
     }
 
     /// Closes connections that closed or idled out (once a second).
+    /// Also lets a limit left low by a past spell come back once the
+    /// upstream has been quiet (see [`Limiter::relax`]).
     pub fn sweep(&self) {
         for e in &self.endpoints {
             if let Transport::Pool(pool) = &e.transport {
                 pool.sweep();
             }
+        }
+        if let Some(limiter) = &self.limiter {
+            let mut limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
+            limiter.relax(tokio::time::Instant::now());
+            self.limit.store(limiter.limit(), Ordering::Relaxed);
         }
     }
 

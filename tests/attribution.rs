@@ -312,7 +312,7 @@ async fn a_retry_refused_after_it_was_paid_for_refunds_and_passes_the_upstreams_
     let hg = Binary::start(&route(
         &up.url(),
         r#"attempts = 2, backoff = { base = "1s", jitter = "none" }"#,
-        "consecutive_failures = 2",
+        "consecutive_failures = 1, probe_interval = \"1h\"",
     ))
     .await;
     let addr = hg.listen.clone();
@@ -332,10 +332,11 @@ async fn a_retry_refused_after_it_was_paid_for_refunds_and_passes_the_upstreams_
         },
     )
     .await;
-    // While the first waits out its 1 s backoff, a second failure trips the breaker.
+    // While the first waits out its 1 s backoff, a POST fails (it may not be
+    // retried): a failed request, and the breaker trips.
     let second = request(
         &hg.listen,
-        "GET /b HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+        "POST /b HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
     )
     .await;
     assert_eq!(second.status, 503);
@@ -360,7 +361,12 @@ async fn a_retry_refused_after_it_was_paid_for_refunds_and_passes_the_upstreams_
         None,
         "no retry was made:\n{text}"
     );
-    assert_eq!(metric(&text, &skipped("breaker_open")), Some(2.0), "{text}");
+    assert_eq!(metric(&text, &skipped("breaker_open")), Some(1.0), "{text}");
+    assert_eq!(
+        metric(&text, &skipped("non_idempotent")),
+        Some(1.0),
+        "{text}"
+    );
     // The floor (10/s over 10 s) and two deposits of 0.2: the token came back.
     let budget = metric(&text, r#"herdguard_retry_budget_available{route="r"}"#).unwrap();
     assert!((budget - 100.4).abs() < 1e-9, "{budget}\n{text}");

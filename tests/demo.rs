@@ -89,9 +89,11 @@ async fn demo_completes_and_agrees_with_the_metrics() {
     assert_eq!(requests(Phase::Outage), Some(160), "{}", outage.render());
     assert_eq!(requests(Phase::After), Some(160), "{}", outage.render());
     let during = outage.phase(Phase::Outage).expect("an outage phase");
-    // In the outage the breaker keeps attempts off the upstream.
+    // In the outage the breaker keeps attempts off the upstream. It counts
+    // requests, not attempts, so the first requests of the outage each make
+    // their retries before it hears that they failed: about a quarter.
     assert!(
-        during.upstream_requests < during.callers.requests / 4,
+        during.upstream_requests < during.callers.requests / 3,
         "{}",
         outage.render()
     );

@@ -396,6 +396,10 @@ pub struct BreakerConfig {
     #[serde(with = "duration")]
     pub max_open_for: Duration,
     pub half_open_probes: u32,
+    /// While open, one request this often (jittered ±50%) goes through as a
+    /// probe; when it succeeds the breaker half-opens at once.
+    #[serde(with = "duration")]
+    pub probe_interval: Duration,
 }
 
 impl Default for BreakerConfig {
@@ -408,6 +412,7 @@ impl Default for BreakerConfig {
             open_for: Duration::from_secs(5),
             max_open_for: Duration::from_secs(60),
             half_open_probes: 3,
+            probe_interval: Duration::from_secs(1),
         }
     }
 }

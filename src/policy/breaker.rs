@@ -29,7 +29,7 @@ use tokio::time::Instant;
 
 use crate::config::schema::BreakerConfig;
 
-use super::outcome::{Fault, Outcome as AttemptOutcome, UpstreamFault};
+use super::outcome::{Fault, Outcome as AttemptOutcome};
 
 const SLOTS: usize = 10;
 
@@ -107,10 +107,6 @@ impl Outcome {
     /// failures; the caller's faults, the deadline's cut and the proxy's
     /// refusals count for nothing (but free a probe slot).
     pub fn of(outcome: AttemptOutcome) -> Self {
-        // The keep-alive race: the upstream's doing, not a sign of trouble.
-        if outcome == AttemptOutcome::Upstream(UpstreamFault::StaleConnection) {
-            return Outcome::Unknown;
-        }
         match outcome.fault() {
             Fault::None => Outcome::Success,
             Fault::Upstream => Outcome::Failure,
@@ -128,8 +124,11 @@ pub struct Breaker {
     open_for: Duration,
     max_open_for: Duration,
     half_open_probes: u32,
+    probe_interval: Duration,
 
     state: State,
+    /// While open: when the next trickle probe may go.
+    next_probe: Instant,
     since: Instant,
     /// Until when the breaker stays open.
     open_until: Instant,
@@ -180,7 +179,11 @@ impl Breaker {
         if !(c.failure_rate > 0.0 && c.failure_rate <= 1.0) {
             return Err(InvalidBreaker::Rate(c.failure_rate));
         }
-        for (key, d) in [("window", c.window), ("open_for", c.open_for)] {
+        for (key, d) in [
+            ("window", c.window),
+            ("open_for", c.open_for),
+            ("probe_interval", c.probe_interval),
+        ] {
             if d.is_zero() {
                 return Err(InvalidBreaker::ZeroDuration(key));
             }
@@ -196,7 +199,9 @@ impl Breaker {
             open_for: c.open_for,
             max_open_for: c.max_open_for,
             half_open_probes: c.half_open_probes,
+            probe_interval: c.probe_interval,
             state: State::Closed,
+            next_probe: now,
             since: now,
             open_until: now,
             trips: 0,
@@ -229,6 +234,7 @@ impl Breaker {
         self.open_for = fresh.open_for;
         self.max_open_for = fresh.max_open_for;
         self.half_open_probes = fresh.half_open_probes;
+        self.probe_interval = fresh.probe_interval;
         Ok(())
     }
 
@@ -240,6 +246,13 @@ impl Breaker {
     ) -> (Admit, Option<Transition>) {
         match self.state {
             State::Closed => (Admit::Yes { probe: false }, None),
+            // While open, a trickle of probes: one per `probe_interval`,
+            // jittered, so that a recovered upstream is found in about a
+            // second, not after the whole open time.
+            State::Open if !self.forced && now < self.open_until && now >= self.next_probe => {
+                self.next_probe = now + self.probe_interval.mul_f64(rng.random_range(0.5..1.5));
+                (Admit::Yes { probe: true }, None)
+            }
             State::Open if self.forced || now < self.open_until => {
                 let remaining = self.open_until.saturating_duration_since(now);
                 // Spread the callers we turn away, too.
@@ -306,6 +319,18 @@ impl Breaker {
                     self.consecutive_failures = 0;
                 }
                 None
+            }
+            // A trickle probe that succeeds half-opens the breaker at once
+            // (and closes it, when one probe is a majority); one that fails
+            // changes nothing: the breaker stays open.
+            State::Open if probe && !failed => {
+                let t = self.enter(State::HalfOpen, now);
+                self.probe_successes = 1;
+                if self.probe_successes > self.half_open_probes / 2 {
+                    self.trips = 0;
+                    return self.enter(State::Closed, now);
+                }
+                t
             }
             // A majority of the probes decides: an upstream that is back but
             // still fails now and then is not sent back to Open by one failure.
@@ -382,6 +407,7 @@ impl Breaker {
         let factor: f64 = rng.random_range(0.75..1.25);
         let open = base.mul_f64(factor).min(self.max_open_for.mul_f64(1.25));
         self.open_until = now + open;
+        self.next_probe = now + self.probe_interval.mul_f64(rng.random_range(0.5..1.5));
         self.enter(State::Open, now)
     }
 
@@ -482,7 +508,59 @@ mod tests {
             open_for: Duration::from_secs(5),
             max_open_for: Duration::from_secs(60),
             half_open_probes: 2,
+            // Out of the way of the open-time tests; see the trickle test.
+            probe_interval: Duration::from_secs(3600),
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_open_breaker_probes_about_once_a_second_and_half_opens_on_success() {
+        let c = BreakerConfig {
+            probe_interval: Duration::from_secs(1),
+            consecutive_failures: 1,
+            open_for: Duration::from_secs(30),
+            ..config()
+        };
+        let (mut b, mut r) = (Breaker::try_new(&c, Instant::now()).unwrap(), rng());
+        let t0 = Instant::now();
+        b.record(t0, false, Outcome::Failure, &mut r);
+        assert_eq!(b.state(), State::Open);
+        // Over 10 s of callers every 10 ms: about ten probes, never two in 500 ms.
+        let mut probes = Vec::new();
+        for i in 0..1000 {
+            let now = t0 + Duration::from_millis(10 * i);
+            if now >= b.open_until {
+                break;
+            }
+            if let (Admit::Yes { probe: true }, _) = b.admit(now, &mut r) {
+                probes.push(now);
+                b.record(now, true, Outcome::Failure, &mut r);
+                assert_eq!(b.state(), State::Open, "a failed probe keeps it open");
+            }
+        }
+        assert!(!probes.is_empty());
+        assert!(
+            probes
+                .windows(2)
+                .all(|w| w[1] - w[0] >= Duration::from_millis(500)),
+            "{probes:?}"
+        );
+        assert!(probes[0] - t0 <= Duration::from_millis(1500));
+        // The upstream is back: the next probe half-opens, and with two
+        // probes a majority, one more success closes it.
+        let later = *probes.last().unwrap() + Duration::from_millis(1500);
+        assert_eq!(b.admit(later, &mut r).0, Admit::Yes { probe: true });
+        assert_eq!(
+            b.record(later, true, Outcome::Success, &mut r),
+            Some(Transition {
+                to: State::HalfOpen
+            })
+        );
+        assert_eq!(b.admit(later, &mut r).0, Admit::Yes { probe: true });
+        assert_eq!(
+            b.record(later, true, Outcome::Success, &mut r),
+            Some(Transition { to: State::Closed })
+        );
     }
 
     fn rng() -> SmallRng {

@@ -46,9 +46,10 @@ pub enum UpstreamFault {
     /// large or malformed. It would only fail again: never retried.
     BadResponse,
     /// A reused keep-alive connection closed before any byte of the answer:
-    /// the upstream closed it as the request went out (the keep-alive race
-    /// of RFC 9112 §9.3.1). A reset for `retry_on`, so idempotent requests
-    /// are retried; but the upstream is alive, so the breaker does not count it.
+    /// most likely the upstream closed it as the request went out (the
+    /// keep-alive race of RFC 9112 §9.3.1), but a crash looks the same. A
+    /// reset for `retry_on`, so idempotent requests are retried (and then
+    /// succeed, which is what the breaker, counting requests, hears).
     StaleConnection,
 }
 

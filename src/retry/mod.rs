@@ -21,7 +21,7 @@ use crate::policy::breaker::{
 };
 use crate::policy::{
     decide, decide::Guards as Gates, BackoffState, Budget, CallerFault, Decision, Ended, Fault,
-    Outcome, Policy, Refusal, RequestFacts, SkipReason, Stop,
+    Outcome, Policy, Refusal, RequestFacts, SkipReason, Stop, UpstreamFault,
 };
 
 /// What every attempt on a route passes through: its retry policy, budget,
@@ -120,6 +120,19 @@ pub async fn run<T: Attempts>(
     let mut kept: Option<(End<T::Answer>, Outcome, Duration)> = None;
     // The budget token of the retry being waited for, until it is sent.
     let mut token: Option<Token<'_>> = None;
+    // The breaker counts requests, not attempts: a request's retries are
+    // not so many independent failures, and random errors its retries
+    // absorb are no failure at all. It hears how the request ended, once;
+    // or earlier, when an attempt was a probe, or timed out: a request held
+    // by an upstream that stopped answering is counted as failed at its
+    // first per-try timeout, since waiting for its last one (or for its
+    // caller to give up, which counts for nothing) lets a pile-up grow.
+    let mut counted = false;
+    let settle = |counted: bool, outcome: Outcome| {
+        if !counted {
+            guards.record(false, BreakerOutcome::of(outcome));
+        }
+    };
     let mut n = 0u32;
 
     loop {
@@ -134,12 +147,20 @@ pub async fn run<T: Attempts>(
                     retry_after: Some(retry_after),
                 };
                 spend(&mut token);
+                if let Some((_, previous, _)) = &kept {
+                    settle(counted, *previous);
+                }
                 return refuse(guards, n, kept, refused, trace);
             }
         };
         if let Err(detail) = attempts.reserve() {
             spend(&mut token);
-            guards.record(probe, BreakerOutcome::Unknown);
+            if probe {
+                guards.record(true, BreakerOutcome::Unknown);
+            }
+            if let Some((_, previous, _)) = &kept {
+                settle(counted, *previous);
+            }
             note(&mut trace, format_args!("{n}=overloaded"));
             let refused = End::Failed {
                 outcome: Outcome::Refused(Refusal::Overloaded),
@@ -169,7 +190,13 @@ pub async fn run<T: Attempts>(
             guards.budget.deposit(start);
         }
         guards.metrics.attempt(outcome);
-        guards.record(probe, BreakerOutcome::of(outcome));
+        if probe {
+            guards.record(true, BreakerOutcome::of(outcome));
+            counted = true;
+        } else if outcome == Outcome::Upstream(UpstreamFault::Timeout) && !counted {
+            guards.record(false, BreakerOutcome::Failure);
+            counted = true;
+        }
         if trace.is_some() {
             let ms = attempt.elapsed.as_millis();
             match outcome {
@@ -220,6 +247,7 @@ pub async fn run<T: Attempts>(
                     }
                     Stop::Answer | Stop::Refused => {}
                 }
+                settle(counted, outcome);
                 return done(n, end(attempt), trace);
             }
         };
@@ -322,7 +350,9 @@ struct Unanswered<'a> {
 impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
         let gone = Outcome::Caller(CallerFault::Gone);
-        self.guards.record(self.probe, BreakerOutcome::of(gone));
+        if self.probe {
+            self.guards.record(true, BreakerOutcome::of(gone));
+        }
         self.guards.metrics.attempt(gone);
     }
 }
@@ -584,11 +614,27 @@ mod tests {
             ));
         }
         assert!(g.breaker.is_closed());
-        // While two upstream failures in a row open it.
+        // While two requests that fail in a row open it.
         let timeout = Outcome::Upstream(UpstreamFault::Timeout);
-        let mut attempts = script(&[timeout, timeout]);
-        run(&g, facts(), &mut attempts, Instant::now(), false).await;
+        for _ in 0..2 {
+            let mut attempts = script(&[timeout, timeout, timeout]);
+            run(&g, facts(), &mut attempts, Instant::now(), false).await;
+        }
         assert!(!g.breaker.is_closed());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_breaker_counts_requests_not_their_retries() {
+        let registry = Metrics::new();
+        let g = guards(&registry);
+        // Each request fails twice and then succeeds: 40 failed attempts in
+        // all, with consecutive_failures = 2, and the breaker never opens.
+        for _ in 0..20 {
+            let mut attempts = script(&[S503, S503, S200]);
+            let sent = run(&g, facts(), &mut attempts, Instant::now(), false).await;
+            assert!(matches!(sent.end, End::Answer(3)));
+        }
+        assert!(g.breaker.is_closed());
     }
 
     #[tokio::test(start_paused = true)]

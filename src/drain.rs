@@ -47,7 +47,8 @@ impl Drain {
             registered: None,
             asked: false,
             started: self.started.clone(),
-            expelled: conduct.expel.clone().notified_owned(),
+            conduct: conduct.clone(),
+            expel: conduct.expel.clone().notified_owned(),
         }
     }
 }
@@ -65,6 +66,7 @@ impl Drain {
 pub struct Conduct {
     abandoned: std::sync::atomic::AtomicU32,
     answered: std::sync::atomic::AtomicU32,
+    expelled: AtomicBool,
     expel: Arc<Notify>,
 }
 
@@ -81,7 +83,10 @@ impl Conduct {
             .fetch_add(1, Ordering::Relaxed)
             .saturating_add(1);
         let answered = self.answered.load(Ordering::Relaxed);
-        if abandoned >= Self::TOLERATED && abandoned > answered.saturating_mul(2) {
+        if abandoned >= Self::TOLERATED
+            && abandoned > answered.saturating_mul(2)
+            && !self.expelled.swap(true, Ordering::AcqRel)
+        {
             // Stored as a permit if the connection is not being polled now.
             self.expel.notify_one();
         }
@@ -99,9 +104,10 @@ pin_project! {
         registered: Option<Waker>,
         asked: bool,
         started: Arc<AtomicBool>,
-        // Completes when this connection's conduct gets it closed.
+        // The flag and the wake-up that this connection's conduct gets it closed.
+        conduct: Arc<Conduct>,
         #[pin]
-        expelled: OwnedNotified,
+        expel: OwnedNotified,
     }
 }
 
@@ -112,16 +118,18 @@ impl<C: GracefulConnection> Future for Watched<C> {
         let mut this = self.project();
         if !*this.asked {
             let mut started = this.started.load(Ordering::Acquire);
-            if !started
+            let mut expelled = this.conduct.expelled.load(Ordering::Acquire);
+            if !(started || expelled)
                 && !this
                     .registered
                     .as_ref()
                     .is_some_and(|w| w.will_wake(cx.waker()))
             {
                 started = this.notified.as_mut().poll(cx).is_ready();
+                expelled = this.expel.as_mut().poll(cx).is_ready();
                 *this.registered = Some(cx.waker().clone());
             }
-            if started || this.expelled.as_mut().poll(cx).is_ready() {
+            if started || expelled {
                 *this.asked = true;
                 this.conn.as_mut().graceful_shutdown();
             }

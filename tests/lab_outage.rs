@@ -47,4 +47,10 @@ async fn herdguard_defaults_bound_the_pile_up_and_recover_where_direct_callers_d
         goodput(&defaults, end) >= 0.7 * defaults.baseline,
         "through herdguard it recovered\n{report}"
     );
+    assert!(
+        defaults
+            .serving
+            .is_some_and(|d| d <= Duration::from_secs(3)),
+        "through herdguard real traffic is back within seconds of the resume\n{report}"
+    );
 }

@@ -136,6 +136,9 @@ pub struct Report {
     pub baseline: f64,
     pub peak_concurrency: usize,
     /// From resume until three seconds in a row reach 90% of the baseline.
+    /// From resume to the first second with half the baseline's goodput.
+    pub serving: Option<Duration>,
+    /// From resume to three seconds in a row with 90% of it.
     pub recovery: Option<Duration>,
 }
 
@@ -318,6 +321,11 @@ fn summarize(setup: Setup, seconds: Vec<Second>, p: &Params) -> Report {
             / baseline_seconds.len() as f64
     };
     let resume = (p.warmup + p.stall).as_secs() as usize;
+    // Real traffic again: the first second after resume with at least half
+    // the baseline's goodput.
+    let serving = (resume..seconds.len())
+        .find(|&i| seconds[i].goodput as f64 >= 0.5 * baseline)
+        .map(|i| Duration::from_secs((i - resume) as u64));
     let recovery = (resume..seconds.len().saturating_sub(2))
         .find(|&i| {
             seconds[i..i + 3]
@@ -330,6 +338,7 @@ fn summarize(setup: Setup, seconds: Vec<Second>, p: &Params) -> Report {
         peak_concurrency: seconds.iter().map(|s| s.upstream_peak).max().unwrap_or(0),
         seconds,
         baseline,
+        serving,
         recovery,
     }
 }
@@ -380,21 +389,28 @@ pub fn parse_csv(text: &str) -> Result<Vec<Second>, String> {
 /// The side-by-side table of several runs.
 pub fn table(reports: &[Report]) -> String {
     let mut out = format!(
-        "{:<24} {:>14} {:>18} {:>22}\n",
-        "setup", "baseline req/s", "peak upstream conc.", "recovery after resume"
+        "{:<24} {:>14} {:>18} {:>20} {:>22}\n",
+        "setup",
+        "baseline req/s",
+        "peak upstream conc.",
+        "serving (50%) after",
+        "recovery (90%) after"
     );
-    for r in reports {
-        let recovery = r.recovery.map_or_else(
+    let secs = |d: Option<Duration>| {
+        d.map_or_else(
             || "not within the run".to_owned(),
             |d| format!("{} s", d.as_secs()),
-        );
+        )
+    };
+    for r in reports {
         let _ = writeln!(
             out,
-            "{:<24} {:>14.0} {:>18} {:>22}",
+            "{:<24} {:>14.0} {:>18} {:>20} {:>22}",
             r.setup.name(),
             r.baseline,
             r.peak_concurrency,
-            recovery
+            secs(r.serving),
+            secs(r.recovery)
         );
     }
     out

@@ -119,12 +119,11 @@ impl<C: GracefulConnection> Future for Watched<C> {
         if !*this.asked {
             let mut started = this.started.load(Ordering::Acquire);
             let mut expelled = this.conduct.expelled.load(Ordering::Acquire);
-            if !(started || expelled)
-                && !this
-                    .registered
-                    .as_ref()
-                    .is_some_and(|w| w.will_wake(cx.waker()))
-            {
+            let registered = this
+                .registered
+                .as_ref()
+                .is_some_and(|w| w.will_wake(cx.waker()));
+            if !started && !expelled && !registered {
                 started = this.notified.as_mut().poll(cx).is_ready();
                 expelled = this.expel.as_mut().poll(cx).is_ready();
                 *this.registered = Some(cx.waker().clone());

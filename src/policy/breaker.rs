@@ -33,6 +33,9 @@ use super::outcome::{Fault, Outcome as AttemptOutcome};
 
 const SLOTS: usize = 10;
 
+/// The most the wait between trickle probes grows, as a multiple of `probe_interval`.
+const PROBE_BACKOFF: u32 = 8;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {
     Closed,
@@ -129,6 +132,10 @@ pub struct Breaker {
     state: State,
     /// While open: when the next trickle probe may go.
     next_probe: Instant,
+    /// Trickle probes that failed in a row since the trip: each doubles the
+    /// wait for the next, up to [`PROBE_BACKOFF`] times `probe_interval`, so
+    /// a long outage is not fed a steady stream of probes.
+    failed_probes: u32,
     since: Instant,
     /// Until when the breaker stays open.
     open_until: Instant,
@@ -202,6 +209,7 @@ impl Breaker {
             probe_interval: c.probe_interval,
             state: State::Closed,
             next_probe: now,
+            failed_probes: 0,
             since: now,
             open_until: now,
             trips: 0,
@@ -250,7 +258,7 @@ impl Breaker {
             // jittered, so that a recovered upstream is found in about a
             // second, not after the whole open time.
             State::Open if !self.forced && now < self.open_until && now >= self.next_probe => {
-                self.next_probe = now + self.probe_interval.mul_f64(rng.random_range(0.5..1.5));
+                self.next_probe = now + self.probe_wait(rng);
                 (Admit::Yes { probe: true }, None)
             }
             State::Open if self.forced || now < self.open_until => {
@@ -323,6 +331,10 @@ impl Breaker {
             // A trickle probe that succeeds half-opens the breaker at once
             // (and closes it, when one probe is a majority); one that fails
             // changes nothing: the breaker stays open.
+            State::Open if probe && failed => {
+                self.failed_probes = self.failed_probes.saturating_add(1);
+                None
+            }
             State::Open if probe && !failed => {
                 let t = self.enter(State::HalfOpen, now);
                 self.probe_successes = 1;
@@ -393,6 +405,15 @@ impl Breaker {
         }
     }
 
+    /// The wait before the next trickle probe: `probe_interval`, doubled per
+    /// probe that failed in a row up to [`PROBE_BACKOFF`] times, jittered ±50%.
+    fn probe_wait<R: Rng + ?Sized>(&self, rng: &mut R) -> Duration {
+        let doublings = self.failed_probes.min(PROBE_BACKOFF.trailing_zeros());
+        self.probe_interval
+            .saturating_mul(1 << doublings)
+            .mul_f64(rng.random_range(0.5..1.5))
+    }
+
     /// How long the next trip keeps the breaker open, before jitter.
     pub fn open_time(&self, trip: u32) -> Duration {
         let doublings = trip.saturating_sub(1).min(32);
@@ -407,7 +428,8 @@ impl Breaker {
         let factor: f64 = rng.random_range(0.75..1.25);
         let open = base.mul_f64(factor).min(self.max_open_for.mul_f64(1.25));
         self.open_until = now + open;
-        self.next_probe = now + self.probe_interval.mul_f64(rng.random_range(0.5..1.5));
+        self.failed_probes = 0;
+        self.next_probe = now + self.probe_wait(rng);
         self.enter(State::Open, now)
     }
 
@@ -525,7 +547,8 @@ mod tests {
         let t0 = Instant::now();
         b.record(t0, false, Outcome::Failure, &mut r);
         assert_eq!(b.state(), State::Open);
-        // Over 10 s of callers every 10 ms: about ten probes, never two in 500 ms.
+        // Over 10 s of callers every 10 ms: probes never two in 500 ms, and
+        // each failed one doubles the wait for the next, up to eight times.
         let mut probes = Vec::new();
         for i in 0..1000 {
             let now = t0 + Duration::from_millis(10 * i);
@@ -546,9 +569,15 @@ mod tests {
             "{probes:?}"
         );
         assert!(probes[0] - t0 <= Duration::from_millis(1500));
+        let gaps: Vec<_> = probes.windows(2).map(|w| w[1] - w[0]).collect();
+        assert!(gaps.len() >= 2 && gaps.len() <= 5, "{gaps:?}");
+        assert!(
+            gaps.iter().all(|g| *g <= Duration::from_secs(12)),
+            "{gaps:?}"
+        );
         // The upstream is back: the next probe half-opens, and with two
         // probes a majority, one more success closes it.
-        let later = *probes.last().unwrap() + Duration::from_millis(1500);
+        let later = b.next_probe;
         assert_eq!(b.admit(later, &mut r).0, Admit::Yes { probe: true });
         assert_eq!(
             b.record(later, true, Outcome::Success, &mut r),

@@ -35,6 +35,8 @@ pub struct Limiter {
     window: Option<Window>,
     /// When a timeout last cut the limit: it is cut at most once per window.
     last_cut: Option<Instant>,
+    /// When an attempt last timed out at all.
+    last_drop: Option<Instant>,
     /// When a sample last came: a limit left low by a past spell comes back
     /// once the upstream has been quiet for [`QUIET`].
     last_sample: Option<Instant>,
@@ -123,6 +125,7 @@ impl Limiter {
             limit: (c.initial_limit as f64).min(max),
             initial: (c.initial_limit as f64).min(max),
             last_cut: None,
+            last_drop: None,
             last_sample: None,
             min_limit: (c.min_limit as f64).min(max),
             max_limit: max,
@@ -147,13 +150,14 @@ impl Limiter {
     pub fn update(&mut self, sample: Sample, in_flight: usize, now: Instant) {
         self.last_sample = Some(now);
         if sample == Sample::Dropped {
-            // A timeout says the upstream is struggling now: back off at once,
+            self.last_drop = Some(now);
+            // A timeout says the upstream is struggling now: halve at once,
             // but once per window, however many time out together.
             let cut_lately = self
                 .last_cut
                 .is_some_and(|at| now.saturating_duration_since(at) < WINDOW);
             if !cut_lately {
-                self.limit = (self.limit * 0.9).clamp(self.min_limit, self.max_limit);
+                self.limit = (self.limit * 0.5).clamp(self.min_limit, self.max_limit);
                 self.last_cut = Some(now);
             }
             self.window = None;
@@ -187,14 +191,17 @@ impl Limiter {
     }
 
     /// A limit left below its initial value by a past spell comes back to it
-    /// once the upstream has had no traffic for [`QUIET`]: with nothing
-    /// learnt since, the first burst after a quiet time is not shed for what
-    /// happened before it. Called once a second.
+    /// once the upstream has had no traffic for [`QUIET`] and no timeout for
+    /// six times that: with nothing bad learnt since, the first burst after
+    /// a quiet time is not shed for what happened before it. An upstream
+    /// that still times out now and then (breaker probes into an outage)
+    /// keeps its low limit, so the burst when the breaker closes is held.
+    /// Called once a second.
     pub fn relax(&mut self, now: Instant) {
-        let quiet = self
-            .last_sample
-            .is_none_or(|at| now.saturating_duration_since(at) >= QUIET);
-        if quiet && self.limit < self.initial {
+        let since = |at: Option<Instant>| at.map(|at| now.saturating_duration_since(at));
+        let quiet = since(self.last_sample).is_none_or(|d| d >= QUIET);
+        let calm = since(self.last_drop).is_none_or(|d| d >= QUIET * 6);
+        if quiet && calm && self.limit < self.initial {
             self.limit = self.initial;
             self.window = None;
         }
@@ -216,12 +223,17 @@ impl Limiter {
         let gradient = (self.tolerance * long / short).clamp(0.5, 1.0);
         let mut new = self.limit * gradient + self.limit.sqrt();
         // Grow only when the limit is what holds requests back; but a limit
-        // below where it started comes back while latency is normal, however
-        // light the traffic, doubling per window.
-        if gradient >= 1.0 && self.limit < self.initial {
-            new = new.max((self.limit * 2.0).min(self.initial));
-        } else if (in_flight as f64) < self.limit / 2.0 {
-            new = new.min(self.limit);
+        // below where it started grows back toward it while latency is
+        // normal, however light the traffic (by its square root per window,
+        // as when in use: not in one leap that would flood an upstream that
+        // has just recovered).
+        if (in_flight as f64) < self.limit / 2.0 {
+            let ceiling = if gradient >= 1.0 {
+                self.limit.max(self.initial)
+            } else {
+                self.limit
+            };
+            new = new.min(ceiling);
         }
         // Shrink smoothly (one slow window is not a trend), grow at once:
         // a recovered upstream gets its traffic back within a second or so.
@@ -357,7 +369,7 @@ mod tests {
         for _ in 0..30 {
             l.update(Sample::Dropped, 30, clock);
         }
-        assert_eq!(l.limit(), 45, "one cut of 10% from 50");
+        assert_eq!(l.limit(), 25, "one cut by half from 50");
         // A spell of timeouts over seconds takes it to the floor.
         for _ in 0..100 {
             clock += Duration::from_millis(100);
@@ -365,11 +377,11 @@ mod tests {
         }
         assert_eq!(l.limit(), 5);
         // Then two healthy answers a second, one in flight at a time.
-        for _ in 0..20 {
+        for _ in 0..60 {
             clock += Duration::from_millis(500);
             l.update(ms(10), 1, clock);
         }
-        assert_eq!(l.limit(), 50, "back to where it started within 10 s");
+        assert_eq!(l.limit(), 50, "back to where it started within 30 s");
     }
 
     #[test]
@@ -383,6 +395,8 @@ mod tests {
         l.relax(clock + Duration::from_secs(1));
         assert_eq!(l.limit(), 5, "not quiet yet");
         l.relax(clock + QUIET);
+        assert_eq!(l.limit(), 5, "a timeout 5 s ago: not calm yet");
+        l.relax(clock + QUIET * 6);
         assert_eq!(l.limit(), 50);
     }
 

@@ -293,7 +293,12 @@ impl Reloader {
                 *new = old;
             }
         }
-        match Runtime::rebuild(Arc::new(config), proxy.metrics(), Some(&current)) {
+        let built = if config.routes.is_empty() && !current.config.routes.is_empty() {
+            Err(BuildError::NoRoutes)
+        } else {
+            Runtime::rebuild(Arc::new(config), proxy.metrics(), Some(&current))
+        };
+        match built {
             Ok(runtime) => {
                 let routes = runtime.routes.len();
                 proxy.swap(runtime);

@@ -231,9 +231,17 @@ timeout = \"10s\"
         "{w:#?}"
     );
     assert_eq!(w.len(), 3, "{w:#?}");
+    let routed = format!("{BASE}[[routes]]\nname = \"a\"\nupstream = \"api\"\n");
     assert!(
-        Config::check_str(BASE).unwrap().warnings.is_empty(),
+        Config::check_str(&routed).unwrap().warnings.is_empty(),
         "the defaults raise no warning"
+    );
+    let unrouted = Config::check_str(BASE).unwrap().warnings;
+    assert!(
+        unrouted[0]
+            .to_string()
+            .contains("every request is answered 404"),
+        "{unrouted:?}"
     );
 }
 

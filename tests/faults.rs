@@ -25,13 +25,8 @@ async fn raw_upstream(response: Vec<u8>) -> (String, Arc<AtomicUsize>) {
         while let Ok((mut stream, _)) = listener.accept().await {
             let (count, response) = (count.clone(), response.clone());
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 1024];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match stream.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
+                if !read_head(&mut stream).await {
+                    return;
                 }
                 count.fetch_add(1, Ordering::SeqCst);
                 let _ = stream.write_all(&response).await;
@@ -112,11 +107,7 @@ async fn a_retry_after_too_large_to_count_is_passed_on_not_retried_at_once() {
 
 /// Writes `request` on a raw connection to the proxy and reads the answer.
 async fn raw(hg: &Binary, request: &[u8]) -> String {
-    let mut stream = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
-    stream.write_all(request).await.unwrap();
-    let mut out = Vec::new();
-    stream.read_to_end(&mut out).await.unwrap();
-    String::from_utf8_lossy(&out).into_owned()
+    raw_exchange(hg.listen.as_str(), request).await
 }
 
 #[tokio::test]
@@ -421,5 +412,36 @@ async fn an_h2_connection_that_resets_what_it_asks_for_is_closed() {
         "{} requests reached the upstream",
         held.upstream.hits()
     );
+    hg.terminate().await;
+}
+
+#[tokio::test]
+async fn a_switch_of_protocols_nobody_asked_for_is_a_bad_response() {
+    let (url, _) = raw_upstream(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: evil\r\nConnection: upgrade\r\n\r\n"
+            .to_vec(),
+    )
+    .await;
+    let hg = Binary::start(&config(&url)).await;
+    let (status, headers, _) = get(&hg, "/plain").await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert_eq!(headers.get("x-herdguard-error").unwrap(), "bad-response");
+    hg.terminate().await;
+}
+
+#[tokio::test]
+async fn an_upstream_cannot_pose_as_the_proxy() {
+    let (url, _) = raw_upstream(
+        b"HTTP/1.1 503 Busy\r\nx-herdguard-error: circuit-open\r\nContent-Length: 0\r\n\r\n"
+            .to_vec(),
+    )
+    .await;
+    let hg = Binary::start(&format!(
+        "[upstreams.u]\nendpoints = [\"{url}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\nretry = {{ attempts = 1 }}\n"
+    ))
+    .await;
+    let (status, headers, _) = get(&hg, "/x").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(headers.get("x-herdguard-error").is_none(), "{headers:?}");
     hg.terminate().await;
 }

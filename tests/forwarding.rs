@@ -221,14 +221,7 @@ async fn absolute_form_and_connect_never_reach_other_hosts() {
 
 /// Sends raw bytes on a new connection and reads until the proxy closes it.
 async fn raw(server: &herdguard::app::Server, request: &[u8]) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(server.proxy_addr())
-        .await
-        .unwrap();
-    stream.write_all(request).await.unwrap();
-    let mut out = Vec::new();
-    stream.read_to_end(&mut out).await.unwrap();
-    String::from_utf8_lossy(&out).into_owned()
+    raw_exchange(server.proxy_addr(), request).await
 }
 
 #[tokio::test]

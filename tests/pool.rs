@@ -15,7 +15,7 @@ use hyper::body::{Frame, Incoming};
 use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 
 /// An upstream that counts the connections it accepted and still has open;
@@ -216,13 +216,8 @@ async fn one_shot_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
         while let Ok((mut stream, _)) = listener.accept().await {
             a.fetch_add(1, Ordering::SeqCst);
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 1024];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match stream.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
+                if !read_head(&mut stream).await {
+                    return;
                 }
                 let _ = stream
                     .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")

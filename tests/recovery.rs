@@ -201,3 +201,40 @@ async fn traffic_reaches_a_resumed_upstream_within_two_seconds() {
     load.abort();
     hg.terminate().await;
 }
+
+#[tokio::test]
+async fn in_quick_mode_two_failing_requests_on_one_path_leave_the_others_answering() {
+    use std::process::Command;
+    let up = upstream(|req| async move {
+        let mut resp = Response::new(full("fine"));
+        if req.uri().path() == "/broken" {
+            *resp.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+        }
+        resp
+    })
+    .await;
+    let mut cmd = Command::new(common::process::BIN);
+    cmd.args([
+        "--upstream",
+        &up.url(),
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+    ])
+    .args(["--log-format", "json"]);
+    let running = common::process::start(cmd).await;
+    let get = |path: &str| {
+        let req = http::Request::get(format!("http://{}{path}", running.listen))
+            .body(empty())
+            .unwrap();
+        async move { send(&client(), req).await.0 }
+    };
+    for _ in 0..2 {
+        assert_eq!(get("/broken").await, StatusCode::SERVICE_UNAVAILABLE);
+    }
+    for path in ["/a", "/b", "/c"] {
+        assert_eq!(get(path).await, StatusCode::OK, "{path}");
+    }
+    running.terminate().await;
+}

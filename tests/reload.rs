@@ -63,13 +63,17 @@ async fn a_broken_file_keeps_the_old_config_and_counts_an_error() {
     assert!(err.contains("routes[0].upstream (line 3)"), "{err}");
     std::fs::write(&path, "this is not toml").unwrap();
     assert!(server.reload_file(&path).is_err());
+    // A truncated file is valid TOML with no routes: refused too.
+    std::fs::write(&path, "").unwrap();
+    let err = server.reload_file(&path).unwrap_err();
+    assert!(err.contains("no routes"), "{err}");
     assert_eq!(
         get(&server, "/a").await.0,
         StatusCode::OK,
         "the old config still serves"
     );
     let text = admin(&server, "/metrics").await.1;
-    assert_eq!((reloads(&text, "ok"), reloads(&text, "error")), (0.0, 2.0));
+    assert_eq!((reloads(&text, "ok"), reloads(&text, "error")), (0.0, 3.0));
 }
 
 #[tokio::test]

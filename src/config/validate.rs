@@ -240,6 +240,13 @@ fn list(items: &[&str]) -> String {
 /// the proxy logs them at start-up; neither refuses the config.
 pub(super) fn warnings(config: &Config, report: &mut Report<'_>) {
     let root = KeyPath::root();
+    if config.routes.is_empty() {
+        report(
+            root.key("routes"),
+            "none: every request is answered 404 no-route (a hot reload to this file is refused)"
+                .into(),
+        );
+    }
     retry_warnings(
         report,
         &root.key("defaults").key("retry"),

@@ -34,7 +34,7 @@ use super::outcome::{Fault, Outcome as AttemptOutcome};
 const SLOTS: usize = 10;
 
 /// The most the wait between trickle probes grows, as a multiple of `probe_interval`.
-const PROBE_BACKOFF: u32 = 8;
+const PROBE_BACKOFF: u32 = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {
@@ -68,6 +68,8 @@ impl State {
 pub enum InvalidBreaker {
     #[error("must be at least 1")]
     Zero(&'static str),
+    #[error("must be at most 1000")]
+    TooManyProbes,
     #[error("{0} is out of range (0.0, 1.0]")]
     Rate(f64),
     #[error("must be longer than zero")]
@@ -82,6 +84,7 @@ impl InvalidBreaker {
             InvalidBreaker::Zero(key) | InvalidBreaker::ZeroDuration(key) => key,
             InvalidBreaker::Rate(_) => "failure_rate",
             InvalidBreaker::MaxOpenFor => "max_open_for",
+            InvalidBreaker::TooManyProbes => "half_open_probes",
         }
     }
 }
@@ -182,6 +185,10 @@ impl Breaker {
             if n == 0 {
                 return Err(InvalidBreaker::Zero(key));
             }
+        }
+        // More probes than this is no half-open state at all.
+        if c.half_open_probes > 1000 {
+            return Err(InvalidBreaker::TooManyProbes);
         }
         if !(c.failure_rate > 0.0 && c.failure_rate <= 1.0) {
             return Err(InvalidBreaker::Rate(c.failure_rate));
@@ -548,7 +555,7 @@ mod tests {
         b.record(t0, false, Outcome::Failure, &mut r);
         assert_eq!(b.state(), State::Open);
         // Over 10 s of callers every 10 ms: probes never two in 500 ms, and
-        // each failed one doubles the wait for the next, up to eight times.
+        // each failed one doubles the wait for the next, up to twice.
         let mut probes = Vec::new();
         for i in 0..1000 {
             let now = t0 + Duration::from_millis(10 * i);

@@ -47,6 +47,8 @@ pub struct Forward<'a> {
     /// The slot `reserve` took for the next attempt.
     slot: Option<InFlight>,
     timeout: Duration,
+    /// The caller asked to upgrade: only then is a 101 an answer.
+    upgrade: bool,
 }
 
 enum AttemptBody {
@@ -68,6 +70,7 @@ impl<'a> Forward<'a> {
         inner_hop: bool,
         max_replay_body: u64,
         timeout: Duration,
+        upgrade: bool,
     ) -> Self {
         use http_body::Body as _;
         let body = if body.is_end_stream() {
@@ -88,6 +91,7 @@ impl<'a> Forward<'a> {
             endpoint: None,
             slot: None,
             timeout,
+            upgrade,
         }
     }
 
@@ -226,6 +230,16 @@ impl retry::Attempts for Forward<'_> {
         let name = &upstream.name;
         let (outcome, answer, detail) = match timed {
                 // HTTP allows three digits; a status from 600 up means nothing.
+                // A switch of protocols nobody asked for breaks the caller's connection.
+                Timed::Done(Ok((resp, _)))
+                    if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS && !self.upgrade =>
+                {
+                    (
+                        Outcome::Upstream(UpstreamFault::BadResponse),
+                        None,
+                        format!("upstream {name} switched protocols unasked (101)"),
+                    )
+                }
                 Timed::Done(Ok((resp, _))) if resp.status().as_u16() > 599 => (
                     Outcome::Upstream(UpstreamFault::BadResponse),
                     None,

@@ -41,6 +41,8 @@ pub enum BuildError {
     Upstream(#[from] UpstreamError),
     #[error("routes.{route}.{message}")]
     Route { route: String, message: String },
+    #[error("the new config has no routes: every request would be answered 404 (a truncated file?); the running config stays")]
+    NoRoutes,
 }
 
 /// Everything built from one config: swapped whole on reload.
@@ -369,6 +371,7 @@ async fn forward(
         inner_hop,
         policy.max_replay_body,
         policy.timeout,
+        upgrade,
     );
     let deadline = retry::deadline(start, policy.timeout);
     if let Err((fault, detail)) = attempts.prefetch(deadline).await {
@@ -430,6 +433,9 @@ async fn forward(
 fn finish_headers(h: &mut http::HeaderMap, upgrade: bool, attempts: HeaderValue) {
     // Via and the attempt count: grow once.
     h.reserve(2);
+    // Only the proxy speaks for itself: an upstream's own copy would pose
+    // as the proxy's error.
+    h.remove(&headers::X_HERDGUARD_ERROR);
     headers::strip_hop_by_hop(h, upgrade);
     headers::add_via(h, Version::HTTP_11);
     h.insert(&headers::X_HERDGUARD_ATTEMPTS, attempts);

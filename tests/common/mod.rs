@@ -272,3 +272,28 @@ pub async fn held_upstream(body: &'static str) -> Held {
         release,
     }
 }
+
+/// Reads a request head off a raw upstream connection; false if the
+/// connection ended first.
+pub async fn read_head(stream: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    true
+}
+
+/// Sends raw bytes on a new connection to `addr` and reads until it closes.
+pub async fn raw_exchange(addr: impl tokio::net::ToSocketAddrs, request: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request).await.unwrap();
+    let mut out = Vec::new();
+    let _ = stream.read_to_end(&mut out).await;
+    String::from_utf8_lossy(&out).into_owned()
+}

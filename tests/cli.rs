@@ -5,7 +5,7 @@ mod common;
 
 use std::process::Command;
 
-use common::process::{line_with, spawn_reading_stderr, start, BIN};
+use common::process::{line_with, quick_mode, spawn_reading_stderr, start, BIN};
 use common::*;
 
 fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> std::path::PathBuf {
@@ -145,17 +145,7 @@ fn counts_of_zero_are_usage_errors() {
 #[tokio::test]
 async fn upstream_mode_serves_and_exits_cleanly_on_sigterm() {
     let up = ok_upstream("from upstream").await;
-    let mut cmd = Command::new(BIN);
-    cmd.args([
-        "--upstream",
-        &up.url(),
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "127.0.0.1:0",
-    ])
-    .args(["--log-format", "json", "--threads", "1"]);
-    let running = start(cmd).await;
+    let running = quick_mode(&up.url(), &["--threads", "1"]).await;
 
     let req = http::Request::get(format!("http://{}/hello", running.listen))
         .body(empty())

@@ -204,7 +204,6 @@ async fn traffic_reaches_a_resumed_upstream_within_two_seconds() {
 
 #[tokio::test]
 async fn in_quick_mode_two_failing_requests_on_one_path_leave_the_others_answering() {
-    use std::process::Command;
     let up = upstream(|req| async move {
         let mut resp = Response::new(full("fine"));
         if req.uri().path() == "/broken" {
@@ -213,17 +212,7 @@ async fn in_quick_mode_two_failing_requests_on_one_path_leave_the_others_answeri
         resp
     })
     .await;
-    let mut cmd = Command::new(common::process::BIN);
-    cmd.args([
-        "--upstream",
-        &up.url(),
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "127.0.0.1:0",
-    ])
-    .args(["--log-format", "json"]);
-    let running = common::process::start(cmd).await;
+    let running = common::process::quick_mode(&up.url(), &[]).await;
     let get = |path: &str| {
         let req = http::Request::get(format!("http://{}{path}", running.listen))
             .body(empty())

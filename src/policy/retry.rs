@@ -204,9 +204,10 @@ pub fn method(name: &str) -> Option<Method> {
     Method::from_bytes(name.as_bytes()).ok()
 }
 
-/// A response's `Retry-After`, if it has one that parses.
-pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
-    parse_retry_after(headers.get(http::header::RETRY_AFTER)?, now)
+/// A response's `Retry-After`, if it has one that parses. The clock is
+/// read only for a response that carries one.
+pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    parse_retry_after(headers.get(http::header::RETRY_AFTER)?, SystemTime::now())
 }
 
 /// `Retry-After` as delta-seconds or an HTTP-date (RFC 9110 §10.2.3).

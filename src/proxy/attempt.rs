@@ -10,7 +10,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use http::uri::PathAndQuery;
 use http::{HeaderMap, Method, Request, Response, Version};
@@ -305,7 +305,7 @@ impl retry::Attempts for Forward<'_> {
         }
         let retry_after = answer
             .as_ref()
-            .and_then(|(resp, _)| retry_after(resp.headers(), SystemTime::now()));
+            .and_then(|(resp, _)| retry_after(resp.headers()));
         Attempt {
             outcome,
             answer,

@@ -36,6 +36,22 @@ impl Running {
     }
 }
 
+/// `herdguard --upstream URL` on ephemeral ports with JSON logs, started.
+pub async fn quick_mode(url: &str, extra: &[&str]) -> Running {
+    let mut cmd = Command::new(BIN);
+    cmd.args([
+        "--upstream",
+        url,
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+    ])
+    .args(["--log-format", "json"])
+    .args(extra);
+    start(cmd).await
+}
+
 /// Spawns `cmd` with its stderr read line by line on a thread of its own.
 pub fn spawn_reading_stderr(
     mut cmd: Command,

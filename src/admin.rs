@@ -74,6 +74,7 @@ fn breakers(shared: &Shared) -> serde_json::Value {
                 "in_flight": u.in_flight(),
                 "limit": u.limit(),
                 "max_in_flight": u.max_in_flight(),
+                "endpoints": u.endpoints_snapshot(),
             }),
         );
     }

@@ -29,6 +29,8 @@ pub const IN_FLIGHT: &str = "herdguard_in_flight";
 pub const SHED_TOTAL: &str = "herdguard_shed_total";
 pub const CONFIG_RELOADS: &str = "herdguard_config_reloads_total";
 pub const CONCURRENCY_LIMIT: &str = "herdguard_concurrency_limit";
+pub const ENDPOINT_EJECTIONS: &str = "herdguard_endpoint_ejections_total";
+pub const ENDPOINT_EJECTED: &str = "herdguard_endpoint_ejected";
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -94,6 +96,11 @@ impl Metrics {
                 "Requests refused at once because the upstream was at its in-flight limit.",
             ),
             (CONFIG_RELOADS, Count, "Config reloads, by result."),
+            (
+                ENDPOINT_EJECTIONS,
+                Count,
+                "Endpoints taken out of rotation for failing (outlier ejection).",
+            ),
         ];
         for (name, unit, help) in counters {
             r.describe_counter(name.into(), Some(unit), help.into());
@@ -110,6 +117,11 @@ impl Metrics {
                 "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
             ),
             (IN_FLIGHT, Count, "Requests in flight to the upstream."),
+            (
+                ENDPOINT_EJECTED,
+                Count,
+                "1 while the endpoint is out of rotation (ejected or being probed), else 0.",
+            ),
             (
                 CONCURRENCY_LIMIT,
                 Count,
@@ -333,14 +345,40 @@ pub struct UpstreamMetrics {
     pub in_flight: Gauge,
     pub shed: Counter,
     pub limit: Gauge,
+    /// By endpoint index; empty when the upstream has one endpoint (it is
+    /// never ejected).
+    pub endpoints: Box<[EndpointMetrics]>,
+}
+
+/// Handles for one endpoint of an upstream.
+pub struct EndpointMetrics {
+    pub ejections: Counter,
+    pub ejected: Gauge,
 }
 
 impl UpstreamMetrics {
-    pub fn new(registry: &Metrics, upstream: &str) -> Self {
+    pub fn new(registry: &Metrics, upstream: &str, endpoints: &[&str]) -> Self {
+        let endpoints = match endpoints.len() {
+            0 | 1 => Box::default(),
+            _ => endpoints
+                .iter()
+                .map(|e| {
+                    let labels = [("upstream", upstream), ("endpoint", *e)];
+                    let m = EndpointMetrics {
+                        ejections: registry.counter(ENDPOINT_EJECTIONS, &labels),
+                        ejected: registry.gauge(ENDPOINT_EJECTED, &labels),
+                    };
+                    m.ejections.increment(0);
+                    m.ejected.set(0.0);
+                    m
+                })
+                .collect(),
+        };
         Self {
             in_flight: registry.gauge(IN_FLIGHT, &[("upstream", upstream)]),
             shed: registry.counter(SHED_TOTAL, &[("upstream", upstream)]),
             limit: registry.gauge(CONCURRENCY_LIMIT, &[("upstream", upstream)]),
+            endpoints,
         }
     }
 }

@@ -107,6 +107,46 @@ pub struct UpstreamConfig {
     pub http2: Http2Mode,
     /// The adaptive concurrency limit, on top of `max_in_flight`.
     pub adaptive_concurrency: AdaptiveConfig,
+    /// Per-endpoint ejection of an endpoint that keeps failing.
+    pub outlier: OutlierConfig,
+}
+
+/// `[upstreams.NAME.outlier]`: an endpoint that keeps failing is taken out
+/// of rotation for a while, then probed back in (see `outlier.rs`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OutlierConfig {
+    pub enabled: bool,
+    /// This many of the upstream's failures in a row eject an endpoint.
+    pub consecutive_failures: u32,
+    /// Or this share of its attempts in `window` failed...
+    pub failure_rate: f64,
+    /// ...once it has seen this many in the window.
+    pub min_requests: u32,
+    #[serde(with = "duration")]
+    pub window: Duration,
+    /// How long the first ejection lasts; doubled per ejection in a row, jittered.
+    #[serde(with = "duration")]
+    pub ejection_time: Duration,
+    #[serde(with = "duration")]
+    pub max_ejection_time: Duration,
+    /// The share of the upstream's endpoints that may be out at once (at least one).
+    pub max_ejected: f64,
+}
+
+impl Default for OutlierConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            consecutive_failures: 5,
+            failure_rate: 0.5,
+            min_requests: 20,
+            window: Duration::from_secs(10),
+            ejection_time: Duration::from_secs(1),
+            max_ejection_time: Duration::from_secs(30),
+            max_ejected: 0.5,
+        }
+    }
 }
 
 /// `[upstreams.NAME.adaptive_concurrency]`: a limit on requests in flight
@@ -150,6 +190,7 @@ impl Default for UpstreamConfig {
             client_key: None,
             http2: Http2Mode::Auto,
             adaptive_concurrency: AdaptiveConfig::default(),
+            outlier: OutlierConfig::default(),
         }
     }
 }

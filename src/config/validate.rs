@@ -13,6 +13,7 @@ use super::load::KeyPath;
 use super::schema::{BreakerConfig, Config, MatchConfig, RetryConfig, RetryOn, UpstreamConfig};
 use crate::policy::breaker::Breaker;
 use crate::policy::limit::Limiter;
+use crate::policy::outlier::Outliers;
 use crate::policy::retry::InvalidPolicy;
 use crate::policy::route::{InvalidMatch, Matcher};
 use crate::policy::{Budget, Policy};
@@ -127,6 +128,10 @@ fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) 
     }
     if let Err(e) = Limiter::try_new(&u.adaptive_concurrency, u.max_in_flight) {
         report(path.key("adaptive_concurrency").key(e.key()), e.to_string());
+    }
+    let now = tokio::time::Instant::now();
+    if let Err(e) = Outliers::try_new(&u.outlier, u.endpoints.len(), now) {
+        report(path.key("outlier").key(e.key()), e.to_string());
     }
     match (&u.client_cert, &u.client_key) {
         (Some(_), None) => report(

@@ -11,6 +11,7 @@ pub mod budget;
 pub mod decide;
 pub mod limit;
 pub mod outcome;
+pub mod outlier;
 pub mod retry;
 pub mod route;
 

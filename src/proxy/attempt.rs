@@ -212,9 +212,11 @@ impl retry::Attempts for Forward<'_> {
                 retry_after: None,
                 detail: format!("upstream {} is at its in-flight limit", upstream.name),
                 elapsed: Duration::ZERO,
+                note: None,
             };
         };
-        let (index, target) = upstream.pick_after(self.endpoint);
+        let picked = upstream.pick(self.endpoint, self.retrying);
+        let (index, target) = (picked.index, picked.endpoint());
         self.endpoint = Some(index);
         let (req, progress) = self.request(n, &target.host);
 
@@ -300,6 +302,8 @@ impl retry::Attempts for Forward<'_> {
         // The upstream's latency runs from when it had the whole request:
         // a slow upload is the caller's time, not the upstream's.
         upstream.observe(outcome, sent_whole.elapsed());
+        let note = picked.kind.note();
+        picked.settle(outcome);
         if answer.is_none() {
             tracing::debug!(upstream = %name, outcome = outcome.label(), error = %detail, "upstream attempt failed");
         }
@@ -312,6 +316,7 @@ impl retry::Attempts for Forward<'_> {
             retry_after,
             detail,
             elapsed,
+            note,
         }
     }
 

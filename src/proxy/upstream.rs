@@ -3,7 +3,7 @@
 //! endpoints get their own lean connection pool (`pool.rs`); TLS (rustls,
 //! ring provider) and HTTP/2 go through hyper-util's pooled client.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use http::uri::{Authority, PathAndQuery, Scheme};
@@ -16,10 +16,12 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::{ClientConfig, RootCertStore};
+use tokio::time::Instant;
 
 use crate::config::{Http2Mode, UpstreamConfig};
 use crate::metrics::{Metrics, UpstreamMetrics};
 use crate::policy::limit::{Limiter, Sample};
+use crate::policy::outlier::{Event, Outliers, Pick, PickKind, State as OutlierState, Verdict};
 use crate::policy::{Outcome, UpstreamFault};
 
 use super::body::RequestBody;
@@ -36,6 +38,12 @@ pub enum UpstreamError {
     Endpoint { upstream: String, endpoint: String },
     #[error("upstreams.{upstream}.adaptive_concurrency: {message}")]
     Limit { upstream: String, message: String },
+    #[error("upstreams.{upstream}.outlier.{key}: {message}")]
+    Outlier {
+        upstream: String,
+        key: &'static str,
+        message: String,
+    },
     #[error("upstreams.{upstream}.{key}: {message}")]
     Tls {
         upstream: String,
@@ -100,6 +108,8 @@ impl SendError {
 
 /// One `scheme://host:port` of an upstream, pre-parsed.
 pub struct Endpoint {
+    /// As the config writes it: the `endpoint` label of its metrics.
+    pub label: Arc<str>,
     scheme: Scheme,
     authority: Authority,
     /// The `Host` header sent to this endpoint.
@@ -143,6 +153,7 @@ impl Endpoint {
             Transport::Client(client()?)
         };
         Ok(Self {
+            label: url.into(),
             scheme,
             host: HeaderValue::from_str(authority.as_str()).map_err(|_| bad())?,
             authority,
@@ -189,6 +200,11 @@ pub struct Upstream {
     pub name: Arc<str>,
     endpoints: Box<[Endpoint]>,
     next: AtomicUsize,
+    /// Each endpoint's health; `None` when there is one endpoint or
+    /// ejection is off. `any_out` mirrors it for a lock-free pick while
+    /// every endpoint serves.
+    outliers: Option<Mutex<Outliers>>,
+    any_out: AtomicBool,
     in_flight: AtomicUsize,
     max_in_flight: usize,
     /// The adaptive limit, when on; `limit` mirrors it for lock-free admission.
@@ -227,10 +243,19 @@ impl Upstream {
                 upstream: name.to_owned(),
             });
         }
+        let outliers = Outliers::try_new(&config.outlier, endpoints.len(), Instant::now())
+            .map_err(|e| UpstreamError::Outlier {
+                upstream: name.to_owned(),
+                key: e.key(),
+                message: e.to_string(),
+            })?;
+        let labels: Vec<&str> = config.endpoints.iter().map(String::as_str).collect();
         Ok(Arc::new(Self {
             name: name.into(),
             endpoints,
             next: AtomicUsize::new(0),
+            outliers: (config.outlier.enabled && labels.len() > 1).then(|| Mutex::new(outliers)),
+            any_out: AtomicBool::new(false),
             in_flight: AtomicUsize::new(0),
             max_in_flight: config.max_in_flight,
             limit: AtomicUsize::new(
@@ -239,20 +264,104 @@ impl Upstream {
                     .map_or(config.max_in_flight, Limiter::limit),
             ),
             limiter: limiter.map(Mutex::new),
-            metrics: UpstreamMetrics::new(registry, name),
+            metrics: UpstreamMetrics::new(registry, name, &labels),
         }))
     }
 
-    /// A first attempt takes the next endpoint, round robin; a retry takes the
-    /// one after the endpoint that failed, so it goes elsewhere when it can,
-    /// without shifting the rotation of first attempts.
-    pub fn pick_after(&self, previous: Option<usize>) -> (usize, &Endpoint) {
+    /// The endpoint for an attempt: round robin over the endpoints in
+    /// rotation; a retry takes the one after the endpoint that failed, so
+    /// it goes elsewhere when it can without shifting the rotation of first
+    /// attempts. An ejected endpoint whose time is up gets one probe (see
+    /// [`Outliers::pick`]). `retryable`: whether this request may be
+    /// retried elsewhere if the attempt fails.
+    pub fn pick(&self, previous: Option<usize>, retryable: bool) -> Picked<'_> {
         let len = self.endpoints.len();
-        let index = match previous {
-            Some(previous) => (previous + 1) % len,
-            None => self.next.fetch_add(1, Ordering::Relaxed) % len,
+        let turn = match previous {
+            Some(_) => 0,
+            None => self.next.fetch_add(1, Ordering::Relaxed),
         };
-        (index, &self.endpoints[index])
+        let pick = match &self.outliers {
+            Some(o) if self.any_out.load(Ordering::Acquire) => {
+                let mut o = o.lock().unwrap_or_else(|e| e.into_inner());
+                let pick = o.pick(Instant::now(), turn, previous, retryable);
+                self.any_out.store(o.any_out(), Ordering::Release);
+                pick
+            }
+            _ => Pick {
+                index: match previous {
+                    Some(p) => (p + 1) % len,
+                    None => turn % len,
+                },
+                kind: PickKind::Serving,
+            },
+        };
+        Picked {
+            upstream: self,
+            index: pick.index,
+            kind: pick.kind,
+            settled: false,
+        }
+    }
+
+    /// Feeds how an attempt to an endpoint ended to its health; counts and
+    /// logs an ejection or a return.
+    fn settle(&self, index: usize, kind: PickKind, verdict: Verdict) {
+        let Some(outliers) = &self.outliers else {
+            return;
+        };
+        if verdict == Verdict::Neutral && kind != PickKind::Probe {
+            return;
+        }
+        let event = {
+            let mut o = outliers.lock().unwrap_or_else(|e| e.into_inner());
+            let event = o.record(Instant::now(), index, kind, verdict, &mut rand::rng());
+            self.any_out.store(o.any_out(), Ordering::Release);
+            event
+        };
+        let endpoint = |i: usize| self.endpoints.get(i).map_or("?", |e| e.label.as_ref());
+        match event {
+            Some(Event::Ejected { index, length, why }) => {
+                if let Some(m) = self.metrics.endpoints.get(index) {
+                    m.ejections.increment(1);
+                    m.ejected.set(1.0);
+                }
+                tracing::warn!(
+                    upstream = %self.name,
+                    endpoint = endpoint(index),
+                    why = why.as_str(),
+                    for_ms = length.as_millis() as u64,
+                    "endpoint ejected"
+                );
+            }
+            Some(Event::Returned { index }) => {
+                if let Some(m) = self.metrics.endpoints.get(index) {
+                    m.ejected.set(0.0);
+                }
+                tracing::info!(upstream = %self.name, endpoint = endpoint(index), "endpoint back in rotation");
+            }
+            None => {}
+        }
+    }
+
+    /// Each endpoint's label and health, for /breakers.
+    pub fn endpoints_snapshot(&self) -> Vec<serde_json::Value> {
+        let health = self.outliers.as_ref().map(|o| {
+            o.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .snapshot(Instant::now())
+        });
+        self.endpoints
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let mut v = match health.as_ref().and_then(|h| h.get(i)) {
+                    Some(s) => serde_json::to_value(s).unwrap_or_default(),
+                    None => serde_json::json!({ "state": "serving" }),
+                };
+                v["endpoint"] = e.label.as_ref().into();
+                v
+            })
+            .collect()
     }
 
     pub fn in_flight(&self) -> usize {
@@ -300,6 +409,13 @@ impl Upstream {
     pub fn refresh_gauges(&self) {
         self.metrics.in_flight.set(self.in_flight() as f64);
         self.metrics.limit.set(self.limit() as f64);
+        if let Some(o) = &self.outliers {
+            let o = o.lock().unwrap_or_else(|e| e.into_inner());
+            for (i, m) in self.metrics.endpoints.iter().enumerate() {
+                let out = !matches!(o.state(i), Some(OutlierState::Serving) | None);
+                m.ejected.set(if out { 1.0 } else { 0.0 });
+            }
+        }
     }
 
     /// Takes a slot for one request, or `None` when the upstream is full.
@@ -315,6 +431,37 @@ impl Upstream {
             conn: None,
             counted: true,
         })
+    }
+}
+
+/// The endpoint picked for one attempt. Settle it with the attempt's
+/// outcome; a probe dropped unsettled (its caller went away) tells nothing,
+/// and leaves the endpoint due for another probe.
+pub struct Picked<'a> {
+    upstream: &'a Upstream,
+    pub index: usize,
+    pub kind: PickKind,
+    settled: bool,
+}
+
+impl Picked<'_> {
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.upstream.endpoints[self.index]
+    }
+
+    pub fn settle(mut self, outcome: Outcome) {
+        self.settled = true;
+        self.upstream
+            .settle(self.index, self.kind, Verdict::of(outcome));
+    }
+}
+
+impl Drop for Picked<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.upstream
+                .settle(self.index, self.kind, Verdict::Neutral);
+        }
     }
 }
 

@@ -76,6 +76,9 @@ pub struct Attempt<A> {
     /// What went wrong, for the caller and the logs, when no answer came.
     pub detail: String,
     pub elapsed: Duration,
+    /// How the endpoint was picked, when it was not plainly (`probe`,
+    /// `panic`): shown in the explain trace.
+    pub note: Option<&'static str>,
 }
 
 /// How the request ended.
@@ -199,11 +202,16 @@ pub async fn run<T: Attempts>(
         }
         if trace.is_some() {
             let ms = attempt.elapsed.as_millis();
+            let how = attempt.note.map_or(String::new(), |n| format!("({n})"));
             match outcome {
-                Outcome::Response(status) => {
-                    note(&mut trace, format_args!("{n}={}@{ms}ms", status.as_u16()))
-                }
-                other => note(&mut trace, format_args!("{n}={}@{ms}ms", other.label())),
+                Outcome::Response(status) => note(
+                    &mut trace,
+                    format_args!("{n}={}@{ms}ms{how}", status.as_u16()),
+                ),
+                other => note(
+                    &mut trace,
+                    format_args!("{n}={}@{ms}ms{how}", other.label()),
+                ),
             }
         }
 
@@ -471,6 +479,7 @@ mod tests {
                 retry_after: None,
                 detail: outcome.label().to_owned(),
                 elapsed: Duration::from_millis(1),
+                note: None,
             }
         }
 

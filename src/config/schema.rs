@@ -453,7 +453,7 @@ impl Default for BreakerConfig {
             open_for: Duration::from_secs(5),
             max_open_for: Duration::from_secs(60),
             half_open_probes: 3,
-            probe_interval: Duration::from_millis(500),
+            probe_interval: Duration::from_millis(250),
         }
     }
 }

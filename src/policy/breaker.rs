@@ -33,8 +33,9 @@ use super::outcome::{Fault, Outcome as AttemptOutcome};
 
 const SLOTS: usize = 10;
 
-/// The most the wait between trickle probes grows, as a multiple of `probe_interval`.
-const PROBE_BACKOFF: u32 = 2;
+/// How far the wait between trickle probes grows, in doublings of
+/// `probe_interval`: to four times, after two `open_for` of outage.
+const PROBE_DOUBLINGS: u32 = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {
@@ -135,10 +136,9 @@ pub struct Breaker {
     state: State,
     /// While open: when the next trickle probe may go.
     next_probe: Instant,
-    /// Trickle probes that failed in a row since the trip: each doubles the
-    /// wait for the next, up to [`PROBE_BACKOFF`] times `probe_interval`, so
-    /// a long outage is not fed a steady stream of probes.
-    failed_probes: u32,
+    /// When the breaker last tripped from closed: the probes slow down as
+    /// the outage lasts (see [`Breaker::probe_wait`]).
+    outage_start: Instant,
     since: Instant,
     /// Until when the breaker stays open.
     open_until: Instant,
@@ -216,7 +216,7 @@ impl Breaker {
             probe_interval: c.probe_interval,
             state: State::Closed,
             next_probe: now,
-            failed_probes: 0,
+            outage_start: now,
             since: now,
             open_until: now,
             trips: 0,
@@ -265,7 +265,7 @@ impl Breaker {
             // jittered, so that a recovered upstream is found in about a
             // second, not after the whole open time.
             State::Open if !self.forced && now < self.open_until && now >= self.next_probe => {
-                self.next_probe = now + self.probe_wait(rng);
+                self.next_probe = now + self.probe_wait(now, rng);
                 (Admit::Yes { probe: true }, None)
             }
             State::Open if self.forced || now < self.open_until => {
@@ -338,10 +338,7 @@ impl Breaker {
             // A trickle probe that succeeds half-opens the breaker at once
             // (and closes it, when one probe is a majority); one that fails
             // changes nothing: the breaker stays open.
-            State::Open if probe && failed => {
-                self.failed_probes = self.failed_probes.saturating_add(1);
-                None
-            }
+            State::Open if probe && failed => None,
             State::Open if probe && !failed => {
                 let t = self.enter(State::HalfOpen, now);
                 self.probe_successes = 1;
@@ -412,10 +409,17 @@ impl Breaker {
         }
     }
 
-    /// The wait before the next trickle probe: `probe_interval`, doubled per
-    /// probe that failed in a row up to [`PROBE_BACKOFF`] times, jittered ±50%.
-    fn probe_wait<R: Rng + ?Sized>(&self, rng: &mut R) -> Duration {
-        let doublings = self.failed_probes.min(PROBE_BACKOFF.trailing_zeros());
+    /// The wait before the next trickle probe, jittered ±50%:
+    /// `probe_interval` for the first `open_for` of an outage (most are
+    /// short: a resumed upstream is found within a few hundred ms), then
+    /// doubled per `open_for` it lasts, up to four times (a long outage is
+    /// fed one probe a second per route, at the default 250 ms).
+    fn probe_wait<R: Rng + ?Sized>(&self, now: Instant, rng: &mut R) -> Duration {
+        let lasted = now.saturating_duration_since(self.outage_start);
+        let spells = lasted.as_nanos() / self.open_for.as_nanos().max(1);
+        let doublings = u32::try_from(spells)
+            .unwrap_or(u32::MAX)
+            .min(PROBE_DOUBLINGS);
         self.probe_interval
             .saturating_mul(1 << doublings)
             .mul_f64(rng.random_range(0.5..1.5))
@@ -435,8 +439,10 @@ impl Breaker {
         let factor: f64 = rng.random_range(0.75..1.25);
         let open = base.mul_f64(factor).min(self.max_open_for.mul_f64(1.25));
         self.open_until = now + open;
-        self.failed_probes = 0;
-        self.next_probe = now + self.probe_wait(rng);
+        if self.trips == 1 {
+            self.outage_start = now;
+        }
+        self.next_probe = now + self.probe_wait(now, rng);
         self.enter(State::Open, now)
     }
 
@@ -543,44 +549,56 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn an_open_breaker_probes_about_once_a_second_and_half_opens_on_success() {
+    async fn an_open_breaker_probes_often_at_first_then_slower_and_half_opens_on_success() {
         let c = BreakerConfig {
-            probe_interval: Duration::from_secs(1),
+            probe_interval: Duration::from_millis(250),
             consecutive_failures: 1,
-            open_for: Duration::from_secs(30),
+            open_for: Duration::from_secs(2),
+            max_open_for: Duration::from_secs(60),
             ..config()
         };
         let (mut b, mut r) = (Breaker::try_new(&c, Instant::now()).unwrap(), rng());
         let t0 = Instant::now();
         b.record(t0, false, Outcome::Failure, &mut r);
         assert_eq!(b.state(), State::Open);
-        // Over 10 s of callers every 10 ms: probes never two in 500 ms, and
-        // each failed one doubles the wait for the next, up to twice.
-        let mut probes = Vec::new();
-        for i in 0..1000 {
+        // Callers every 10 ms for 12 s against an upstream that stays down:
+        // every probe fails, and the breaker re-opens for longer each time.
+        let mut trickle = Vec::new();
+        for i in 0..1200 {
             let now = t0 + Duration::from_millis(10 * i);
-            if now >= b.open_until {
-                break;
-            }
+            let before = b.state();
             if let (Admit::Yes { probe: true }, _) = b.admit(now, &mut r) {
-                probes.push(now);
+                let is_trickle = before == State::Open && b.state() == State::Open;
                 b.record(now, true, Outcome::Failure, &mut r);
-                assert_eq!(b.state(), State::Open, "a failed probe keeps it open");
+                if is_trickle {
+                    trickle.push(now - t0);
+                    assert_eq!(b.state(), State::Open, "a failed probe keeps it open");
+                }
             }
         }
-        assert!(!probes.is_empty());
+        let within = |from: u64, to: u64| {
+            trickle
+                .iter()
+                .filter(|t| **t >= Duration::from_secs(from) && **t < Duration::from_secs(to))
+                .count()
+        };
+        // The first open_for: one probe per 250 ms ± 50%.
+        let early = within(0, 2);
         assert!(
-            probes
-                .windows(2)
-                .all(|w| w[1] - w[0] >= Duration::from_millis(500)),
-            "{probes:?}"
+            (5..=16).contains(&early),
+            "{early} probes in the first 2 s: {trickle:?}"
         );
-        assert!(probes[0] - t0 <= Duration::from_millis(1500));
-        let gaps: Vec<_> = probes.windows(2).map(|w| w[1] - w[0]).collect();
-        assert!(gaps.len() >= 2 && gaps.len() <= 5, "{gaps:?}");
+        // After two open_for of outage: one per second ± 50%.
+        let late = within(6, 12);
         assert!(
-            gaps.iter().all(|g| *g <= Duration::from_secs(12)),
-            "{gaps:?}"
+            (4..=12).contains(&late),
+            "{late} probes from 6 s to 12 s: {trickle:?}"
+        );
+        assert!(
+            trickle
+                .windows(2)
+                .all(|w| w[1] - w[0] >= Duration::from_millis(120)),
+            "{trickle:?}"
         );
         // The upstream is back: the next probe half-opens, and with two
         // probes a majority, one more success closes it.

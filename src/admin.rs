@@ -11,7 +11,37 @@ use http_body_util::Full;
 use crate::app::Shared;
 use crate::policy::breaker::State as BreakerState;
 
-pub fn handle<B>(shared: &Shared, req: &Request<B>) -> Response<Full<Bytes>> {
+/// Answers one admin request. `/metrics` is rendered on a blocking thread:
+/// with thousands of routes it takes a while, and the proxy's workers must
+/// not wait on it.
+pub async fn serve<B>(shared: &Shared, req: &Request<B>) -> Response<Full<Bytes>> {
+    let get = req.method() == Method::GET || req.method() == Method::HEAD;
+    if get && req.uri().path() == "/metrics" {
+        let proxy = shared.proxy.clone();
+        let rendered = tokio::task::spawn_blocking(move || {
+            proxy.runtime().refresh_gauges();
+            proxy.metrics().render()
+        })
+        .await;
+        return match rendered {
+            Ok(body) => {
+                let mut resp = text(StatusCode::OK, body);
+                resp.headers_mut().insert(
+                    CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+                );
+                resp
+            }
+            Err(e) => text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("rendering the metrics failed: {e}\n"),
+            ),
+        };
+    }
+    handle(shared, req)
+}
+
+fn handle<B>(shared: &Shared, req: &Request<B>) -> Response<Full<Bytes>> {
     if let Some(rest) = req.uri().path().strip_prefix("/breakers/") {
         if req.method() != Method::POST {
             return text(
@@ -25,15 +55,6 @@ pub fn handle<B>(shared: &Shared, req: &Request<B>) -> Response<Full<Bytes>> {
         return text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n".into());
     }
     match req.uri().path() {
-        "/metrics" => {
-            shared.proxy.runtime().refresh_gauges();
-            let mut resp = text(StatusCode::OK, shared.proxy.metrics().render());
-            resp.headers_mut().insert(
-                CONTENT_TYPE,
-                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-            );
-            resp
-        }
         "/healthz" => text(StatusCode::OK, "ok\n".into()),
         "/readyz" => {
             if shared.draining.load(Ordering::Acquire) {

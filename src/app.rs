@@ -130,8 +130,8 @@ impl Server {
                 move |_, _| {
                     let shared = shared.clone();
                     service_fn(move |req: Request<Incoming>| {
-                        let resp = crate::admin::handle(&shared, &req);
-                        async move { Ok::<_, Infallible>(resp) }
+                        let shared = shared.clone();
+                        async move { Ok::<_, Infallible>(crate::admin::serve(&shared, &req).await) }
                     })
                 },
             )

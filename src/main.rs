@@ -13,6 +13,13 @@ use herdguard::telemetry::{self, LogFormat};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info, warn};
 
+/// mimalloc instead of the system allocator: it hands freed memory back to
+/// the system, where glibc's malloc keeps it in its arenas (a reload from
+/// 10,000 routes back to 2 left the RSS at its peak; see the README's
+/// memory figures).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// A sidecar retrying HTTP reverse proxy: budgeted, jittered retries behind a
 /// circuit breaker, at one layer.
 #[derive(Debug, Parser)]

@@ -5,13 +5,14 @@
 //! paths hold pre-registered handles: recording is an atomic add, with no
 //! label formatting or map lookup per request.
 
-use std::sync::{Arc, OnceLock};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use crate::policy::breaker::State as BreakerState;
 use crate::policy::outcome::{Outcome, SkipReason, UpstreamFault};
 use http::StatusCode;
-use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder, SharedString, Unit};
+use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder, SharedString};
 use metrics_exporter_prometheus::{
     Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
 };
@@ -39,14 +40,31 @@ const LATENCY_BUCKETS: &[f64] = &[
 static METADATA: Metadata<'static> =
     Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
 
-/// The registry of one running proxy.
+/// The registry of one running proxy: its own series, and one scope per
+/// route and per upstream, dropped with the last route or upstream that
+/// uses it — so a reload that removes a route or an upstream removes its
+/// series and gives their memory back.
 pub struct Metrics {
+    base: Scope,
+    scopes: Mutex<BTreeMap<(ScopeKind, Box<str>), Weak<Scope>>>,
+}
+
+/// What a scope holds the series of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ScopeKind {
+    Route,
+    Upstream,
+}
+
+/// One Prometheus recorder: the series of one route, one upstream, or the
+/// proxy's own.
+pub struct Scope {
     recorder: PrometheusRecorder,
     handle: PrometheusHandle,
 }
 
-impl Metrics {
-    pub fn new() -> Arc<Self> {
+impl Scope {
+    fn new() -> Self {
         let builder = PrometheusBuilder::new();
         let builder = [REQUEST_DURATION, BACKOFF_SECONDS]
             .into_iter()
@@ -56,112 +74,7 @@ impl Metrics {
             });
         let recorder = builder.build_recorder();
         let handle = recorder.handle();
-        let m = Self { recorder, handle };
-        m.describe();
-        Arc::new(m)
-    }
-
-    fn describe(&self) {
-        use Unit::*;
-        let r = &self.recorder;
-        let counters = [
-            (
-                REQUESTS_TOTAL,
-                Count,
-                "Requests answered, by route and status code.",
-            ),
-            (
-                UPSTREAM_ATTEMPTS,
-                Count,
-                "Attempts sent upstream (first tries and retries), by outcome.",
-            ),
-            (
-                RETRIES_TOTAL,
-                Count,
-                "Retries made, by the cause of the failed attempt.",
-            ),
-            (
-                RETRIES_SKIPPED,
-                Count,
-                "Retries that were not made, by reason.",
-            ),
-            (
-                BREAKER_TRANSITIONS,
-                Count,
-                "Circuit breaker state changes, by new state.",
-            ),
-            (
-                SHED_TOTAL,
-                Count,
-                "Requests refused at once because the upstream was at its in-flight limit.",
-            ),
-            (CONFIG_RELOADS, Count, "Config reloads, by result."),
-            (
-                ENDPOINT_EJECTIONS,
-                Count,
-                "Endpoints taken out of rotation for failing (outlier ejection).",
-            ),
-        ];
-        for (name, unit, help) in counters {
-            r.describe_counter(name.into(), Some(unit), help.into());
-        }
-        let gauges = [
-            (
-                RETRY_BUDGET_AVAILABLE,
-                Count,
-                "Retries the budget would allow now.",
-            ),
-            (
-                BREAKER_STATE,
-                Count,
-                "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
-            ),
-            (IN_FLIGHT, Count, "Requests in flight to the upstream."),
-            (
-                ENDPOINT_EJECTED,
-                Count,
-                "1 while the endpoint is out of rotation (ejected or being probed), else 0.",
-            ),
-            (
-                CONCURRENCY_LIMIT,
-                Count,
-                "Requests the upstream may have in flight now (adaptive limit).",
-            ),
-        ];
-        for (name, unit, help) in gauges {
-            r.describe_gauge(name.into(), Some(unit), help.into());
-        }
-        r.describe_histogram(
-            REQUEST_DURATION.into(),
-            Some(Seconds),
-            "Time from request received to response headers sent, retries included.".into(),
-        );
-        r.describe_histogram(
-            BACKOFF_SECONDS.into(),
-            Some(Seconds),
-            "Delay waited before each retry.".into(),
-        );
-        for result in ["ok", "error"] {
-            self.counter(CONFIG_RELOADS, &[("result", result)])
-                .increment(0);
-        }
-    }
-
-    /// The Prometheus text exposition of every metric.
-    pub fn render(&self) -> String {
-        self.handle.render()
-    }
-
-    /// Counts a config reload, by result.
-    pub fn reloaded(&self, ok: bool) {
-        let result = if ok { "ok" } else { "error" };
-        self.counter(CONFIG_RELOADS, &[("result", result)])
-            .increment(1);
-    }
-
-    /// Folds recorded histogram samples into their buckets, freeing them.
-    pub fn upkeep(&self) {
-        self.handle.run_upkeep();
+        Self { recorder, handle }
     }
 
     pub fn counter(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Counter {
@@ -179,6 +92,149 @@ impl Metrics {
     }
 }
 
+impl Metrics {
+    pub fn new() -> Arc<Self> {
+        let m = Self {
+            base: Scope::new(),
+            scopes: Mutex::new(BTreeMap::new()),
+        };
+        for result in ["ok", "error"] {
+            m.counter(CONFIG_RELOADS, &[("result", result)])
+                .increment(0);
+        }
+        Arc::new(m)
+    }
+
+    /// The scope of route or upstream `name`: the live one if there is
+    /// one (a reload that keeps a name keeps its counts), else a new one.
+    pub fn scope(&self, kind: ScopeKind, name: &str) -> Arc<Scope> {
+        let mut scopes = self.scopes.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (kind, Box::<str>::from(name));
+        if let Some(live) = scopes.get(&key).and_then(Weak::upgrade) {
+            return live;
+        }
+        let scope = Arc::new(Scope::new());
+        scopes.insert(key, Arc::downgrade(&scope));
+        scope
+    }
+
+    /// The live scopes, forgetting the dropped ones.
+    fn live(&self) -> Vec<Arc<Scope>> {
+        let mut scopes = self.scopes.lock().unwrap_or_else(|e| e.into_inner());
+        scopes.retain(|_, s| s.strong_count() > 0);
+        scopes.values().filter_map(Weak::upgrade).collect()
+    }
+
+    /// The Prometheus text exposition of every metric: each scope rendered,
+    /// and the series of each metric gathered under one `# HELP` and
+    /// `# TYPE`, as the format asks.
+    pub fn render(&self) -> String {
+        let mut texts = vec![self.base.handle.render()];
+        texts.extend(self.live().iter().map(|s| s.handle.render()));
+        merge(&texts)
+    }
+
+    /// Counts a config reload, by result.
+    pub fn reloaded(&self, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.counter(CONFIG_RELOADS, &[("result", result)])
+            .increment(1);
+    }
+
+    /// Folds recorded histogram samples into their buckets, freeing them.
+    pub fn upkeep(&self) {
+        self.base.handle.run_upkeep();
+        for scope in self.live() {
+            scope.handle.run_upkeep();
+        }
+    }
+
+    /// Live route and upstream scopes (for tests of what a reload frees).
+    pub fn scopes(&self) -> usize {
+        self.live().len()
+    }
+
+    pub fn counter(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Counter {
+        self.base.counter(name, labels)
+    }
+
+    pub fn gauge(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Gauge {
+        self.base.gauge(name, labels)
+    }
+
+    pub fn histogram(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Histogram {
+        self.base.histogram(name, labels)
+    }
+}
+
+/// What each metric is, for its `# HELP` line.
+fn help(name: &str) -> Option<&'static str> {
+    Some(match name {
+        REQUESTS_TOTAL => "Requests answered, by route and status code.",
+        UPSTREAM_ATTEMPTS => "Attempts sent upstream (first tries and retries), by outcome.",
+        RETRIES_TOTAL => "Retries made, by the cause of the failed attempt.",
+        RETRIES_SKIPPED => "Retries that were not made, by reason.",
+        BREAKER_TRANSITIONS => "Circuit breaker state changes, by new state.",
+        SHED_TOTAL => "Requests refused at once because the upstream was at its in-flight limit.",
+        CONFIG_RELOADS => "Config reloads, by result.",
+        ENDPOINT_EJECTIONS => "Endpoints taken out of rotation for failing (outlier ejection).",
+        RETRY_BUDGET_AVAILABLE => "Retries the budget would allow now.",
+        BREAKER_STATE => "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
+        IN_FLIGHT => "Requests in flight to the upstream.",
+        ENDPOINT_EJECTED => {
+            "1 while the endpoint is out of rotation (ejected or being probed), else 0."
+        }
+        CONCURRENCY_LIMIT => "Requests the upstream may have in flight now (adaptive limit).",
+        REQUEST_DURATION => {
+            "Time from request received to response headers sent, retries included."
+        }
+        BACKOFF_SECONDS => "Delay waited before each retry.",
+        _ => return None,
+    })
+}
+
+/// Gathers the series of several expositions under one `# HELP` and
+/// `# TYPE` per metric, in the order metrics first appear.
+fn merge(texts: &[String]) -> String {
+    let mut order: Vec<(&str, &str)> = Vec::new();
+    let mut bodies: HashMap<&str, String> = HashMap::new();
+    for text in texts {
+        let mut current: Option<&str> = None;
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let name = rest.split_whitespace().next().unwrap_or(rest);
+                if !bodies.contains_key(name) {
+                    order.push((name, line));
+                    bodies.insert(name, String::new());
+                }
+                current = Some(name);
+            } else if line.is_empty() || line.starts_with('#') {
+                continue;
+            } else if let Some(body) = current.and_then(|name| bodies.get_mut(name)) {
+                body.push_str(line);
+                body.push('\n');
+            }
+        }
+    }
+    let mut out = String::with_capacity(bodies.values().map(String::len).sum::<usize>() * 2);
+    for (name, type_line) in order {
+        if let Some(help) = help(name) {
+            out.push_str("# HELP ");
+            out.push_str(name);
+            out.push(' ');
+            out.push_str(help);
+            out.push('\n');
+        }
+        out.push_str(type_line);
+        out.push('\n');
+        if let Some(body) = bodies.get(name) {
+            out.push_str(body);
+        }
+        out.push('\n');
+    }
+    out
+}
+
 fn key(name: &'static str, labels: &[(&'static str, &str)]) -> Key {
     let labels: Vec<Label> = labels
         .iter()
@@ -188,17 +244,26 @@ fn key(name: &'static str, labels: &[(&'static str, &str)]) -> Key {
 }
 
 /// Counters with a status-code label, registered on first use of each code.
+/// The usual codes get a slot with a cached handle; any other is looked up
+/// in the registry each time (a hash lookup). 500 slots, one per code, cost
+/// 12 KB a route, most of a route's metrics.
 struct ByStatus {
-    registry: Arc<Metrics>,
+    registry: Arc<Scope>,
     name: &'static str,
     route: Arc<str>,
     label: &'static str,
-    counters: Box<[OnceLock<Counter>]>,
+    counters: [OnceLock<Counter>; USUAL.len()],
 }
+
+/// The codes a route commonly answers or retries on.
+const USUAL: [u16; 20] = [
+    200, 201, 202, 204, 206, 301, 302, 304, 400, 401, 403, 404, 408, 409, 429, 499, 500, 502, 503,
+    504,
+];
 
 impl ByStatus {
     fn new(
-        registry: &Arc<Metrics>,
+        registry: &Arc<Scope>,
         name: &'static str,
         route: &Arc<str>,
         label: &'static str,
@@ -208,12 +273,11 @@ impl ByStatus {
             name,
             route: route.clone(),
             label,
-            counters: (100..600).map(|_| OnceLock::new()).collect(),
+            counters: Default::default(),
         }
     }
 
-    /// Counts one for `status`. The usual codes (100-599) have a cached
-    /// handle; an odd one (600-999, which HTTP allows) is looked up each time.
+    /// Counts one for `status`.
     fn increment(&self, status: StatusCode) {
         let register = || {
             self.registry.counter(
@@ -221,7 +285,7 @@ impl ByStatus {
                 &[("route", &self.route), (self.label, status.as_str())],
             )
         };
-        let slot = usize::from(status.as_u16()).checked_sub(100);
+        let slot = USUAL.binary_search(&status.as_u16()).ok();
         match slot.and_then(|i| self.counters.get(i)) {
             Some(cell) => cell.get_or_init(register).increment(1),
             None => register().increment(1),
@@ -231,6 +295,8 @@ impl ByStatus {
 
 /// Handles for one route, registered once when the route is built.
 pub struct RouteMetrics {
+    /// Kept while the route lives: its series go with it.
+    _scope: Arc<Scope>,
     requests: ByStatus,
     duration: Histogram,
     /// By [`Outcome::sent_index`].
@@ -247,7 +313,8 @@ pub struct RouteMetrics {
 }
 
 impl RouteMetrics {
-    pub fn new(registry: &Arc<Metrics>, route: &str, upstream: &str) -> Self {
+    pub fn new(metrics: &Metrics, route: &str, upstream: &str) -> Self {
+        let registry = &metrics.scope(ScopeKind::Route, route);
         let name: Arc<str> = route.into();
         let attempts = Outcome::SENT.map(|o| {
             registry.counter(
@@ -265,6 +332,7 @@ impl RouteMetrics {
             registry.counter(RETRIES_SKIPPED, &[("route", route), ("reason", r.as_str())])
         });
         Self {
+            _scope: registry.clone(),
             requests: ByStatus::new(registry, REQUESTS_TOTAL, &name, "code"),
             duration: registry.histogram(REQUEST_DURATION, &[("route", route)]),
             attempts,
@@ -342,6 +410,8 @@ pub fn unrouted(registry: &Metrics, status: StatusCode) {
 
 /// Handles for one upstream.
 pub struct UpstreamMetrics {
+    /// Kept while the upstream lives: its series go with it.
+    _scope: Arc<Scope>,
     pub in_flight: Gauge,
     pub shed: Counter,
     pub limit: Gauge,
@@ -357,7 +427,8 @@ pub struct EndpointMetrics {
 }
 
 impl UpstreamMetrics {
-    pub fn new(registry: &Metrics, upstream: &str, endpoints: &[&str]) -> Self {
+    pub fn new(metrics: &Metrics, upstream: &str, endpoints: &[&str]) -> Self {
+        let registry = &metrics.scope(ScopeKind::Upstream, upstream);
         let endpoints = match endpoints.len() {
             0 | 1 => Box::default(),
             _ => endpoints
@@ -375,10 +446,50 @@ impl UpstreamMetrics {
                 .collect(),
         };
         Self {
+            _scope: registry.clone(),
             in_flight: registry.gauge(IN_FLIGHT, &[("upstream", upstream)]),
             shed: registry.counter(SHED_TOTAL, &[("upstream", upstream)]),
             limit: registry.gauge(CONCURRENCY_LIMIT, &[("upstream", upstream)]),
             endpoints,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scopes_render_as_one_exposition_and_go_with_their_owner() {
+        let m = Metrics::new();
+        let a = RouteMetrics::new(&m, "a", "u");
+        let b = RouteMetrics::new(&m, "b", "u");
+        a.request(StatusCode::OK, Duration::from_millis(3));
+        b.request(StatusCode::IM_A_TEAPOT, Duration::from_millis(3));
+        let text = m.render();
+        // One HELP and one TYPE per metric, every route's series under it.
+        for name in [REQUESTS_TOTAL, REQUEST_DURATION, CONFIG_RELOADS] {
+            let ty = format!("# TYPE {name} ");
+            assert_eq!(text.matches(&ty).count(), 1, "{name}: {text}");
+            assert_eq!(
+                text.matches(&format!("# HELP {name} ")).count(),
+                1,
+                "{name}"
+            );
+        }
+        assert!(text.contains("herdguard_requests_total{route=\"a\",code=\"200\"} 1"));
+        assert!(text.contains("herdguard_requests_total{route=\"b\",code=\"418\"} 1"));
+        // A second handle set for a live name shares its counts.
+        RouteMetrics::new(&m, "a", "u").request(StatusCode::OK, Duration::ZERO);
+        assert!(m
+            .render()
+            .contains("herdguard_requests_total{route=\"a\",code=\"200\"} 2"));
+        // A dropped route takes its series with it.
+        drop(b);
+        let text = m.render();
+        assert!(!text.contains("route=\"b\""), "{text}");
+        assert_eq!(m.scopes(), 1);
+        drop(a);
+        assert!(!m.render().contains("route=\"a\""));
     }
 }

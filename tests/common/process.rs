@@ -145,6 +145,35 @@ impl Binary {
         }
     }
 
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.running.as_ref().expect("running").child.id()
+    }
+
+    /// Writes `toml` as the config file (after the same `[listen]` and
+    /// `[admin]` as at start) and sends SIGHUP.
+    pub fn reload(&self, toml: &str) {
+        let text = format!(
+            "[listen]\naddress = \"127.0.0.1:0\"\n[admin]\naddress = \"127.0.0.1:0\"\n{toml}"
+        );
+        std::fs::write(self._config.path(), text).unwrap();
+        let sent = Command::new("kill")
+            .args(["-HUP", &self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+    }
+
+    /// Resident memory, in KiB, from /proc.
+    pub fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS in /proc/PID/status")
+    }
+
     /// The admin listener's `/metrics` text.
     pub async fn metrics(&self) -> String {
         let req = http::Request::get(format!("http://{}/metrics", self.admin))

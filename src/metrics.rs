@@ -46,8 +46,11 @@ static METADATA: Metadata<'static> =
 /// series and gives their memory back.
 pub struct Metrics {
     base: Scope,
-    scopes: Mutex<BTreeMap<(ScopeKind, Box<str>), Weak<Scope>>>,
+    scopes: Mutex<BTreeMap<ScopeName, Weak<Scope>>>,
 }
+
+/// A scope's owner: a route or an upstream, by name.
+type ScopeName = (ScopeKind, Box<str>);
 
 /// What a scope holds the series of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

@@ -95,6 +95,8 @@ fn breakers(shared: &Shared) -> serde_json::Value {
                 "in_flight": u.in_flight(),
                 "limit": u.limit(),
                 "max_in_flight": u.max_in_flight(),
+                "tunnels": u.tunnels.open(),
+                "max_tunnels": u.tunnels.max(),
                 "endpoints": u.endpoints_snapshot(),
             }),
         );

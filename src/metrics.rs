@@ -32,6 +32,7 @@ pub const CONFIG_RELOADS: &str = "herdguard_config_reloads_total";
 pub const CONCURRENCY_LIMIT: &str = "herdguard_concurrency_limit";
 pub const ENDPOINT_EJECTIONS: &str = "herdguard_endpoint_ejections_total";
 pub const ENDPOINT_EJECTED: &str = "herdguard_endpoint_ejected";
+pub const TUNNELS_OPEN: &str = "herdguard_tunnels_open";
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -188,6 +189,7 @@ fn help(name: &str) -> Option<&'static str> {
             "1 while the endpoint is out of rotation (ejected or being probed), else 0."
         }
         CONCURRENCY_LIMIT => "Requests the upstream may have in flight now (adaptive limit).",
+        TUNNELS_OPEN => "Upgraded connections (WebSockets) open to the upstream.",
         REQUEST_DURATION => {
             "Time from request received to response headers sent, retries included."
         }
@@ -418,6 +420,7 @@ pub struct UpstreamMetrics {
     pub in_flight: Gauge,
     pub shed: Counter,
     pub limit: Gauge,
+    pub tunnels: Gauge,
     /// By endpoint index; empty when the upstream has one endpoint (it is
     /// never ejected).
     pub endpoints: Box<[EndpointMetrics]>,
@@ -453,6 +456,7 @@ impl UpstreamMetrics {
             in_flight: registry.gauge(IN_FLIGHT, &[("upstream", upstream)]),
             shed: registry.counter(SHED_TOTAL, &[("upstream", upstream)]),
             limit: registry.gauge(CONCURRENCY_LIMIT, &[("upstream", upstream)]),
+            tunnels: registry.gauge(TUNNELS_OPEN, &[("upstream", upstream)]),
             endpoints,
         }
     }

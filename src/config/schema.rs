@@ -109,6 +109,12 @@ pub struct UpstreamConfig {
     pub adaptive_concurrency: AdaptiveConfig,
     /// Per-endpoint ejection of an endpoint that keeps failing.
     pub outlier: OutlierConfig,
+    /// Upgraded connections (WebSockets) open to this upstream at most;
+    /// counted apart from `max_in_flight`. More are refused with 503.
+    pub max_tunnels: usize,
+    /// An upgraded connection that carries no byte either way this long is closed.
+    #[serde(with = "duration")]
+    pub tunnel_idle_timeout: Duration,
 }
 
 /// `[upstreams.NAME.outlier]`: an endpoint that keeps failing is taken out
@@ -191,6 +197,8 @@ impl Default for UpstreamConfig {
             http2: Http2Mode::Auto,
             adaptive_concurrency: AdaptiveConfig::default(),
             outlier: OutlierConfig::default(),
+            max_tunnels: 1024,
+            tunnel_idle_timeout: Duration::from_secs(300),
         }
     }
 }

@@ -123,6 +123,11 @@ fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) 
         }
     }
     positive(report, &path.key("connect_timeout"), u.connect_timeout);
+    positive(
+        report,
+        &path.key("tunnel_idle_timeout"),
+        u.tunnel_idle_timeout,
+    );
     if u.max_in_flight == 0 {
         report(path.key("max_in_flight"), "must be at least 1".into());
     }

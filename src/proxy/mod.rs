@@ -7,6 +7,7 @@ mod error;
 pub mod headers;
 mod pool;
 mod replay;
+mod tunnel;
 mod upstream;
 
 use std::net::SocketAddr;
@@ -16,9 +17,7 @@ use arc_swap::ArcSwap;
 use http::header::HOST;
 use http::{HeaderValue, Method, Request, Response, StatusCode, Version};
 use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
-use tracing::debug;
 
 pub use body::{caller_fault, BoxError, Progress, RequestBody, ResponseBody};
 pub use error::LocalError;
@@ -318,6 +317,22 @@ async fn forward(
     start: Instant,
 ) -> Response<ResponseBody> {
     let upgrade = headers::requested_upgrade(req.version(), req.headers());
+    // A request that asks to upgrade takes a tunnel place first: tunnels
+    // are counted apart from requests in flight.
+    let tunnel_place = match upgrade {
+        true => match route.upstream.tunnels.try_reserve() {
+            Some(place) => Some(place),
+            None => {
+                let tunnels = &route.upstream.tunnels;
+                return LocalError::Overloaded.response(&format!(
+                    "upstream {} has {} upgraded connections open, its max_tunnels",
+                    route.upstream.name,
+                    tunnels.max()
+                ));
+            }
+        },
+        false => None,
+    };
     let caller_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
 
     let (mut parts, body) = req.into_parts();
@@ -413,9 +428,9 @@ async fn forward(
     };
 
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-        if let Some(caller) = caller_upgrade {
+        if let (Some(caller), Some(place)) = (caller_upgrade, tunnel_place) {
             let upstream_side = hyper::upgrade::on(&mut resp);
-            tokio::spawn(tunnel(caller, upstream_side, slot));
+            tokio::spawn(tunnel::relay(caller, upstream_side, slot, place));
             let (mut parts, _) = resp.into_parts();
             finish_headers(&mut parts.headers, true, attempts);
             return Response::from_parts(parts, ResponseBody::local(bytes::Bytes::new()));
@@ -439,27 +454,6 @@ fn finish_headers(h: &mut http::HeaderMap, upgrade: bool, attempts: HeaderValue)
     headers::strip_hop_by_hop(h, upgrade);
     headers::add_via(h, Version::HTTP_11);
     h.insert(&headers::X_HERDGUARD_ATTEMPTS, attempts);
-}
-
-/// Relays bytes both ways after a 101 Switching Protocols.
-async fn tunnel(
-    caller: hyper::upgrade::OnUpgrade,
-    upstream: hyper::upgrade::OnUpgrade,
-    slot: upstream::InFlight,
-) {
-    let (caller, upstream) = match tokio::try_join!(caller, upstream) {
-        Ok(pair) => pair,
-        Err(e) => {
-            debug!(error = %e, "upgrade failed");
-            return;
-        }
-    };
-    let mut caller = TokioIo::new(caller);
-    let mut upstream = TokioIo::new(upstream);
-    if let Err(e) = tokio::io::copy_bidirectional(&mut caller, &mut upstream).await {
-        debug!(error = %e, "upgraded connection ended with an error");
-    }
-    drop(slot);
 }
 
 /// An error and its causes on one line.

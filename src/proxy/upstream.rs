@@ -26,6 +26,7 @@ use crate::policy::{Outcome, UpstreamFault};
 
 use super::body::RequestBody;
 use super::pool::{self, H1Pool, PoolError, Pooled};
+use super::tunnel::Tunnels;
 
 pub type HttpClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
 
@@ -211,6 +212,8 @@ pub struct Upstream {
     limiter: Option<Mutex<Limiter>>,
     limit: AtomicUsize,
     pub metrics: UpstreamMetrics,
+    /// Upgraded connections: counted apart from requests in flight.
+    pub tunnels: Arc<Tunnels>,
 }
 
 impl Upstream {
@@ -265,6 +268,7 @@ impl Upstream {
             ),
             limiter: limiter.map(Mutex::new),
             metrics: UpstreamMetrics::new(registry, name, &labels),
+            tunnels: Tunnels::new(config.max_tunnels, config.tunnel_idle_timeout),
         }))
     }
 
@@ -409,6 +413,7 @@ impl Upstream {
     pub fn refresh_gauges(&self) {
         self.metrics.in_flight.set(self.in_flight() as f64);
         self.metrics.limit.set(self.limit() as f64);
+        self.metrics.tunnels.set(self.tunnels.open() as f64);
         if let Some(o) = &self.outliers {
             let o = o.lock().unwrap_or_else(|e| e.into_inner());
             for (i, m) in self.metrics.endpoints.iter().enumerate() {

@@ -25,6 +25,9 @@ use crate::drain::{Conduct, Drain};
 use crate::metrics::Metrics;
 use crate::proxy::{BuildError, Caller, Proxy, Runtime};
 
+/// HTTP/2 streams one caller connection may have open at once.
+const MAX_STREAMS: u32 = 100;
+
 /// Why the proxy could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -409,7 +412,12 @@ async fn accept_loop<M, S, B>(
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
         .keep_alive(true);
-    builder.http2().timer(TokioTimer::new());
+    // One connection's streams may each hold an upstream slot: at most 100
+    // at once (nginx allows 128; h2's default is no limit).
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(MAX_STREAMS);
     let drain = Drain::new();
     // A connection holds a permit until it closes: when all are back, all
     // connections are closed.

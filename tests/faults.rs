@@ -348,6 +348,60 @@ async fn a_caller_that_stops_reading_lets_go_of_its_upstream_slot() {
     hg.terminate().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2_streams_given_no_window_let_go_of_their_upstream_slots() {
+    let up = upstream(|_| async { http::Response::new(full(vec![b'x'; 64 << 10])) }).await;
+    let hg = Binary::start_with(
+        "write_timeout = \"500ms\"",
+        &format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\nmax_in_flight = 4\nadaptive_concurrency = {{ enabled = false }}\n\
+             [[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+            up.url()
+        ),
+    )
+    .await;
+    // One HTTP/2 connection that gives its streams no flow-control window
+    // and reads nothing: four streams take every slot of the upstream.
+    let tcp = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+    let (mut client, conn) = h2::client::Builder::new()
+        .initial_window_size(0)
+        .handshake::<_, bytes::Bytes>(tcp)
+        .await
+        .unwrap();
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let mut held = Vec::new();
+    for i in 0..4 {
+        let req = http::Request::get(format!("http://a/stuck/{i}"))
+            .body(())
+            .unwrap();
+        client = client.ready().await.unwrap();
+        let (resp, _) = client.send_request(req, true).unwrap();
+        let resp = resp.await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        held.push(resp);
+    }
+    assert_eq!(
+        hg.metric(IN_FLIGHT).await,
+        4.0,
+        "the streams hold the slots"
+    );
+    // After write_timeout without a frame going out, the slots come back,
+    // and other callers are served.
+    eventually(
+        std::time::Duration::from_secs(5),
+        "the slots come back",
+        || async { hg.metric(IN_FLIGHT).await == 0.0 },
+    )
+    .await;
+    let (status, _, body) = get(&hg, "/next").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body.len(), 64 << 10);
+    drop(held);
+    hg.terminate().await;
+}
+
 #[tokio::test]
 async fn an_upstream_that_stops_sending_its_body_is_cut_off() {
     let url = hanging_upstream(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nabc").await;

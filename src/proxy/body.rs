@@ -3,7 +3,7 @@
 
 use std::future::Future as _;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -245,7 +245,7 @@ pin_project! {
     pub enum ResponseBody {
         Upstream {
             #[pin] body: Incoming,
-            slot: Option<InFlight>,
+            slot: Slot,
             // How long the upstream may send nothing more (`write_timeout`),
             // and the timer that runs while it does.
             idle: Duration,
@@ -262,7 +262,32 @@ impl ResponseBody {
     pub fn upstream(body: Incoming, slot: InFlight, idle: Duration) -> Self {
         ResponseBody::Upstream {
             body,
-            slot: Some(slot),
+            slot: Slot::Own(Some(slot)),
+            idle,
+            timer: None,
+            waiting: false,
+        }
+    }
+
+    /// Like [`upstream`](Self::upstream), for a caller whose connection
+    /// carries many streams (HTTP/2): a stream the caller gives no flow
+    /// control window is never polled, so no timer inside the body can run.
+    /// A watchdog task frees the slot (and closes the upstream connection)
+    /// when no frame went out for `idle`, however the body is polled.
+    pub fn watched(body: Incoming, slot: InFlight, idle: Duration) -> Self {
+        if body.is_end_stream() {
+            return Self::upstream(body, slot, idle);
+        }
+        let watch = Arc::new(Watch {
+            start: tokio::time::Instant::now(),
+            last: AtomicU64::new(0),
+            slot: std::sync::Mutex::new(Some(slot)),
+            done: Arc::new(Notify::new()),
+        });
+        tokio::spawn(watchdog(Arc::downgrade(&watch), watch.done.clone(), idle));
+        ResponseBody::Upstream {
+            body,
+            slot: Slot::Watched(watch),
             idle,
             timer: None,
             waiting: false,
@@ -272,6 +297,91 @@ impl ResponseBody {
     pub fn local(text: impl Into<Bytes>) -> Self {
         ResponseBody::Local {
             body: Full::new(text.into()),
+        }
+    }
+}
+
+/// The upstream slot a response body holds.
+enum Slot {
+    Own(Option<InFlight>),
+    /// Shared with a watchdog that may let it go first.
+    Watched(Arc<Watch>),
+}
+
+impl Slot {
+    /// The body is done with the upstream: the slot goes back, the
+    /// connection to its pool.
+    fn release(&mut self) {
+        match self {
+            Slot::Own(slot) => drop(slot.take()),
+            Slot::Watched(watch) => {
+                drop(watch.take());
+                watch.done.notify_one();
+            }
+        }
+    }
+
+    /// A frame went out toward the caller.
+    fn progress(&self) {
+        if let Slot::Watched(watch) = self {
+            watch.touch();
+        }
+    }
+}
+
+/// What a response body and its watchdog share.
+struct Watch {
+    start: tokio::time::Instant,
+    /// When the last frame went out: nanoseconds since `start`.
+    last: AtomicU64,
+    slot: std::sync::Mutex<Option<InFlight>>,
+    /// Wakes the watchdog when the body is done or dropped.
+    done: Arc<Notify>,
+}
+
+impl Watch {
+    fn touch(&self) {
+        let nanos = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.last.store(nanos, Ordering::Relaxed);
+    }
+
+    fn last(&self) -> tokio::time::Instant {
+        self.start + Duration::from_nanos(self.last.load(Ordering::Relaxed))
+    }
+
+    fn take(&self) -> Option<InFlight> {
+        self.slot.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.done.notify_one();
+    }
+}
+
+/// Frees a stalled response's slot: when no frame went out toward the
+/// caller for `idle`, the slot goes back and the upstream connection is
+/// closed (its response is half read); the caller's stream then ends with
+/// an error as soon as it is polled again.
+async fn watchdog(watch: std::sync::Weak<Watch>, done: Arc<Notify>, idle: Duration) {
+    loop {
+        let deadline = match watch.upgrade() {
+            Some(w) if w.slot.lock().unwrap_or_else(|e| e.into_inner()).is_some() => {
+                w.last() + idle
+            }
+            _ => return,
+        };
+        if tokio::time::Instant::now() >= deadline {
+            if let Some(mut slot) = watch.upgrade().and_then(|w| w.take()) {
+                slot.abandon();
+                tracing::debug!(idle = ?idle, "a response made no progress toward its caller; its upstream slot is freed");
+            }
+            return;
+        }
+        tokio::select! {
+            () = done.notified() => {}
+            () = tokio::time::sleep_until(deadline) => {}
         }
     }
 }
@@ -302,7 +412,7 @@ impl Body for ResponseBody {
                         timer.as_mut().reset(deadline);
                     }
                     if timer.as_mut().poll(cx).is_ready() {
-                        slot.take();
+                        slot.release();
                         return Poll::Ready(Some(Err(
                             "the upstream sent nothing more of its body for write_timeout".into(),
                         )));
@@ -311,7 +421,9 @@ impl Body for ResponseBody {
                 }
                 *waiting = false;
                 if matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
-                    slot.take();
+                    slot.release();
+                } else {
+                    slot.progress();
                 }
                 polled.map_err(Into::into)
             }

@@ -317,6 +317,7 @@ async fn forward(
     start: Instant,
 ) -> Response<ResponseBody> {
     let upgrade = headers::requested_upgrade(req.version(), req.headers());
+    let multiplexed = req.version() == Version::HTTP_2;
     // A request that asks to upgrade takes a tunnel place first: tunnels
     // are counted apart from requests in flight.
     let tunnel_place = match upgrade {
@@ -441,7 +442,10 @@ async fn forward(
     notes(&mut parts.headers);
     Response::from_parts(
         parts,
-        ResponseBody::upstream(body, slot, route.write_timeout),
+        match multiplexed {
+            true => ResponseBody::watched(body, slot, route.write_timeout),
+            false => ResponseBody::upstream(body, slot, route.write_timeout),
+        },
     )
 }
 

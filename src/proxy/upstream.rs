@@ -486,6 +486,13 @@ impl InFlight {
         self.conn = Some((index, conn));
     }
 
+    /// Lets the slot go and closes the connection instead of pooling it:
+    /// its response was left half read.
+    pub fn abandon(&mut self) {
+        drop(self.conn.take());
+        self.park();
+    }
+
     /// The upstream is done with this request (it answered, and the answer
     /// is kept while a retry is tried): stop counting it in flight. The
     /// connection stays held until the slot is dropped.

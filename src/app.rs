@@ -91,6 +91,7 @@ impl Server {
                 max_connections: config.listen.max_connections,
                 header_read_timeout: config.listen.header_read_timeout,
                 write_timeout: config.listen.write_timeout,
+                idle_timeout: config.listen.idle_timeout,
                 drain_timeout: config.listen.drain_timeout,
             };
             accept_loop(
@@ -108,6 +109,7 @@ impl Server {
                         let conduct = conduct.clone();
                         async move {
                             // Dropped unanswered only when the caller abandoned the request.
+                            conduct.begun();
                             let pending = Abandoned(Some(conduct));
                             let resp = proxy.handle(req, &caller).await;
                             pending.answered();
@@ -123,6 +125,7 @@ impl Server {
                 max_connections: 64,
                 header_read_timeout: Duration::from_secs(10),
                 write_timeout: Duration::from_secs(10),
+                idle_timeout: Duration::from_secs(30),
                 drain_timeout: Duration::from_secs(1),
             };
             accept_loop(
@@ -385,6 +388,7 @@ struct Limits {
     max_connections: usize,
     header_read_timeout: Duration,
     write_timeout: Duration,
+    idle_timeout: Duration,
     drain_timeout: Duration,
 }
 
@@ -443,7 +447,7 @@ async fn accept_loop<M, S, B>(
             },
         };
         let _ = stream.set_nodelay(true);
-        let conduct = Arc::new(Conduct::default());
+        let conduct = Arc::new(Conduct::new(limits.idle_timeout));
         let service = make_service(peer, &conduct);
         let (builder, drain) = (builder.clone(), drain.clone());
         let (wait, write_timeout) = (limits.header_read_timeout, limits.write_timeout);

@@ -12,11 +12,13 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use hyper_util::server::graceful::GracefulConnection;
 use pin_project_lite::pin_project;
 use tokio::sync::futures::OwnedNotified;
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 /// The signal that connections should close once idle.
 #[derive(Clone, Default)]
@@ -49,6 +51,7 @@ impl Drain {
             started: self.started.clone(),
             conduct: conduct.clone(),
             expel: conduct.expel.clone().notified_owned(),
+            idle: tokio::time::sleep(conduct.idle_timeout),
         }
     }
 }
@@ -62,22 +65,50 @@ impl Drain {
 /// Once a connection has abandoned [`Conduct::TOLERATED`] requests and more
 /// than twice as many as were answered, it is asked to close (HTTP/2 GOAWAY):
 /// callers that cancel now and then are never near it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Conduct {
     abandoned: std::sync::atomic::AtomicU32,
     answered: std::sync::atomic::AtomicU32,
     expelled: AtomicBool,
     expel: Arc<Notify>,
+    /// Requests begun and not yet answered or abandoned.
+    open: std::sync::atomic::AtomicU32,
+    /// When a request last began or ended: nanoseconds since `start`.
+    last: std::sync::atomic::AtomicU64,
+    start: Instant,
+    /// The connection closes after this long with no request open.
+    pub idle_timeout: Duration,
 }
 
 impl Conduct {
     pub const TOLERATED: u32 = 100;
 
+    pub fn new(idle_timeout: Duration) -> Self {
+        Self {
+            abandoned: Default::default(),
+            answered: Default::default(),
+            expelled: AtomicBool::new(false),
+            expel: Arc::new(Notify::new()),
+            open: Default::default(),
+            last: Default::default(),
+            start: Instant::now(),
+            idle_timeout,
+        }
+    }
+
+    /// A request began on the connection.
+    pub fn begun(&self) {
+        self.open.fetch_add(1, Ordering::Relaxed);
+        self.touch();
+    }
+
     pub fn answered(&self) {
         self.answered.fetch_add(1, Ordering::Relaxed);
+        self.ended();
     }
 
     pub fn abandoned(&self) {
+        self.ended();
         let abandoned = self
             .abandoned
             .fetch_add(1, Ordering::Relaxed)
@@ -90,6 +121,29 @@ impl Conduct {
             // Stored as a permit if the connection is not being polled now.
             self.expel.notify_one();
         }
+    }
+
+    fn ended(&self) {
+        // Saturating: the admin listener's requests are not counted in.
+        let _ = self
+            .open
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        self.touch();
+    }
+
+    fn touch(&self) {
+        let nanos = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.last.fetch_max(nanos, Ordering::Relaxed);
+    }
+
+    /// When the connection may be closed as idle, if no request opens
+    /// before; `None` while a request is open.
+    fn idle_at(&self) -> Option<Instant> {
+        if self.open.load(Ordering::Relaxed) > 0 {
+            return None;
+        }
+        let last = self.start + Duration::from_nanos(self.last.load(Ordering::Relaxed));
+        Some(last + self.idle_timeout)
     }
 }
 
@@ -108,6 +162,9 @@ pin_project! {
         conduct: Arc<Conduct>,
         #[pin]
         expel: OwnedNotified,
+        // Fires when the connection may have been idle for `idle_timeout`.
+        #[pin]
+        idle: tokio::time::Sleep,
     }
 }
 
@@ -128,7 +185,21 @@ impl<C: GracefulConnection> Future for Watched<C> {
                 expelled = this.expel.as_mut().poll(cx).is_ready();
                 *this.registered = Some(cx.waker().clone());
             }
-            if started || expelled {
+            // Idle: closed like a drain closes it (HTTP/2: GOAWAY, and the
+            // streams still answering finish first). The timer is pushed
+            // back while requests come.
+            let idle = loop {
+                if this.idle.as_mut().poll(cx).is_pending() {
+                    break false;
+                }
+                let now = Instant::now();
+                match this.conduct.idle_at() {
+                    Some(at) if at <= now => break true,
+                    Some(at) => this.idle.as_mut().reset(at),
+                    None => this.idle.as_mut().reset(now + this.conduct.idle_timeout),
+                }
+            };
+            if started || expelled || idle {
                 *this.asked = true;
                 this.conn.as_mut().graceful_shutdown();
             }
@@ -173,7 +244,13 @@ mod tests {
                 ))
             }),
         );
-        (Box::pin(drain.watch(conn, &Arc::default())), theirs)
+        (
+            Box::pin(drain.watch(
+                conn,
+                &Arc::new(Conduct::new(std::time::Duration::from_secs(3600))),
+            )),
+            theirs,
+        )
     }
 
     #[tokio::test]

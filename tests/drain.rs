@@ -113,3 +113,88 @@ async fn idle_connections_close_when_draining_and_the_drain_ends_with_them() {
         .expect("the drain waited for connections that had closed, or an h2c one it did not close");
     drop(h2c);
 }
+
+/// An h2c connection to `listen` that has sent one request and read its
+/// answer; its connection task reports when the connection ends.
+async fn h2_after_one_request(
+    listen: &str,
+) -> (h2::client::SendRequest<bytes::Bytes>, oneshot::Receiver<()>) {
+    let tcp = tokio::net::TcpStream::connect(listen).await.unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    let (ended_tx, ended) = oneshot::channel();
+    tokio::spawn(async move {
+        let _ = conn.await;
+        let _ = ended_tx.send(());
+    });
+    let mut client = client.ready().await.unwrap();
+    let (resp, _) = client
+        .send_request(Request::get("http://a/one").body(()).unwrap(), true)
+        .unwrap();
+    let mut body = resp.await.unwrap().into_body();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.unwrap();
+        let _ = body.flow_control().release_capacity(chunk.len());
+    }
+    (client, ended)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_h2_connection_is_closed_after_idle_timeout() {
+    let up = ok_upstream("fine").await;
+    let hg = common::process::Binary::start_with(
+        "idle_timeout = \"400ms\"",
+        &format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+            up.url()
+        ),
+    )
+    .await;
+    let (_client, ended) = h2_after_one_request(&hg.listen).await;
+    tokio::time::timeout(std::time::Duration::from_secs(5), ended)
+        .await
+        .expect("the idle connection was closed")
+        .unwrap();
+    hg.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_still_answering_outlives_idle_timeout() {
+    use http_body_util::StreamBody;
+    // The upstream sends its body in 6 pieces, 250 ms apart: 1.5 s, well
+    // past the 400 ms idle timeout of a connection with no new request.
+    let slow = upstream(|_| async {
+        let pieces = futures_util::stream::unfold(0u8, |i| async move {
+            if i == 6 {
+                return None;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            Some((
+                Ok::<_, BoxError>(hyper::body::Frame::data(bytes::Bytes::from(vec![
+                    b'a' + i;
+                    10
+                ]))),
+                i + 1,
+            ))
+        });
+        http::Response::new(http_body_util::BodyExt::boxed(StreamBody::new(pieces)))
+    })
+    .await;
+    let hg = common::process::Binary::start_with(
+        "idle_timeout = \"400ms\"",
+        &format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+            slow.url()
+        ),
+    )
+    .await;
+    let (status, _, body) = send(
+        &h2c_client(),
+        Request::get(format!("http://{}/slow", hg.listen))
+            .body(empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body.len(), 60, "the whole body came");
+    hg.terminate().await;
+}

@@ -48,6 +48,10 @@ pub struct ListenConfig {
     /// that sends nothing more of its body.
     #[serde(with = "duration")]
     pub write_timeout: Duration,
+    /// A caller connection with no request open and none begun this long
+    /// is closed (HTTP/2: GOAWAY); streams still answering finish first.
+    #[serde(with = "duration")]
+    pub idle_timeout: Duration,
     /// Answer `x-herdguard-explain: 1` with the request's attempt trace.
     pub explain: bool,
 }
@@ -60,6 +64,7 @@ impl Default for ListenConfig {
             header_read_timeout: Duration::from_secs(10),
             max_connections: 10_000,
             write_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(60),
             explain: false,
         }
     }

@@ -47,6 +47,11 @@ pub(super) fn validate(config: &Config, report: &mut Report<'_>) {
         &listen.key("write_timeout"),
         config.listen.write_timeout,
     );
+    positive(
+        report,
+        &listen.key("idle_timeout"),
+        config.listen.idle_timeout,
+    );
     if config.admin.address == config.listen.address && config.admin.address.port() != 0 {
         report(
             root.key("admin").key("address"),

@@ -499,3 +499,60 @@ async fn an_upstream_cannot_pose_as_the_proxy() {
     assert!(headers.get("x-herdguard-error").is_none(), "{headers:?}");
     hg.terminate().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_the_upstream_breaks_off_count_against_it() {
+    // Headers, 3 of 100 bytes, then the connection closes.
+    let broken = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nabc".to_vec();
+    // One endpoint that always breaks off: the route's breaker opens.
+    let (url, seen) = raw_upstream(broken.clone()).await;
+    let hg = Binary::start(&config(&url)).await;
+    for i in 0..5 {
+        let answer = raw(
+            &hg,
+            format!("GET /b/{i} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(
+            !answer.contains("abc\r\n"),
+            "the caller sees the body cut: {answer}"
+        );
+    }
+    assert_eq!(seen.load(Ordering::SeqCst), 5);
+    eventually(
+        std::time::Duration::from_secs(5),
+        "the breaker opens",
+        || async {
+            hg.metric(r#"herdguard_breaker_transitions_total{route="r",to="open"}"#)
+                .await
+                >= 1.0
+        },
+    )
+    .await;
+    hg.terminate().await;
+
+    // Beside a healthy endpoint, the one that breaks off is ejected.
+    let (url, _) = raw_upstream(broken).await;
+    let good = ok_upstream("fine").await;
+    let hg = Binary::start(&format!(
+        "[upstreams.u]\nendpoints = [\"{}\", \"{url}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+        good.url()
+    ))
+    .await;
+    for i in 0..12 {
+        let _ = raw(
+            &hg,
+            format!("GET /b/{i} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await;
+    }
+    let ejected = format!("herdguard_endpoint_ejected{{upstream=\"u\",endpoint=\"{url}\"}}");
+    eventually(
+        std::time::Duration::from_secs(5),
+        "the endpoint is ejected",
+        || async { hg.metric(&ejected).await == 1.0 },
+    )
+    .await;
+    hg.terminate().await;
+}

@@ -17,6 +17,7 @@ use http::{HeaderMap, Method, Request, Response, Version};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
+use crate::policy::outlier::Verdict;
 use crate::policy::retry::retry_after;
 use crate::policy::{CallerFault, Outcome, UpstreamFault};
 use crate::retry::{self, Attempt};
@@ -230,7 +231,7 @@ impl retry::Attempts for Forward<'_> {
         .await;
         let elapsed = sent_at.elapsed();
         let name = &upstream.name;
-        let (outcome, answer, detail) = match timed {
+        let (outcome, mut answer, detail) = match timed {
                 // HTTP allows three digits; a status from 600 up means nothing.
                 // A switch of protocols nobody asked for breaks the caller's connection.
                 Timed::Done(Ok((resp, _)))
@@ -303,7 +304,17 @@ impl retry::Attempts for Forward<'_> {
         // a slow upload is the caller's time, not the upstream's.
         upstream.observe(outcome, sent_whole.elapsed());
         let note = picked.kind.note();
-        picked.settle(outcome);
+        // An answer whose body is still to come is the endpoint's success
+        // only once the body ends whole: that is settled by the body.
+        match &mut answer {
+            Some((resp, slot))
+                if Verdict::of(outcome) == Verdict::Success
+                    && !http_body::Body::is_end_stream(resp.body()) =>
+            {
+                slot.answered_by(picked)
+            }
+            _ => picked.settle(outcome),
+        }
         if answer.is_none() {
             tracing::debug!(upstream = %name, outcome = outcome.label(), error = %detail, "upstream attempt failed");
         }
@@ -341,6 +352,10 @@ impl retry::Attempts for Forward<'_> {
 
     fn park(&self, answer: &mut Answer) {
         answer.1.park();
+    }
+
+    fn body_pending(&self, answer: &Answer) -> bool {
+        !http_body::Body::is_end_stream(answer.0.body())
     }
 }
 

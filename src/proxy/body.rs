@@ -246,6 +246,9 @@ pin_project! {
         Upstream {
             #[pin] body: Incoming,
             slot: Slot,
+            // Told when the upstream breaks the body off: a failure of the
+            // route, for its breaker, though the attempt had answered.
+            route: Pending,
             // How long the upstream may send nothing more (`write_timeout`),
             // and the timer that runs while it does.
             idle: Duration,
@@ -259,10 +262,16 @@ pin_project! {
 impl ResponseBody {
     /// The upstream's body, cut with an error should the upstream send
     /// nothing more of it for `idle`.
-    pub fn upstream(body: Incoming, slot: InFlight, idle: Duration) -> Self {
+    pub fn upstream(
+        body: Incoming,
+        slot: InFlight,
+        idle: Duration,
+        route: Option<Arc<super::Route>>,
+    ) -> Self {
         ResponseBody::Upstream {
             body,
             slot: Slot::Own(Some(slot)),
+            route: Pending(route),
             idle,
             timer: None,
             waiting: false,
@@ -274,9 +283,14 @@ impl ResponseBody {
     /// control window is never polled, so no timer inside the body can run.
     /// A watchdog task frees the slot (and closes the upstream connection)
     /// when no frame went out for `idle`, however the body is polled.
-    pub fn watched(body: Incoming, slot: InFlight, idle: Duration) -> Self {
+    pub fn watched(
+        body: Incoming,
+        slot: InFlight,
+        idle: Duration,
+        route: Option<Arc<super::Route>>,
+    ) -> Self {
         if body.is_end_stream() {
-            return Self::upstream(body, slot, idle);
+            return Self::upstream(body, slot, idle, route);
         }
         let watch = Arc::new(Watch {
             start: tokio::time::Instant::now(),
@@ -288,6 +302,7 @@ impl ResponseBody {
         ResponseBody::Upstream {
             body,
             slot: Slot::Watched(watch),
+            route: Pending(route),
             idle,
             timer: None,
             waiting: false,
@@ -298,6 +313,33 @@ impl ResponseBody {
         ResponseBody::Local {
             body: Full::new(text.into()),
         }
+    }
+}
+
+/// The breaker's verdict on a request, when the retry loop left it to the
+/// answer's body: a body broken off by the upstream is a failure; one that
+/// came whole, or that the caller stopped reading, a success (the upstream
+/// answered well as far as anyone saw).
+struct Pending(Option<Arc<super::Route>>);
+
+impl Pending {
+    fn end(&mut self, whole: bool) {
+        if let Some(route) = self.0.take() {
+            let outcome = match whole {
+                true => crate::policy::breaker::Outcome::Success,
+                false => {
+                    tracing::debug!(route = %route.name, "the upstream broke its response body off");
+                    crate::policy::breaker::Outcome::Failure
+                }
+            };
+            route.guards.record(false, outcome);
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.end(true);
     }
 }
 
@@ -317,6 +359,27 @@ impl Slot {
             Slot::Watched(watch) => {
                 drop(watch.take());
                 watch.done.notify_one();
+            }
+        }
+    }
+
+    /// The upstream broke the body off (`whole` false) or sent it whole:
+    /// the verdict on the endpoint that sent it.
+    fn ended(&mut self, whole: bool) {
+        let settle = |slot: &mut InFlight| match whole {
+            true => slot.body_done(),
+            false => slot.broken(),
+        };
+        match self {
+            Slot::Own(slot) => {
+                if let Some(slot) = slot {
+                    settle(slot);
+                }
+            }
+            Slot::Watched(watch) => {
+                if let Some(slot) = &mut *watch.slot.lock().unwrap_or_else(|e| e.into_inner()) {
+                    settle(slot);
+                }
             }
         }
     }
@@ -398,11 +461,13 @@ impl Body for ResponseBody {
             ResponseBodyProj::Upstream {
                 body,
                 slot,
+                route,
                 idle,
                 timer,
                 waiting,
             } => {
-                let polled = body.poll_frame(cx);
+                let mut body = body;
+                let polled = body.as_mut().poll_frame(cx);
                 if polled.is_pending() {
                     // Made on the first wait, pushed back at the start of each later one.
                     let deadline = tokio::time::Instant::now() + *idle;
@@ -412,6 +477,10 @@ impl Body for ResponseBody {
                         timer.as_mut().reset(deadline);
                     }
                     if timer.as_mut().poll(cx).is_ready() {
+                        // Polled and pending: the upstream, not the caller,
+                        // has sent nothing more.
+                        slot.ended(false);
+                        route.end(false);
                         slot.release();
                         return Poll::Ready(Some(Err(
                             "the upstream sent nothing more of its body for write_timeout".into(),
@@ -420,10 +489,24 @@ impl Body for ResponseBody {
                     return Poll::Pending;
                 }
                 *waiting = false;
-                if matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
-                    slot.release();
-                } else {
-                    slot.progress();
+                // hyper stops polling a body whose length it knows once
+                // that much came: the last frame may be its end.
+                let whole = match &polled {
+                    Poll::Ready(None) => Some(true),
+                    Poll::Ready(Some(Err(_))) => Some(false),
+                    Poll::Ready(Some(Ok(_))) if body.is_end_stream() => Some(true),
+                    _ => None,
+                };
+                match whole {
+                    Some(whole) => {
+                        // The request's verdict waited for its body: the
+                        // endpoint's, and the route's breaker's when the
+                        // retry loop left it to the body.
+                        slot.ended(whole);
+                        route.end(whole);
+                        slot.release();
+                    }
+                    None => slot.progress(),
                 }
                 polled.map_err(Into::into)
             }

@@ -311,7 +311,7 @@ fn request_host<'a>(uri: &'a http::Uri, host: Option<&'a HeaderValue>) -> Option
 }
 
 async fn forward(
-    route: &Route,
+    route: &Arc<Route>,
     mut req: Request<Incoming>,
     caller: &Caller,
     start: Instant,
@@ -438,13 +438,14 @@ async fn forward(
         }
     }
     let (mut parts, body) = resp.into_parts();
+    let settle = sent.settle_on_body.then(|| route.clone());
     finish_headers(&mut parts.headers, false, attempts);
     notes(&mut parts.headers);
     Response::from_parts(
         parts,
         match multiplexed {
-            true => ResponseBody::watched(body, slot, route.write_timeout),
-            false => ResponseBody::upstream(body, slot, route.write_timeout),
+            true => ResponseBody::watched(body, slot, route.write_timeout, settle),
+            false => ResponseBody::upstream(body, slot, route.write_timeout, settle),
         },
     )
 }

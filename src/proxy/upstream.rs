@@ -434,6 +434,7 @@ impl Upstream {
         Some(InFlight {
             upstream: self.clone(),
             conn: None,
+            endpoint: None,
             counted: true,
         })
     }
@@ -452,6 +453,13 @@ pub struct Picked<'a> {
 impl Picked<'_> {
     pub fn endpoint(&self) -> &Endpoint {
         &self.upstream.endpoints[self.index]
+    }
+
+    /// Leaves the verdict to whoever reads the answer's body: the index
+    /// and the kind of pick, to settle later.
+    fn defer(mut self) -> (usize, PickKind) {
+        self.settled = true;
+        (self.index, self.kind)
     }
 
     pub fn settle(mut self, outcome: Outcome) {
@@ -475,6 +483,9 @@ impl Drop for Picked<'_> {
 pub struct InFlight {
     upstream: Arc<Upstream>,
     conn: Option<(usize, Pooled)>,
+    /// The endpoint that answered and how it was picked, while its answer
+    /// is not yet settled: that waits for the end of the body.
+    endpoint: Option<(usize, PickKind)>,
     /// Whether it still counts toward the upstream's in-flight requests.
     counted: bool,
 }
@@ -484,6 +495,27 @@ impl InFlight {
     /// let go; then it goes back to its pool.
     pub fn hold(&mut self, index: usize, conn: Pooled) {
         self.conn = Some((index, conn));
+    }
+
+    /// The endpoint of `picked` answered the request this slot is for; its
+    /// health hears how when the body ends.
+    pub fn answered_by(&mut self, picked: Picked<'_>) {
+        self.endpoint = Some(picked.defer());
+    }
+
+    /// The body came whole: a success of the endpoint that sent it.
+    pub fn body_done(&mut self) {
+        if let Some((index, kind)) = self.endpoint.take() {
+            self.upstream.settle(index, kind, Verdict::Success);
+        }
+    }
+
+    /// The endpoint broke its answer off mid-body: a failure of that
+    /// endpoint, as if it had failed before answering.
+    pub fn broken(&mut self) {
+        if let Some((index, kind)) = self.endpoint.take() {
+            self.upstream.settle(index, kind, Verdict::Failure);
+        }
     }
 
     /// Lets the slot go and closes the connection instead of pooling it:
@@ -505,6 +537,11 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        // The caller left before the body ended: the endpoint answered
+        // well as far as anyone saw.
+        if let Some((index, kind)) = self.endpoint.take() {
+            self.upstream.settle(index, kind, Verdict::Success);
+        }
         if let Some((index, conn)) = self.conn.take() {
             if let Some(Transport::Pool(pool)) =
                 self.upstream.endpoints.get(index).map(|e| &e.transport)

@@ -63,6 +63,13 @@ pub trait Attempts {
     /// `answer` is kept while a retry is tried, in case the retry is refused:
     /// the upstream is done with it, so let go of its in-flight slot.
     fn park(&self, answer: &mut Self::Answer);
+
+    /// Whether `answer` still has a body to come: then the request's
+    /// success is the breaker's to hear only once that body ends whole (an
+    /// upstream that breaks its bodies off is failing).
+    fn body_pending(&self, _answer: &Self::Answer) -> bool {
+        false
+    }
 }
 
 /// How one attempt ended.
@@ -88,6 +95,10 @@ pub struct Sent<A> {
     pub end: End<A>,
     /// `1=503@12ms;backoff=40ms;2=200@9ms`, when asked for.
     pub trace: Option<String>,
+    /// The request's success is left for the answer's body to settle with
+    /// the breaker ([`Guards::record`]) when it ends: whole, a success;
+    /// broken off, a failure.
+    pub settle_on_body: bool,
 }
 
 /// What goes back to the caller.
@@ -255,8 +266,18 @@ pub async fn run<T: Attempts>(
                     }
                     Stop::Answer | Stop::Refused => {}
                 }
-                settle(counted, outcome);
-                return done(n, end(attempt), trace);
+                let deferred = !counted
+                    && BreakerOutcome::of(outcome) == BreakerOutcome::Success
+                    && attempt
+                        .answer
+                        .as_ref()
+                        .is_some_and(|a| attempts.body_pending(a));
+                if !deferred {
+                    settle(counted, outcome);
+                }
+                let mut sent = done(n, end(attempt), trace);
+                sent.settle_on_body = deferred;
+                return sent;
             }
         };
         debug!(
@@ -370,6 +391,7 @@ fn done<A>(attempts: u32, end: End<A>, trace: Option<String>) -> Sent<A> {
         attempts,
         end,
         trace,
+        settle_on_body: false,
     }
 }
 

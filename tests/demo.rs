@@ -91,9 +91,10 @@ async fn demo_completes_and_agrees_with_the_metrics() {
     let during = outage.phase(Phase::Outage).expect("an outage phase");
     // In the outage the breaker keeps attempts off the upstream. It counts
     // requests, not attempts, so the first requests of the outage each make
-    // their retries before it hears that they failed: about a quarter.
+    // their retries before it hears that they failed, and it probes four
+    // times a second: about a quarter, more on a busy machine.
     assert!(
-        during.upstream_requests < during.callers.requests / 3,
+        during.upstream_requests < during.callers.requests / 2,
         "{}",
         outage.render()
     );

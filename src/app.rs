@@ -359,23 +359,62 @@ impl Drop for Abandoned {
     }
 }
 
+/// What a new connection's first bytes say.
+#[derive(Debug, PartialEq, Eq)]
+enum Opening {
+    /// Enough to tell its protocol: serve it.
+    Speaks,
+    /// Nothing (or part of an HTTP/2 preface) within `header_read_timeout`,
+    /// or closed.
+    Silent,
+    /// `PRI ` and then not the HTTP/2 preface (RFC 9113 §3.4: a connection
+    /// error, answered with GOAWAY `PROTOCOL_ERROR`).
+    BadPreface,
+}
+
 /// Whether the caller sends enough to tell its protocol within `wait`: a
 /// first byte, and all of the HTTP/2 preface when it starts like one.
-async fn speaks_within(stream: &tokio::net::TcpStream, wait: Duration) -> bool {
+async fn opening(stream: &tokio::net::TcpStream, wait: Duration) -> Opening {
     const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
     let told = async {
         let mut buf = [0u8; PREFACE.len()];
         loop {
             match stream.peek(&mut buf).await {
-                Ok(0) | Err(_) => return false,
-                Ok(n) if n == PREFACE.len() || !PREFACE.starts_with(&buf[..n]) => return true,
+                Ok(0) | Err(_) => return Opening::Silent,
+                Ok(n) if buf[..n] == PREFACE[..n] && n == PREFACE.len() => return Opening::Speaks,
+                Ok(n) if buf[..n] != PREFACE[..n] => {
+                    return match n >= 4 && buf[..4] == PREFACE[..4] {
+                        true => Opening::BadPreface,
+                        false => Opening::Speaks,
+                    };
+                }
                 // Part of a preface: peeking again at once would spin on the
                 // same bytes, so look again shortly.
                 Ok(_) => tokio::time::sleep(Duration::from_millis(5)).await,
             }
         }
     };
-    tokio::time::timeout(wait, told).await.unwrap_or(false)
+    tokio::time::timeout(wait, told)
+        .await
+        .unwrap_or(Opening::Silent)
+}
+
+/// Answers an invalid HTTP/2 preface with GOAWAY `PROTOCOL_ERROR` (last
+/// stream 0) and closes.
+async fn refuse_preface(mut stream: tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt as _;
+    const GOAWAY: [u8; 17] = [
+        0, 0, 8, // length
+        0x7, 0, // GOAWAY, no flags
+        0, 0, 0, 0, // stream 0
+        0, 0, 0, 0, // last stream id
+        0, 0, 0, 1, // PROTOCOL_ERROR
+    ];
+    let write = async {
+        let _ = stream.write_all(&GOAWAY).await;
+        let _ = stream.shutdown().await;
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
 }
 
 fn local_addr(listener: &TcpListener) -> SocketAddr {
@@ -455,10 +494,19 @@ async fn accept_loop<M, S, B>(
             // A connection that says nothing must not hold its slot: hyper's
             // header timer starts only once it knows the protocol, and it
             // learns that from the first bytes.
-            if !speaks_within(&stream, wait).await {
-                debug!(listener = what, %peer, "connection closed: nothing sent within header_read_timeout");
-                drop(permit);
-                return;
+            match opening(&stream, wait).await {
+                Opening::Speaks => {}
+                Opening::Silent => {
+                    debug!(listener = what, %peer, "connection closed: nothing sent within header_read_timeout");
+                    drop(permit);
+                    return;
+                }
+                Opening::BadPreface => {
+                    debug!(listener = what, %peer, "connection closed: invalid HTTP/2 preface");
+                    refuse_preface(stream).await;
+                    drop(permit);
+                    return;
+                }
             }
             let io = TokioIo::new(crate::stall::WriteStall::new(stream, write_timeout));
             let conn = builder.serve_connection_with_upgrades(io, service);

@@ -556,3 +556,29 @@ async fn bodies_the_upstream_breaks_off_count_against_it() {
     .await;
     hg.terminate().await;
 }
+
+#[tokio::test]
+async fn an_invalid_http2_preface_gets_goaway() {
+    use tokio::io::AsyncReadExt as _;
+    let up = ok_upstream("fine").await;
+    let hg = Binary::start(&config(&up.url())).await;
+    let mut stream = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+    stream
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nXX\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        stream.read_to_end(&mut answer),
+    )
+    .await
+    .expect("closed")
+    .unwrap();
+    // One frame: GOAWAY (type 7) on stream 0, error PROTOCOL_ERROR (1).
+    assert_eq!(answer.len(), 17, "{answer:?}");
+    assert_eq!(answer[3], 0x7, "a GOAWAY frame");
+    assert_eq!(&answer[13..17], &[0, 0, 0, 1], "PROTOCOL_ERROR");
+    assert_eq!(up.hits(), 0);
+    hg.terminate().await;
+}

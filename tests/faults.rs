@@ -69,6 +69,11 @@ async fn responses_that_break_http_are_502_bad_response_and_not_retried() {
         ),
         ("150 header fields", many_fields),
         ("garbage", b"NOT HTTP AT ALL\r\n\r\n".to_vec()),
+        (
+            "a transfer coding other than chunked",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"
+                .to_vec(),
+        ),
     ];
     for (what, response) in cases {
         let (url, seen) = raw_upstream(response).await;

@@ -243,6 +243,14 @@ impl retry::Attempts for Forward<'_> {
                         format!("upstream {name} switched protocols unasked (101)"),
                     )
                 }
+                // A transfer coding other than chunked (gzip, say): hyper
+                // took the chunks off, and the caller would get coded bytes
+                // with nothing saying so.
+                Timed::Done(Ok((resp, _))) if super::headers::check_framing(resp.headers()).is_err() => (
+                    Outcome::Upstream(UpstreamFault::BadResponse),
+                    None,
+                    format!("upstream {name} answered with a transfer coding other than chunked"),
+                ),
                 Timed::Done(Ok((resp, _))) if resp.status().as_u16() > 599 => (
                     Outcome::Upstream(UpstreamFault::BadResponse),
                     None,

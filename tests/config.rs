@@ -205,6 +205,7 @@ retry_on = [\"503\", \"404\", \"429\", \"408\"]
 attempts = 4
 per_try_timeout = \"3s\"
 timeout = \"10s\"
+idempotency_header = \"Content-Type\"
 "
     );
     let checked = Config::check_str(&src).unwrap();
@@ -230,7 +231,13 @@ timeout = \"10s\"
         )),
         "{w:#?}"
     );
-    assert_eq!(w.len(), 3, "{w:#?}");
+    assert!(
+        w.iter().any(|w| w.starts_with(
+            "routes[0].retry.idempotency_header (line 14): \"Content-Type\" is a standard field"
+        )),
+        "{w:#?}"
+    );
+    assert_eq!(w.len(), 4, "{w:#?}");
     let routed = format!("{BASE}[[routes]]\nname = \"a\"\nupstream = \"api\"\n");
     assert!(
         Config::check_str(&routed).unwrap().warnings.is_empty(),

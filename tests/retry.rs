@@ -110,6 +110,36 @@ async fn post_is_retried_only_with_an_idempotency_key() {
 }
 
 #[tokio::test]
+async fn a_key_that_promises_nothing_does_not_make_a_post_retryable() {
+    let cases: [(&str, &[(&str, &str)]); 3] = [
+        ("a list of keys", &[("idempotency-key", "a, b")]),
+        (
+            "a key named in Proxy-Connection (this hop's only)",
+            &[
+                ("idempotency-key", "k"),
+                ("proxy-connection", "idempotency-key"),
+            ],
+        ),
+        (
+            "a key declared for the trailer section",
+            &[("idempotency-key", "k"), ("trailer", "idempotency-key")],
+        ),
+    ];
+    for (what, fields) in cases {
+        let up = scripted(&[Act::Status(503), Act::Status(503)]).await;
+        let server = proxy_with(&[up.upstream.url()], "attempts = 3").await;
+        let mut req = Request::post("/");
+        for (name, value) in fields {
+            req = req.header(*name, *value);
+        }
+        let (status, headers, _) = call(&server, req, full("order")).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{what}");
+        assert_eq!(headers["x-herdguard-attempts"], "1", "{what}");
+        assert_eq!(up.hits().len(), 1, "{what}: sent once");
+    }
+}
+
+#[tokio::test]
 async fn post_after_a_refused_connection_is_retried_without_duplicates() {
     let up = scripted(&[]).await;
     let refused = format!("http://{}", closed_port().await);

@@ -288,6 +288,46 @@ fn retry_warnings(report: &mut Report<'_>, path: &KeyPath, r: &RetryConfig) {
             );
         }
     }
+    // A field most requests carry makes every request look keyed, and a
+    // hop-by-hop field never reaches the upstream.
+    const COMMON: &[&str] = &[
+        "accept",
+        "accept-encoding",
+        "accept-language",
+        "authorization",
+        "cache-control",
+        "connection",
+        "content-length",
+        "content-type",
+        "cookie",
+        "date",
+        "host",
+        "keep-alive",
+        "origin",
+        "proxy-connection",
+        "referer",
+        "te",
+        "traceparent",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "user-agent",
+        "via",
+        "x-forwarded-for",
+        "x-forwarded-host",
+        "x-forwarded-proto",
+        "x-request-id",
+    ];
+    let key = r.idempotency_header.to_ascii_lowercase();
+    if COMMON.contains(&key.as_str()) {
+        report(
+            path.key("idempotency_header"),
+            format!(
+                "{:?} is a standard field most requests carry (or one that never reaches the upstream): it would make requests that are not safe to repeat look keyed; use a field such as \"idempotency-key\"",
+                r.idempotency_header
+            ),
+        );
+    }
     for (i, on) in r.retry_on.iter().enumerate() {
         if let RetryOn::Status(code @ 400..=499) = on {
             if !matches!(code, 408 | 429) {

@@ -144,16 +144,22 @@ impl Policy {
     /// (which never reaches the upstream) does not count. An empty key
     /// promises nothing and does not count either.
     pub fn facts(&self, method: &Method, headers: &HeaderMap, inner_hop: bool) -> RequestFacts {
-        // One key, and not blank: with two, the upstream may read either.
+        // One key, and not blank: with two (two fields, or a list in one),
+        // the upstream may read either.
         let mut keys = headers.get_all(&self.idempotency_header).iter();
         let keyed = match (keys.next(), keys.next()) {
-            (Some(key), None) => !key.as_bytes().trim_ascii().is_empty(),
+            (Some(key), None) => one_key(key.as_bytes()),
             _ => false,
         };
         RequestFacts {
             idempotent: self.methods.contains(method) || keyed,
             inner_hop,
         }
+    }
+
+    /// The header that makes a request safe to repeat.
+    pub fn idempotency_header(&self) -> &HeaderName {
+        &self.idempotency_header
     }
 
     /// Whether `retry_on` names this outcome. Only the upstream's failures
@@ -222,6 +228,21 @@ pub fn parse_retry_after(value: &HeaderValue, now: SystemTime) -> Option<Duratio
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
+/// Whether a key's value is one key: not blank, and not a list. A comma
+/// outside a quoted string (`a, b`) makes a list; the draft standard's
+/// key is one quoted string (`"8e03978e-…"`), which may hold commas.
+fn one_key(value: &[u8]) -> bool {
+    let value = value.trim_ascii();
+    if value.is_empty() {
+        return false;
+    }
+    let quoted = value.len() >= 2
+        && value.first() == Some(&b'"')
+        && value.last() == Some(&b'"')
+        && !value[1..value.len() - 1].contains(&b'"');
+    quoted || !value.contains(&b',')
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -269,6 +290,18 @@ mod tests {
         assert!(!p.facts(&Method::POST, &h, false).idempotent, "blank");
         h.append("idempotency-key", HeaderValue::from_static("k1"));
         assert!(!p.facts(&Method::POST, &h, false).idempotent, "two keys");
+        h.insert("idempotency-key", HeaderValue::from_static("a, b"));
+        assert!(!p.facts(&Method::POST, &h, false).idempotent, "a list");
+        h.insert("idempotency-key", HeaderValue::from_static("\"a,b\""));
+        assert!(
+            p.facts(&Method::POST, &h, false).idempotent,
+            "one quoted key"
+        );
+        h.insert("idempotency-key", HeaderValue::from_static("\"a\", \"b\""));
+        assert!(
+            !p.facts(&Method::POST, &h, false).idempotent,
+            "two quoted keys"
+        );
         h.insert("idempotency-key", HeaderValue::from_static("k1"));
         assert!(p.facts(&Method::POST, &h, false).idempotent);
         assert!(p.facts(&Method::PUT, &HeaderMap::new(), false).idempotent);

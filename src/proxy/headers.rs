@@ -11,6 +11,7 @@ use http::Version;
 const HOPS: usize = 7;
 /// Where `Connection` and `TE` are in [`HOP_BY_HOP`].
 const CONNECTION_AT: usize = 0;
+const PROXY_CONNECTION_AT: usize = 2;
 const TE_AT: usize = 3;
 const TRANSFER_ENCODING_AT: usize = 5;
 const HOP_BY_HOP: [HeaderName; HOPS] = [
@@ -69,11 +70,14 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
             }
         }
     }
-    if present[CONNECTION_AT] {
+    if present[CONNECTION_AT] || present[PROXY_CONNECTION_AT] {
         // The options may come on several lines: each names fields to drop.
+        // The old `Proxy-Connection` is read as `Connection` is: what it
+        // names is for this hop only too.
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
             .iter()
+            .chain(headers.get_all(&HOP_BY_HOP[PROXY_CONNECTION_AT]).iter())
             .filter_map(|v| v.to_str().ok())
             .flat_map(|text| text.split(','))
             .map(|t| t.trim())
@@ -83,7 +87,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
             .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
             .collect();
         for name in named {
-            if !(upgrade && name == header::UPGRADE) {
+            if !(upgrade && (name == header::UPGRADE || name == header::CONNECTION)) {
                 headers.remove(&name);
             }
         }
@@ -220,6 +224,19 @@ pub fn check_host(
         }
         (host, _) => Ok(host),
     }
+}
+
+/// Whether a comma-separated list in field `list` names `name`
+/// (`Trailer: idempotency-key`, say).
+pub fn lists(headers: &HeaderMap, list: &HeaderName, name: &HeaderName) -> bool {
+    headers
+        .get_all(list)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .any(|t| {
+            t.trim_ascii()
+                .eq_ignore_ascii_case(name.as_str().as_bytes())
+        })
 }
 
 /// Checks a request's framing: a `Transfer-Encoding` must be `chunked`,

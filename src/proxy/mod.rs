@@ -364,6 +364,13 @@ async fn forward(
         }
     }
     let h = &mut parts.headers;
+    // A key the caller declares it will send in the trailer section may
+    // differ from the one here: it promises nothing.
+    let key_in_trailer = headers::lists(
+        h,
+        &http::header::TRAILER,
+        route.guards.policy.idempotency_header(),
+    );
     // Room for the fields this hop adds (Via, X-Forwarded-*, the attempt
     // number): hyper's maps come with none, and growing once beats growing
     // on each insert.
@@ -374,7 +381,10 @@ async fn forward(
     // will see: a key named in `Connection` was just dropped, and counts not.
     let inner_hop = h.contains_key(&headers::X_HERDGUARD_ATTEMPT);
     let policy = &route.guards.policy;
-    let facts = policy.facts(&parts.method, h, inner_hop);
+    let facts = match key_in_trailer {
+        true => policy.facts(&parts.method, &http::HeaderMap::new(), inner_hop),
+        false => policy.facts(&parts.method, h, inner_hop),
+    };
     headers::add_via(h, parts.version);
     headers::add_forwarded(h, &caller.ip, "http", original_host);
     let mut attempts = attempt::Forward::new(

@@ -17,6 +17,7 @@ use tracing::{error, info, warn};
 /// the system, where glibc's malloc keeps it in its arenas (a reload from
 /// 10,000 routes back to 2 left the RSS at its peak; see the README's
 /// memory figures).
+#[cfg(feature = "mimalloc")]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

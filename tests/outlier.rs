@@ -240,3 +240,81 @@ async fn bad_outlier_keys_are_named() {
         "{stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unkeyed_posts_are_not_spent_as_probes_while_gets_come() {
+    let good = ok_upstream("fine").await;
+    let posts = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = posts.clone();
+    let bad = upstream(move |req| {
+        let seen = seen.clone();
+        async move {
+            if req.method() == Method::POST {
+                seen.fetch_add(1, Ordering::SeqCst);
+            }
+            let mut resp = Response::new(full("down"));
+            *resp.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            resp
+        }
+    })
+    .await;
+    let hg = Binary::start(&two_endpoints(&good.url(), &bad.url(), "")).await;
+    // A POST and a GET every 20 ms for 3 s: the endpoint's ejections run out
+    // several times, and each time a GET should be the probe.
+    let mut failed_posts = 0;
+    for _ in 0..150 {
+        failed_posts += 1 - load(&hg.listen, Method::POST, 1, 1).await;
+        load(&hg.listen, Method::GET, 1, 1).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        hg.metric(&ejections(&bad.url())).await >= 2.0,
+        "probed and ejected again"
+    );
+    let posts = posts.load(Ordering::SeqCst);
+    assert!(posts <= 5, "{posts} POSTs reached the broken endpoint");
+    assert_eq!(failed_posts, posts);
+    hg.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_an_outage_of_all_endpoints_the_breaker_finds_a_healed_ejected_one() {
+    let flags = [
+        Arc::new(AtomicBool::new(true)),
+        Arc::new(AtomicBool::new(true)),
+    ];
+    let a = breakable(flags[0].clone()).await;
+    let b = breakable(flags[1].clone()).await;
+    let hg = Binary::start(&two_endpoints(
+        &a.url(),
+        &b.url(),
+        "[upstreams.u.outlier]\nejection_time = \"10s\"\nmax_ejection_time = \"20s\"\n",
+    ))
+    .await;
+    // Both fail: one is ejected (at most half), then the route's breaker opens.
+    load(&hg.listen, Method::GET, 40, 1).await;
+    let which = if hg.metric(&ejected(&a.url())).await == 1.0 {
+        0
+    } else {
+        1
+    };
+    let urls = [a.url(), b.url()];
+    assert_eq!(
+        hg.metric(&ejected(&urls[which])).await,
+        1.0,
+        "one is ejected"
+    );
+    assert!(hg.metric(OPENED).await >= 1.0);
+    // The ejected one heals, the other stays broken: the breaker's probes
+    // find it long before its 10 s ejection is over.
+    flags[which].store(false, Ordering::SeqCst);
+    let healed = tokio::time::Instant::now();
+    loop {
+        if load(&hg.listen, Method::GET, 1, 1).await == 1 {
+            break;
+        }
+        assert!(healed.elapsed() < Duration::from_secs(5), "still dark");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    hg.terminate().await;
+}

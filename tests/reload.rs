@@ -174,3 +174,54 @@ async fn breaker_and_budget_state_survive_a_reload() {
     );
     assert_eq!(up.hits(), 4);
 }
+
+#[tokio::test]
+async fn requests_in_flight_count_toward_a_replaced_upstreams_limit() {
+    let Held {
+        upstream: up,
+        arrived,
+        release,
+    } = held_upstream("held").await;
+    let limit = |n: usize| {
+        format!(
+            "[listen]\naddress = \"127.0.0.1:0\"\n[admin]\naddress = \"127.0.0.1:0\"\n\
+             [upstreams.u]\nendpoints = [\"{}\"]\nmax_in_flight = {n}\nadaptive_concurrency = {{ enabled = false }}\n\
+             [[routes]]\nname = \"a\"\nupstream = \"u\"\n",
+            up.url()
+        )
+    };
+    let server = start(&limit(1)).await;
+    let addr = server.proxy_addr();
+    let (tx, rx) = oneshot::channel();
+    tokio::spawn(async move {
+        let req = Request::get(format!("http://{addr}/held"))
+            .body(empty())
+            .unwrap();
+        let _ = tx.send(send(&client(), req).await);
+    });
+    arrived.notified().await;
+    // Changed keys build a new upstream; the held request still counts.
+    server
+        .reload(
+            Config::parse(
+                &limit(1).replace("\n[[routes]]", "\nconnect_timeout = \"2s\"\n[[routes]]"),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    let (status, headers, _) = get(&server, "/more").await;
+    assert_eq!(
+        status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the one slot is still taken"
+    );
+    assert_eq!(headers["x-herdguard-error"], "overloaded");
+    release.notify_one();
+    assert_eq!(rx.await.unwrap().0, StatusCode::OK);
+    let (_, text) = admin(&server, "/metrics").await;
+    assert_eq!(
+        metric(&text, "herdguard_in_flight{upstream=\"u\"}"),
+        Some(0.0),
+        "and it came back"
+    );
+}

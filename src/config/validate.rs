@@ -125,6 +125,13 @@ fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) 
     for (i, endpoint) in u.endpoints.iter().enumerate() {
         if let Err(why) = check_endpoint(endpoint) {
             report(path.key("endpoints").index(i), why);
+        } else if u.endpoints[..i].contains(endpoint) {
+            // Two slots of one server: twice its share, and two health
+            // records (and one set of metric series) for it.
+            report(
+                path.key("endpoints").index(i),
+                format!("{endpoint:?} is listed twice"),
+            );
         }
     }
     positive(report, &path.key("connect_timeout"), u.connect_timeout);

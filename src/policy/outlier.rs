@@ -308,6 +308,7 @@ impl Outliers {
         turn: usize,
         previous: Option<usize>,
         retryable: bool,
+        breaker_probe: bool,
     ) -> Pick {
         let len = self.endpoints.len();
         if len <= 1 {
@@ -323,6 +324,25 @@ impl Outliers {
             None => turn,
         };
         let order = (0..len).map(|k| (start + k) % len);
+        // The route's breaker probes an upstream it holds failing: every
+        // endpoint in turn, ejected or not. After an outage of them all, the
+        // one that healed first may be one that was ejected.
+        if breaker_probe && self.out > 0 {
+            let index = order
+                .clone()
+                .find(|&i| Some(i) != previous && self.endpoints[i].state != State::Probing)
+                .unwrap_or(start % len);
+            let h = &mut self.endpoints[index];
+            let kind = match h.state {
+                State::Serving => PickKind::Serving,
+                State::Probing => PickKind::Panic,
+                State::Ejected { .. } => {
+                    h.state = State::Probing;
+                    PickKind::Probe
+                }
+            };
+            return Pick { index, kind };
+        }
         if self.out > 0 {
             let due = order.clone().find(|&i| {
                 Some(i) != previous
@@ -344,9 +364,22 @@ impl Outliers {
                 };
             }
         }
-        let serving = |i: &usize| self.endpoints[*i].state == State::Serving;
-        let elsewhere = order.clone().filter(serving).find(|&i| Some(i) != previous);
-        if let Some(index) = elsewhere.or_else(|| order.clone().find(serving)) {
+        // Round robin over the endpoints in rotation, so that an ejected
+        // endpoint's share is spread over all of them, not handed to the
+        // next in line.
+        let serving: Vec<usize> = (0..len)
+            .filter(|i| self.endpoints[*i].state == State::Serving)
+            .collect();
+        if !serving.is_empty() {
+            let k = match previous {
+                // A retry: the serving endpoint after the one that failed.
+                Some(p) => serving.iter().position(|i| *i > p).unwrap_or(0),
+                None => turn % serving.len(),
+            };
+            let index = match serving[k] {
+                i if Some(i) == previous && serving.len() > 1 => serving[(k + 1) % serving.len()],
+                i => i,
+            };
             return Pick {
                 index,
                 kind: PickKind::Serving,
@@ -441,12 +474,13 @@ impl Outliers {
         why: Why,
         rng: &mut R,
     ) -> Event {
-        let (base, max) = (self.ejection_time, self.max_ejection_time);
+        let (base, max, window) = (self.ejection_time, self.max_ejection_time, self.window);
         let h = &mut self.endpoints[index];
-        // An endpoint that served well for the longest ejection starts over.
+        // An endpoint that came back and served for a window since starts
+        // over: a blip now and then is not a growing record.
         if why != Why::ProbeFailed
             && h.returned
-                .is_some_and(|r| now.saturating_duration_since(r) >= max)
+                .is_some_and(|r| now.saturating_duration_since(r) >= window)
         {
             h.strikes = 0;
         }
@@ -515,7 +549,7 @@ mod tests {
     ) -> usize {
         let mut hits = 0;
         for turn in 0..n {
-            let pick = o.pick(now, turn, None, retryable);
+            let pick = o.pick(now, turn, None, retryable, false);
             let verdict = if pick.index == bad {
                 hits += 1;
                 fail()
@@ -573,7 +607,7 @@ mod tests {
         // Its time is up (at most 1.5 × ejection_time): the next retryable
         // request probes it; a failed probe ejects it for longer.
         let later = t0 + 1500 * MS;
-        let pick = o.pick(later, 0, None, true);
+        let pick = o.pick(later, 0, None, true, false);
         assert_eq!(
             pick,
             Pick {
@@ -582,7 +616,7 @@ mod tests {
             }
         );
         // Only one probe at a time.
-        assert_eq!(o.pick(later, 1, None, true).index, 0);
+        assert_eq!(o.pick(later, 1, None, true, false).index, 0);
         let event = o.record(later, 1, PickKind::Probe, fail(), &mut rng);
         let Some(Event::Ejected {
             length,
@@ -598,7 +632,7 @@ mod tests {
         );
         // Now it recovers: the next probe brings it back.
         let later = later + 3000 * MS;
-        let pick = o.pick(later, 0, None, true);
+        let pick = o.pick(later, 0, None, true, false);
         assert_eq!(pick.kind, PickKind::Probe);
         assert_eq!(
             o.record(later, 1, PickKind::Probe, ok(), &mut rng),
@@ -606,7 +640,7 @@ mod tests {
         );
         assert!(!o.any_out());
         assert_eq!(
-            o.pick(later, 1, None, true),
+            o.pick(later, 1, None, true, false),
             Pick {
                 index: 1,
                 kind: PickKind::Serving
@@ -624,9 +658,12 @@ mod tests {
             panic!()
         };
         // Due, but a POST does not probe it yet...
-        assert_eq!(o.pick(until, 1, None, false).index, 0);
+        assert_eq!(o.pick(until, 1, None, false, false).index, 0);
         // ...until another ejection time went by with no retryable request.
-        assert_eq!(o.pick(until + length, 1, None, false).kind, PickKind::Probe);
+        assert_eq!(
+            o.pick(until + length, 1, None, false, false).kind,
+            PickKind::Probe
+        );
     }
 
     #[test]
@@ -636,9 +673,9 @@ mod tests {
         let mut o = Outliers::try_new(&config(), 2, t0).unwrap();
         traffic(&mut o, t0, 20, 1, true, &mut rng);
         let later = t0 + 2000 * MS;
-        assert_eq!(o.pick(later, 0, None, true).kind, PickKind::Probe);
+        assert_eq!(o.pick(later, 0, None, true, false).kind, PickKind::Probe);
         o.record(later, 1, PickKind::Probe, Verdict::Neutral, &mut rng);
-        assert_eq!(o.pick(later, 0, None, true).kind, PickKind::Probe);
+        assert_eq!(o.pick(later, 0, None, true, false).kind, PickKind::Probe);
     }
 
     #[test]
@@ -648,7 +685,7 @@ mod tests {
         // Default share 0.5 of 2: only one endpoint may go, however both fail.
         let mut o = Outliers::try_new(&config(), 2, t0).unwrap();
         for turn in 0..50 {
-            let pick = o.pick(t0, turn, None, true);
+            let pick = o.pick(t0, turn, None, true, false);
             o.record(t0, pick.index, pick.kind, fail(), &mut rng);
         }
         assert_eq!(o.out, 1);
@@ -657,11 +694,11 @@ mod tests {
         all.max_ejected = 1.0;
         let mut o = Outliers::try_new(&all, 2, t0).unwrap();
         for turn in 0..50 {
-            let pick = o.pick(t0, turn, None, true);
+            let pick = o.pick(t0, turn, None, true, false);
             o.record(t0, pick.index, pick.kind, fail(), &mut rng);
         }
         assert_eq!(o.out, 2);
-        let picks: Vec<_> = (0..4).map(|t| o.pick(t0, t, None, true)).collect();
+        let picks: Vec<_> = (0..4).map(|t| o.pick(t0, t, None, true, false)).collect();
         assert!(picks.iter().all(|p| p.kind == PickKind::Panic));
         assert_eq!(
             picks.iter().filter(|p| p.index == 0).count(),
@@ -680,7 +717,7 @@ mod tests {
         assert!(o.any_out());
         for turn in 0..6 {
             for previous in [0, 1] {
-                let pick = o.pick(t0, turn, Some(previous), true);
+                let pick = o.pick(t0, turn, Some(previous), true, false);
                 assert_eq!(pick.index, 1 - previous, "a retry after {previous}");
             }
         }
@@ -729,7 +766,7 @@ mod tests {
         let mut longest = Duration::ZERO;
         for _ in 0..30 {
             now += Duration::from_secs(100);
-            assert_eq!(o.pick(now, 0, None, true).kind, PickKind::Probe);
+            assert_eq!(o.pick(now, 0, None, true, false).kind, PickKind::Probe);
             if let Some(Event::Ejected { length, .. }) =
                 o.record(now, 1, PickKind::Probe, fail(), &mut rng)
             {
@@ -761,5 +798,64 @@ mod tests {
             Outliers::try_new(&c, 2, t0).unwrap_err().key(),
             "consecutive_failures"
         );
+    }
+
+    #[test]
+    fn an_ejected_endpoints_share_is_spread_over_the_others() {
+        let mut rng = StdRng::seed_from_u64(9);
+        let t0 = Instant::now();
+        let mut o = Outliers::try_new(&config(), 4, t0).unwrap();
+        traffic(&mut o, t0, 40, 3, true, &mut rng);
+        let mut counts = [0; 4];
+        for turn in 0..300 {
+            counts[o.pick(t0, turn, None, true, false).index] += 1;
+        }
+        assert_eq!(counts, [100, 100, 100, 0]);
+    }
+
+    #[test]
+    fn breaker_probes_try_every_endpoint_ejected_or_not() {
+        let mut rng = StdRng::seed_from_u64(10);
+        let t0 = Instant::now();
+        let mut o = Outliers::try_new(&config(), 2, t0).unwrap();
+        traffic(&mut o, t0, 20, 1, true, &mut rng);
+        assert!(matches!(o.state(1), Some(State::Ejected { .. })));
+        // Long before its time is up, a breaker probe may find it healed.
+        let picks: Vec<_> = (0..2).map(|t| o.pick(t0, t, None, true, true)).collect();
+        let probe = picks
+            .iter()
+            .find(|p| p.index == 1)
+            .expect("endpoint 1 probed");
+        assert_eq!(probe.kind, PickKind::Probe);
+        assert_eq!(
+            o.record(t0, 1, PickKind::Probe, ok(), &mut rng),
+            Some(Event::Returned { index: 1 })
+        );
+    }
+
+    #[test]
+    fn a_blip_now_and_then_is_not_a_growing_record() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let t0 = Instant::now();
+        let mut o = Outliers::try_new(&config(), 2, t0).unwrap();
+        let mut now = t0;
+        for _ in 0..6 {
+            // A blip: ejected, probed back in at once, then healthy for a window.
+            let mut event = None;
+            for k in 0..5 {
+                event = o
+                    .record(now, 1, PickKind::Serving, fail(), &mut rng)
+                    .or(event);
+                assert!(k < 4 || event.is_some());
+            }
+            let Some(Event::Ejected { length, .. }) = event else {
+                panic!("{event:?}")
+            };
+            assert!(length < 1500 * MS, "{length:?}: not doubled");
+            now += 1500 * MS;
+            assert_eq!(o.pick(now, 0, None, true, false).kind, PickKind::Probe);
+            o.record(now, 1, PickKind::Probe, ok(), &mut rng);
+            now += config().window;
+        }
     }
 }

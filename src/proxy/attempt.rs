@@ -40,6 +40,9 @@ pub struct Forward<'a> {
     headers: Option<HeaderMap>,
     /// Whether more than one attempt may be made.
     retrying: bool,
+    /// Whether a failed attempt may be repeated once it reached the
+    /// upstream (idempotent or keyed): such requests probe ejected endpoints.
+    repeatable: bool,
     /// An outer hop numbers the attempts: this one does not.
     inner_hop: bool,
     body: AttemptBody,
@@ -68,6 +71,7 @@ impl<'a> Forward<'a> {
         headers: HeaderMap,
         body: Incoming,
         retrying: bool,
+        repeatable: bool,
         inner_hop: bool,
         max_replay_body: u64,
         timeout: Duration,
@@ -87,6 +91,7 @@ impl<'a> Forward<'a> {
             path_and_query,
             headers: Some(headers),
             retrying,
+            repeatable: retrying && repeatable,
             inner_hop,
             body,
             endpoint: None,
@@ -200,7 +205,13 @@ impl retry::Attempts for Forward<'_> {
         Ok(())
     }
 
-    async fn send(&mut self, n: u32, per_try: Duration, deadline: Instant) -> Attempt<Answer> {
+    async fn send(
+        &mut self,
+        n: u32,
+        per_try: Duration,
+        deadline: Instant,
+        probe: bool,
+    ) -> Attempt<Answer> {
         let upstream = self.upstream;
         let slot = match self.slot.take() {
             Some(slot) => Some(slot),
@@ -216,7 +227,7 @@ impl retry::Attempts for Forward<'_> {
                 note: None,
             };
         };
-        let picked = upstream.pick(self.endpoint, self.retrying);
+        let picked = upstream.pick(self.endpoint, self.repeatable, probe);
         let (index, target) = (picked.index, picked.endpoint());
         self.endpoint = Some(index);
         let (req, progress) = self.request(n, &target.host);

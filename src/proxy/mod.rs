@@ -93,7 +93,17 @@ impl Runtime {
             });
             let upstream = match kept {
                 Some(upstream) => upstream,
-                None => Upstream::new(name, u, registry)?,
+                None => {
+                    // Changed keys: a new upstream, but the requests still in
+                    // flight on the old one count toward its limit.
+                    let counted = previous.and_then(|p| {
+                        p.routes
+                            .iter()
+                            .find(|r| &*r.upstream.name == name)
+                            .map(|r| r.upstream.in_flight_counter())
+                    });
+                    Upstream::new(name, u, registry, counted)?
+                }
             };
             upstreams.insert(name.as_str(), upstream);
         }
@@ -394,6 +404,7 @@ async fn forward(
         parts.headers,
         body,
         policy.may_retry(&facts),
+        facts.idempotent,
         inner_hop,
         policy.max_replay_body,
         policy.timeout,

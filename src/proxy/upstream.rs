@@ -201,12 +201,14 @@ pub struct Upstream {
     pub name: Arc<str>,
     endpoints: Box<[Endpoint]>,
     next: AtomicUsize,
+    /// Shared with the upstream of the same name a reload replaced, so
+    /// that requests still in flight there count here too.
+    in_flight: Arc<AtomicUsize>,
     /// Each endpoint's health; `None` when there is one endpoint or
     /// ejection is off. `any_out` mirrors it for a lock-free pick while
     /// every endpoint serves.
     outliers: Option<Mutex<Outliers>>,
     any_out: AtomicBool,
-    in_flight: AtomicUsize,
     max_in_flight: usize,
     /// The adaptive limit, when on; `limit` mirrors it for lock-free admission.
     limiter: Option<Mutex<Limiter>>,
@@ -221,6 +223,7 @@ impl Upstream {
         name: &str,
         config: &UpstreamConfig,
         registry: &Metrics,
+        in_flight: Option<Arc<AtomicUsize>>,
     ) -> Result<Arc<Self>, UpstreamError> {
         let limiter = match &config.adaptive_concurrency {
             a if a.enabled => Some(Limiter::try_new(a, config.max_in_flight).map_err(|e| {
@@ -259,7 +262,7 @@ impl Upstream {
             next: AtomicUsize::new(0),
             outliers: (config.outlier.enabled && labels.len() > 1).then(|| Mutex::new(outliers)),
             any_out: AtomicBool::new(false),
-            in_flight: AtomicUsize::new(0),
+            in_flight: in_flight.unwrap_or_default(),
             max_in_flight: config.max_in_flight,
             limit: AtomicUsize::new(
                 limiter
@@ -278,7 +281,15 @@ impl Upstream {
     /// attempts. An ejected endpoint whose time is up gets one probe (see
     /// [`Outliers::pick`]). `retryable`: whether this request may be
     /// retried elsewhere if the attempt fails.
-    pub fn pick(&self, previous: Option<usize>, retryable: bool) -> Picked<'_> {
+    /// `breaker_probe`: the route's breaker holds the upstream failing and
+    /// lets this request through to find out: it goes to the endpoints in
+    /// turn, ejected or not, so a healed endpoint that was ejected is found.
+    pub fn pick(
+        &self,
+        previous: Option<usize>,
+        retryable: bool,
+        breaker_probe: bool,
+    ) -> Picked<'_> {
         let len = self.endpoints.len();
         let turn = match previous {
             Some(_) => 0,
@@ -287,7 +298,7 @@ impl Upstream {
         let pick = match &self.outliers {
             Some(o) if self.any_out.load(Ordering::Acquire) => {
                 let mut o = o.lock().unwrap_or_else(|e| e.into_inner());
-                let pick = o.pick(Instant::now(), turn, previous, retryable);
+                let pick = o.pick(Instant::now(), turn, previous, retryable, breaker_probe);
                 self.any_out.store(o.any_out(), Ordering::Release);
                 pick
             }
@@ -366,6 +377,11 @@ impl Upstream {
                 v
             })
             .collect()
+    }
+
+    /// The in-flight count, for the upstream that replaces this one.
+    pub fn in_flight_counter(&self) -> Arc<AtomicUsize> {
+        self.in_flight.clone()
     }
 
     pub fn in_flight(&self) -> usize {

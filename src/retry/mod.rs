@@ -48,12 +48,14 @@ pub trait Attempts {
 
     /// Sends attempt `n` (1-based) on the slot [`reserve`](Self::reserve)
     /// took. Its per-try time starts once the request is sent whole; the
-    /// attempt never outlives `deadline`.
+    /// attempt never outlives `deadline`. `probe`: the breaker let it
+    /// through as a probe of an upstream it holds failing.
     fn send(
         &mut self,
         n: u32,
         per_try: Duration,
         deadline: Instant,
+        probe: bool,
     ) -> impl Future<Output = Attempt<Self::Answer>>;
 
     /// Whether the request body can be sent whole again. May wait, until
@@ -193,7 +195,9 @@ pub async fn run<T: Attempts>(
         // Should the caller go away mid-attempt, this whole future is
         // dropped, and the guard tells the breaker and the metrics.
         let unanswered = Unanswered { guards, probe };
-        let attempt = attempts.send(n, policy.per_try_timeout, deadline).await;
+        let attempt = attempts
+            .send(n, policy.per_try_timeout, deadline, probe)
+            .await;
         std::mem::forget(unanswered);
         let outcome = attempt.outcome;
         // A request earns its share of retries once it was sent and the
@@ -492,7 +496,7 @@ mod tests {
             }
         }
 
-        async fn send(&mut self, n: u32, _: Duration, _: Instant) -> Attempt<u32> {
+        async fn send(&mut self, n: u32, _: Duration, _: Instant, _: bool) -> Attempt<u32> {
             self.sent += 1;
             let outcome = self.outcomes.pop_front().expect("scripted");
             Attempt {
@@ -702,7 +706,7 @@ mod tests {
             fn reserve(&mut self) -> Result<(), String> {
                 Ok(())
             }
-            async fn send(&mut self, _: u32, _: Duration, _: Instant) -> Attempt<()> {
+            async fn send(&mut self, _: u32, _: Duration, _: Instant, _: bool) -> Attempt<()> {
                 std::future::pending().await
             }
             async fn replayable(&mut self, _: Instant) -> bool {

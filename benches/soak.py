@@ -64,7 +64,8 @@ class Upstream:
                     + str(len(body)).encode() + b"\r\n\r\n" + body
                 )
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError,
+                asyncio.CancelledError):
             pass
         finally:
             writer.close()

@@ -281,3 +281,12 @@ breaker = { failure_rate = 2.0 }
     }
     assert_eq!(errs.len(), expect.len(), "{errs:#?}");
 }
+
+#[test]
+fn an_endpoint_listed_twice_is_named() {
+    let src = "[upstreams.api]\nendpoints = [\"http://127.0.0.1:1\", \"http://127.0.0.1:1\"]\n\
+               [[routes]]\nname = \"a\"\nupstream = \"api\"\n";
+    let err = Config::check_str(src).unwrap_err().to_string();
+    assert!(err.contains("upstreams.api.endpoints[1]"), "{err}");
+    assert!(err.contains("listed twice"), "{err}");
+}

@@ -587,3 +587,152 @@ async fn an_invalid_http2_preface_gets_goaway() {
     assert_eq!(up.hits(), 0);
     hg.terminate().await;
 }
+
+/// A raw upstream that answers `head` and then `body` one byte every
+/// `every`, then closes.
+async fn drip_upstream(
+    head: &'static [u8],
+    body: &'static [u8],
+    every: std::time::Duration,
+) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                if !read_head(&mut stream).await {
+                    return;
+                }
+                let _ = stream.write_all(head).await;
+                for b in body {
+                    tokio::time::sleep(every).await;
+                    if stream.write_all(&[*b]).await.is_err() {
+                        return;
+                    }
+                }
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_matrix_the_caller_gets_what_the_upstream_sent_or_an_honest_error() {
+    // (what, request method, upstream's bytes, status the caller gets,
+    //  body the caller gets (None: cut short), requests the upstream sees)
+    let chunked_cut =
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n".to_vec();
+    let cases: Vec<(&str, &str, Vec<u8>, u16, Option<&[u8]>, usize)> = vec![
+        (
+            "1xx then 200",
+            "GET",
+            b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello".to_vec(),
+            200,
+            Some(b"hello"),
+            1,
+        ),
+        (
+            "204 with a body",
+            "GET",
+            b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\nhello".to_vec(),
+            204,
+            Some(b""),
+            1,
+        ),
+        (
+            "304 with a body",
+            "GET",
+            b"HTTP/1.1 304 Not Modified\r\nContent-Length: 5\r\n\r\nhello".to_vec(),
+            304,
+            Some(b""),
+            1,
+        ),
+        (
+            "HEAD answered with a body",
+            "HEAD",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello".to_vec(),
+            200,
+            Some(b""),
+            1,
+        ),
+        (
+            "closed before any byte of the answer (retried: GET)",
+            "GET",
+            Vec::new(),
+            502,
+            None,
+            3,
+        ),
+        ("chunked body cut mid-way", "GET", chunked_cut, 200, None, 1),
+        (
+            "Content-Length body cut mid-way",
+            "GET",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello".to_vec(),
+            200,
+            None,
+            1,
+        ),
+    ];
+    for (what, method, response, status, body, seen_want) in cases {
+        let (url, seen) = raw_upstream(response).await;
+        let hg = Binary::start(&config(&url)).await;
+        let answer = raw(
+            &hg,
+            format!("{method} /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await;
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status}")),
+            "{what}: {answer}"
+        );
+        let got = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        if status < 500 {
+            match body {
+                Some(want) => assert_eq!(got.as_bytes(), want, "{what}: byte-exact: {answer}"),
+                None => {
+                    let whole = (answer.to_ascii_lowercase().contains("content-length: 10")
+                        && got.len() == 10)
+                        || got.ends_with("0\r\n\r\n");
+                    assert!(!whole, "{what}: the cut shows: {answer:?}");
+                }
+            }
+        }
+        assert_eq!(
+            seen.load(Ordering::SeqCst),
+            seen_want,
+            "{what}: requests upstream"
+        );
+        hg.terminate().await;
+    }
+
+    // A slow drip of 40 bytes over 2 s, under write_timeout: all of it, byte-exact.
+    const BODY: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz!@#$";
+    let url = drip_upstream(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\n",
+        BODY,
+        std::time::Duration::from_millis(50),
+    )
+    .await;
+    let hg = Binary::start(&config(&url)).await;
+    let (status, _, body) = get(&hg, "/drip").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(&body[..], BODY, "a slow body comes whole");
+
+    // A large body, byte for byte.
+    let big: Vec<u8> = (0..(1u32 << 20))
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
+    let expected = big.clone();
+    let up = upstream(move |_| {
+        let big = big.clone();
+        async move { http::Response::new(full(big)) }
+    })
+    .await;
+    hg.terminate().await;
+    let hg = Binary::start(&config(&up.url())).await;
+    let (status, _, body) = get(&hg, "/big").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body[..] == expected[..], "1 MiB byte for byte");
+    hg.terminate().await;
+}

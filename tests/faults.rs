@@ -617,13 +617,23 @@ async fn drip_upstream(
     url
 }
 
+/// A row of the fault matrix.
+type Case = (
+    &'static str,
+    &'static str,
+    Vec<u8>,
+    u16,
+    Option<&'static [u8]>,
+    usize,
+);
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fault_matrix_the_caller_gets_what_the_upstream_sent_or_an_honest_error() {
     // (what, request method, upstream's bytes, status the caller gets,
     //  body the caller gets (None: cut short), requests the upstream sees)
     let chunked_cut =
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n".to_vec();
-    let cases: Vec<(&str, &str, Vec<u8>, u16, Option<&[u8]>, usize)> = vec![
+    let cases: Vec<Case> = vec![
         (
             "1xx then 200",
             "GET",

@@ -20,6 +20,8 @@ use tokio::sync::futures::OwnedNotified;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::stamp::Stamp;
+
 /// The signal that connections should close once idle.
 #[derive(Clone, Default)]
 pub struct Drain {
@@ -73,9 +75,8 @@ pub struct Conduct {
     expel: Arc<Notify>,
     /// Requests begun and not yet answered or abandoned.
     open: std::sync::atomic::AtomicU32,
-    /// When a request last began or ended: nanoseconds since `start`.
-    last: std::sync::atomic::AtomicU64,
-    start: Instant,
+    /// When a request last began or ended.
+    last: Stamp,
     /// The connection closes after this long with no request open.
     pub idle_timeout: Duration,
 }
@@ -90,8 +91,7 @@ impl Conduct {
             expelled: AtomicBool::new(false),
             expel: Arc::new(Notify::new()),
             open: Default::default(),
-            last: Default::default(),
-            start: Instant::now(),
+            last: Stamp::new(),
             idle_timeout,
         }
     }
@@ -99,7 +99,7 @@ impl Conduct {
     /// A request began on the connection.
     pub fn begun(&self) {
         self.open.fetch_add(1, Ordering::Relaxed);
-        self.touch();
+        self.last.touch();
     }
 
     pub fn answered(&self) {
@@ -128,12 +128,7 @@ impl Conduct {
         let _ = self
             .open
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
-        self.touch();
-    }
-
-    fn touch(&self) {
-        let nanos = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.last.fetch_max(nanos, Ordering::Relaxed);
+        self.last.touch();
     }
 
     /// When the connection may be closed as idle, if no request opens
@@ -142,7 +137,7 @@ impl Conduct {
         if self.open.load(Ordering::Relaxed) > 0 {
             return None;
         }
-        let last = self.start + Duration::from_nanos(self.last.load(Ordering::Relaxed));
+        let last = self.last.last();
         Some(last + self.idle_timeout)
     }
 }

@@ -15,4 +15,5 @@ pub mod policy;
 pub mod proxy;
 pub mod retry;
 pub mod stall;
+pub mod stamp;
 pub mod telemetry;

@@ -3,7 +3,7 @@
 
 use std::future::Future as _;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -17,6 +17,7 @@ use tokio::sync::Notify;
 use tokio::time::Sleep;
 
 use crate::policy::CallerFault;
+use crate::stamp::Stamp;
 
 use super::replay::ReplayBody;
 use super::upstream::InFlight;
@@ -293,8 +294,7 @@ impl ResponseBody {
             return Self::upstream(body, slot, idle, route);
         }
         let watch = Arc::new(Watch {
-            start: tokio::time::Instant::now(),
-            last: AtomicU64::new(0),
+            last: Stamp::new(),
             slot: std::sync::Mutex::new(Some(slot)),
             done: Arc::new(Notify::new()),
         });
@@ -387,31 +387,21 @@ impl Slot {
     /// A frame went out toward the caller.
     fn progress(&self) {
         if let Slot::Watched(watch) = self {
-            watch.touch();
+            watch.last.touch();
         }
     }
 }
 
 /// What a response body and its watchdog share.
 struct Watch {
-    start: tokio::time::Instant,
-    /// When the last frame went out: nanoseconds since `start`.
-    last: AtomicU64,
+    /// When the last frame went out.
+    last: Stamp,
     slot: std::sync::Mutex<Option<InFlight>>,
     /// Wakes the watchdog when the body is done or dropped.
     done: Arc<Notify>,
 }
 
 impl Watch {
-    fn touch(&self) {
-        let nanos = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.last.store(nanos, Ordering::Relaxed);
-    }
-
-    fn last(&self) -> tokio::time::Instant {
-        self.start + Duration::from_nanos(self.last.load(Ordering::Relaxed))
-    }
-
     fn take(&self) -> Option<InFlight> {
         self.slot.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
@@ -431,7 +421,7 @@ async fn watchdog(watch: std::sync::Weak<Watch>, done: Arc<Notify>, idle: Durati
     loop {
         let deadline = match watch.upgrade() {
             Some(w) if w.slot.lock().unwrap_or_else(|e| e.into_inner()).is_some() => {
-                w.last() + idle
+                w.last.last() + idle
             }
             _ => return,
         };

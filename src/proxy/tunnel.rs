@@ -9,7 +9,7 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -20,6 +20,7 @@ use tokio::time::Instant;
 use tracing::debug;
 
 use super::upstream::InFlight;
+use crate::stamp::Stamp;
 
 /// Open tunnels of one upstream, and how many it may have.
 #[derive(Debug)]
@@ -86,7 +87,7 @@ pub async fn relay(
             return;
         }
     };
-    let activity = Arc::new(Activity::new());
+    let activity = Arc::new(Stamp::new());
     let mut caller = Watched::new(TokioIo::new(caller), activity.clone());
     let mut upstream = Watched::new(TokioIo::new(upstream), activity.clone());
     let copy = tokio::io::copy_bidirectional(&mut caller, &mut upstream);
@@ -112,42 +113,17 @@ pub async fn relay(
     drop(place);
 }
 
-/// When bytes last moved through a tunnel, either way.
-struct Activity {
-    start: Instant,
-    /// Nanoseconds since `start`.
-    last: AtomicU64,
-}
-
-impl Activity {
-    fn new() -> Self {
-        Self {
-            start: Instant::now(),
-            last: AtomicU64::new(0),
-        }
-    }
-
-    fn touch(&self) {
-        let nanos = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.last.fetch_max(nanos, Ordering::Relaxed);
-    }
-
-    fn last(&self) -> Instant {
-        self.start + Duration::from_nanos(self.last.load(Ordering::Relaxed))
-    }
-}
-
 pin_project_lite::pin_project! {
     /// An upgraded stream that notes when bytes move through it.
     struct Watched<T> {
         #[pin]
         inner: T,
-        activity: Arc<Activity>,
+        activity: Arc<Stamp>,
     }
 }
 
 impl<T> Watched<T> {
-    fn new(inner: T, activity: Arc<Activity>) -> Self {
+    fn new(inner: T, activity: Arc<Stamp>) -> Self {
         Self { inner, activity }
     }
 }

@@ -31,16 +31,7 @@ declare -A BIN=(
 )
 VARIANTS="shipped unwind system-alloc"
 
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-CPUS=$(nproc)
-pin() { local cpu=$1; shift; if [ "$CPUS" -ge 2 ] && need taskset; then exec taskset -c "$cpu" "$@"; else exec "$@"; fi; }
+scratch_and_pinning
 
 nginx_conf upstream $UP_PORT on "" "$NGINX_UPSTREAM_SERVER"
 ( pin 0 nginx -c "$WORK/upstream.conf" ) & PIDS+=($!)

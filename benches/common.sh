@@ -108,3 +108,21 @@ upstream = "up"
 retry = { attempts = $5 }
 CONF
 }
+
+# scratch_and_pinning: a scratch directory ($WORK), the pids to stop on exit
+# ($PIDS), and pin/spawn/run_pinned: on two cores or more, commands run
+# pinned to the CPU named first (exec: keeps the pid).
+scratch_and_pinning() {
+  WORK=$(mktemp -d)
+  PIDS=()
+  trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"' EXIT
+  CPUS=$(nproc)
+}
+pin() { # pin CPU cmd...
+  local cpu=$1; shift
+  if [ "$CPUS" -ge 2 ] && need taskset; then exec taskset -c "$cpu" "$@"; else exec "$@"; fi
+}
+spawn() { # spawn CPU cmd...: start pinned in the background; $! is the command's own pid
+  ( pin "$@" ) &
+}
+run_pinned() { ( pin "$@" ); }

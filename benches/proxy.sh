@@ -42,24 +42,7 @@ cargo build --release --quiet
 ports_free $PORTS
 
 mkdir -p "$OUT"
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-
-CPUS=$(nproc)
-pin() { # pin CPU cmd...: run pinned when there are two cores or more (exec: keeps the pid)
-  local cpu=$1; shift
-  if [ "$CPUS" -ge 2 ] && need taskset; then exec taskset -c "$cpu" "$@"; else exec "$@"; fi
-}
-spawn() { # spawn CPU cmd...: start pinned in the background; $! is the command's own pid
-  ( pin "$@" ) &
-}
-run_pinned() { ( pin "$@" ); }
+scratch_and_pinning
 
 # The upstream: nginx answering 200 with a small body, one worker, CPU 0.
 nginx_conf upstream $UP_PORT on "" "$NGINX_UPSTREAM_SERVER"

@@ -58,6 +58,8 @@ type ScopeName = (ScopeKind, Box<str>);
 pub enum ScopeKind {
     Route,
     Upstream,
+    /// One endpoint of an upstream: its series go when a reload removes it.
+    Endpoint,
 }
 
 /// One Prometheus recorder: the series of one route, one upstream, or the
@@ -428,6 +430,7 @@ pub struct UpstreamMetrics {
 
 /// Handles for one endpoint of an upstream.
 pub struct EndpointMetrics {
+    _scope: Arc<Scope>,
     pub ejections: Counter,
     pub ejected: Gauge,
 }
@@ -441,7 +444,9 @@ impl UpstreamMetrics {
                 .iter()
                 .map(|e| {
                     let labels = [("upstream", upstream), ("endpoint", *e)];
+                    let registry = metrics.scope(ScopeKind::Endpoint, &format!("{upstream}\0{e}"));
                     let m = EndpointMetrics {
+                        _scope: registry.clone(),
                         ejections: registry.counter(ENDPOINT_EJECTIONS, &labels),
                         ejected: registry.gauge(ENDPOINT_EJECTED, &labels),
                     };

@@ -318,3 +318,28 @@ async fn after_an_outage_of_all_endpoints_the_breaker_finds_a_healed_ejected_one
     }
     hg.terminate().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_a_reload_removes_takes_its_series_with_it() {
+    let good = ok_upstream("fine").await;
+    let bad = breakable(Arc::new(AtomicBool::new(true))).await;
+    let other = ok_upstream("other").await;
+    let hg = Binary::start(&two_endpoints(&good.url(), &bad.url(), "")).await;
+    load(&hg.listen, Method::GET, 20, 1).await;
+    assert_eq!(hg.metric(&ejected(&bad.url())).await, 1.0);
+    hg.reload(&two_endpoints(&good.url(), &other.url(), ""));
+    eventually(Duration::from_secs(10), "the reload is applied", || async {
+        hg.metric("herdguard_config_reloads_total{result=\"ok\"}")
+            .await
+            == 1.0
+    })
+    .await;
+    let text = hg.metrics().await;
+    assert!(
+        !text.contains(&bad.url()),
+        "the removed endpoint's series are gone: {text}"
+    );
+    assert_eq!(metric(&text, &ejected(&other.url())), Some(0.0));
+    assert_eq!(metric(&text, &ejected(&good.url())), Some(0.0));
+    hg.terminate().await;
+}

@@ -343,3 +343,42 @@ async fn an_endpoint_a_reload_removes_takes_its_series_with_it() {
     assert_eq!(metric(&text, &ejected(&good.url())), Some(0.0));
     hg.terminate().await;
 }
+
+/// Three endpoints, the third answering everything in 1 s (within
+/// per_try_timeout); `outlier` keys added to the upstream.
+async fn one_slow_of_three(outlier: &str) -> (Binary, Upstream, usize, [Upstream; 2]) {
+    let a = ok_upstream("a").await;
+    let b = ok_upstream("b").await;
+    let slow = upstream(|_| async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        Response::new(full("slow"))
+    })
+    .await;
+    let hg = Binary::start(&format!(
+        "[upstreams.u]\nendpoints = [\"{}\", \"{}\", \"{}\"]\n{outlier}\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+        a.url(),
+        b.url(),
+        slow.url()
+    ))
+    .await;
+    // 600 GETs, 10 at a time.
+    let ok = load(&hg.listen, Method::GET, 600, 10).await;
+    (hg, slow, ok, [a, b])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_slow_endpoint_does_not_get_the_others_shed() {
+    let (hg, slow, ok, _fast) = one_slow_of_three("").await;
+    let shed = hg.metric("herdguard_shed_total{upstream=\"u\"}").await;
+    eprintln!(
+        "{ok} of 600 succeeded, {shed} shed, the slow endpoint got {}",
+        slow.hits()
+    );
+    assert!(ok >= 590, "{ok} of 600 succeeded ({shed} shed)");
+    assert!(
+        hg.metric(&ejections(&slow.url())).await >= 1.0,
+        "the slow endpoint is out"
+    );
+    assert!(slow.hits() <= 60, "the slow endpoint got {}", slow.hits());
+    hg.terminate().await;
+}

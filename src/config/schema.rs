@@ -143,6 +143,9 @@ pub struct OutlierConfig {
     pub max_ejection_time: Duration,
     /// The share of the upstream's endpoints that may be out at once (at least one).
     pub max_ejected: f64,
+    /// An endpoint whose answers take this many times as long as the
+    /// others' median is out too (0: off).
+    pub slow_factor: f64,
 }
 
 impl Default for OutlierConfig {
@@ -156,6 +159,7 @@ impl Default for OutlierConfig {
             ejection_time: Duration::from_secs(1),
             max_ejection_time: Duration::from_secs(30),
             max_ejected: 0.5,
+            slow_factor: 5.0,
         }
     }
 }

@@ -35,6 +35,13 @@ use crate::config::schema::OutlierConfig;
 
 use super::outcome::{Fault, Outcome, UpstreamFault};
 
+/// Answers an endpoint must have given before its latency is compared.
+const SLOW_SAMPLES: u32 = 10;
+
+/// An endpoint is never slow below this: at loopback latencies a factor
+/// of five is noise.
+const SLOW_FLOOR: f64 = 0.025;
+
 /// Why outlier rules could not be built; [`key`](InvalidOutlier::key) names
 /// the config key at fault.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -47,6 +54,8 @@ pub enum InvalidOutlier {
     ZeroDuration(&'static str),
     #[error("must not be below ejection_time")]
     MaxEjectionTime,
+    #[error("{0} must be 0 (off) or from 1.5")]
+    SlowFactor(f64),
 }
 
 impl InvalidOutlier {
@@ -56,6 +65,7 @@ impl InvalidOutlier {
             | InvalidOutlier::Share(key, _)
             | InvalidOutlier::ZeroDuration(key) => key,
             InvalidOutlier::MaxEjectionTime => "max_ejection_time",
+            InvalidOutlier::SlowFactor(_) => "slow_factor",
         }
     }
 }
@@ -120,6 +130,9 @@ struct Health {
     /// When it last came back into rotation.
     returned: Option<Instant>,
     ejections: u64,
+    /// Time to answer, moving average (seconds), and answers it is made of.
+    latency: f64,
+    samples: u32,
 }
 
 impl Health {
@@ -133,6 +146,8 @@ impl Health {
             strikes: 0,
             returned: None,
             ejections: 0,
+            latency: 0.0,
+            samples: 0,
         }
     }
 
@@ -191,6 +206,8 @@ pub enum Why {
     Consecutive,
     FailureRate,
     ProbeFailed,
+    /// Its answers take `slow_factor` times as long as the others'.
+    Slow,
 }
 
 impl Why {
@@ -199,6 +216,7 @@ impl Why {
             Why::Consecutive => "consecutive failures",
             Why::FailureRate => "failure rate",
             Why::ProbeFailed => "probe failed",
+            Why::Slow => "slow",
         }
     }
 }
@@ -227,6 +245,8 @@ pub struct Outliers {
     max_ejection_time: Duration,
     /// Endpoints that may be out at once.
     max_out: usize,
+    /// An endpoint this many times slower than the others' median is out.
+    slow_factor: f64,
     endpoints: Box<[Health]>,
     /// Endpoints out of rotation now (ejected or probing).
     out: usize,
@@ -262,6 +282,9 @@ impl Outliers {
         if c.max_ejection_time < c.ejection_time {
             return Err(InvalidOutlier::MaxEjectionTime);
         }
+        if !(c.slow_factor == 0.0 || (c.slow_factor >= 1.5 && c.slow_factor.is_finite())) {
+            return Err(InvalidOutlier::SlowFactor(c.slow_factor));
+        }
         // The share is of at most a few thousand endpoints: exact in f64.
         let max_out =
             ((endpoints as f64 * c.max_ejected).floor() as usize).clamp(1, endpoints.max(1));
@@ -275,6 +298,7 @@ impl Outliers {
             ejection_time: c.ejection_time,
             max_ejection_time: c.max_ejection_time,
             max_out,
+            slow_factor: c.slow_factor,
             endpoints: (0..endpoints).map(|_| Health::new(now)).collect(),
             out: 0,
         })
@@ -402,18 +426,28 @@ impl Outliers {
         index: usize,
         kind: PickKind,
         verdict: Verdict,
+        latency: Option<Duration>,
         rng: &mut R,
     ) -> Option<Event> {
         if !self.enabled {
             return None;
         }
+        let latency = latency.map(|l| l.as_secs_f64());
+        // A probe answered, but as slowly as what got the endpoint out.
+        let slow_probe = kind == PickKind::Probe
+            && verdict == Verdict::Success
+            && latency.is_some_and(|l| self.slower_than_the_rest(index, l));
         let h = self.endpoints.get_mut(index)?;
         match (h.state, kind) {
+            (State::Probing, PickKind::Probe) if slow_probe => {
+                Some(self.eject(now, index, Why::Slow, rng))
+            }
             (State::Probing, PickKind::Probe) => match verdict {
                 Verdict::Success => {
                     h.state = State::Serving;
                     h.returned = Some(now);
                     h.reset_counts(now);
+                    h.samples = 0;
                     self.out = self.out.saturating_sub(1);
                     Some(Event::Returned { index })
                 }
@@ -436,7 +470,21 @@ impl Outliers {
                     Verdict::Success => {
                         h.consecutive = 0;
                         h.requests = h.requests.saturating_add(1);
-                        return None;
+                        let l = latency?;
+                        h.latency = match h.samples {
+                            0 => l,
+                            _ => h.latency * 0.9 + l * 0.1,
+                        };
+                        h.samples = h.samples.saturating_add(1);
+                        let average = h.latency;
+                        if h.samples < SLOW_SAMPLES
+                            || self.out >= self.max_out
+                            || !self.slower_than_the_rest(index, average)
+                        {
+                            return None;
+                        }
+                        self.out += 1;
+                        return Some(self.eject(now, index, Why::Slow, rng));
                     }
                     Verdict::Failure => {
                         h.consecutive = h.consecutive.saturating_add(1);
@@ -465,6 +513,27 @@ impl Outliers {
         }
     }
 
+    /// Whether `latency` (seconds) is `slow_factor` times the median of
+    /// the other serving endpoints' averages (those with enough answers).
+    fn slower_than_the_rest(&self, index: usize, latency: f64) -> bool {
+        if self.slow_factor == 0.0 || latency < SLOW_FLOOR {
+            return false;
+        }
+        let mut others: Vec<f64> = self
+            .endpoints
+            .iter()
+            .enumerate()
+            .filter(|(i, h)| *i != index && h.state == State::Serving && h.samples >= SLOW_SAMPLES)
+            .map(|(_, h)| h.latency)
+            .collect();
+        if others.is_empty() {
+            return false;
+        }
+        others.sort_by(f64::total_cmp);
+        let median = others[others.len() / 2];
+        latency > self.slow_factor * median
+    }
+
     /// Takes endpoint `index` out (it is counted in `out` already), for
     /// longer the more times in a row it was.
     fn eject<R: Rng + ?Sized>(
@@ -478,7 +547,7 @@ impl Outliers {
         let h = &mut self.endpoints[index];
         // An endpoint that came back and served for a window since starts
         // over: a blip now and then is not a growing record.
-        if why != Why::ProbeFailed
+        if h.state == State::Serving
             && h.returned
                 .is_some_and(|r| now.saturating_duration_since(r) >= window)
         {
@@ -489,6 +558,7 @@ impl Outliers {
         h.strikes = h.strikes.saturating_add(1);
         h.ejections = h.ejections.saturating_add(1);
         h.reset_counts(now);
+        h.samples = 0;
         h.state = State::Ejected {
             until: now.checked_add(length).unwrap_or(now),
             length,
@@ -556,7 +626,7 @@ mod tests {
             } else {
                 ok()
             };
-            o.record(now, pick.index, pick.kind, verdict, rng);
+            o.record(now, pick.index, pick.kind, verdict, None, rng);
         }
         hits
     }
@@ -617,7 +687,7 @@ mod tests {
         );
         // Only one probe at a time.
         assert_eq!(o.pick(later, 1, None, true, false).index, 0);
-        let event = o.record(later, 1, PickKind::Probe, fail(), &mut rng);
+        let event = o.record(later, 1, PickKind::Probe, fail(), None, &mut rng);
         let Some(Event::Ejected {
             length,
             why: Why::ProbeFailed,
@@ -635,7 +705,7 @@ mod tests {
         let pick = o.pick(later, 0, None, true, false);
         assert_eq!(pick.kind, PickKind::Probe);
         assert_eq!(
-            o.record(later, 1, PickKind::Probe, ok(), &mut rng),
+            o.record(later, 1, PickKind::Probe, ok(), None, &mut rng),
             Some(Event::Returned { index: 1 })
         );
         assert!(!o.any_out());
@@ -674,7 +744,7 @@ mod tests {
         traffic(&mut o, t0, 20, 1, true, &mut rng);
         let later = t0 + 2000 * MS;
         assert_eq!(o.pick(later, 0, None, true, false).kind, PickKind::Probe);
-        o.record(later, 1, PickKind::Probe, Verdict::Neutral, &mut rng);
+        o.record(later, 1, PickKind::Probe, Verdict::Neutral, None, &mut rng);
         assert_eq!(o.pick(later, 0, None, true, false).kind, PickKind::Probe);
     }
 
@@ -686,7 +756,7 @@ mod tests {
         let mut o = Outliers::try_new(&config(), 2, t0).unwrap();
         for turn in 0..50 {
             let pick = o.pick(t0, turn, None, true, false);
-            o.record(t0, pick.index, pick.kind, fail(), &mut rng);
+            o.record(t0, pick.index, pick.kind, fail(), None, &mut rng);
         }
         assert_eq!(o.out, 1);
         // A share of 1.0 lets both go: then traffic goes to all of them.
@@ -695,7 +765,7 @@ mod tests {
         let mut o = Outliers::try_new(&all, 2, t0).unwrap();
         for turn in 0..50 {
             let pick = o.pick(t0, turn, None, true, false);
-            o.record(t0, pick.index, pick.kind, fail(), &mut rng);
+            o.record(t0, pick.index, pick.kind, fail(), None, &mut rng);
         }
         assert_eq!(o.out, 2);
         let picks: Vec<_> = (0..4).map(|t| o.pick(t0, t, None, true, false)).collect();
@@ -741,7 +811,7 @@ mod tests {
         let mut event = None;
         for k in 0..60u32 {
             let verdict = if k % 3 == 0 { ok() } else { fail() };
-            event = event.or(o.record(t0, 0, PickKind::Serving, verdict, &mut rng));
+            event = event.or(o.record(t0, 0, PickKind::Serving, verdict, None, &mut rng));
         }
         assert!(
             matches!(
@@ -768,7 +838,7 @@ mod tests {
             now += Duration::from_secs(100);
             assert_eq!(o.pick(now, 0, None, true, false).kind, PickKind::Probe);
             if let Some(Event::Ejected { length, .. }) =
-                o.record(now, 1, PickKind::Probe, fail(), &mut rng)
+                o.record(now, 1, PickKind::Probe, fail(), None, &mut rng)
             {
                 longest = longest.max(length);
             }
@@ -828,7 +898,7 @@ mod tests {
             .expect("endpoint 1 probed");
         assert_eq!(probe.kind, PickKind::Probe);
         assert_eq!(
-            o.record(t0, 1, PickKind::Probe, ok(), &mut rng),
+            o.record(t0, 1, PickKind::Probe, ok(), None, &mut rng),
             Some(Event::Returned { index: 1 })
         );
     }
@@ -844,7 +914,7 @@ mod tests {
             let mut event = None;
             for k in 0..5 {
                 event = o
-                    .record(now, 1, PickKind::Serving, fail(), &mut rng)
+                    .record(now, 1, PickKind::Serving, fail(), None, &mut rng)
                     .or(event);
                 assert!(k < 4 || event.is_some());
             }
@@ -854,8 +924,71 @@ mod tests {
             assert!(length < 1500 * MS, "{length:?}: not doubled");
             now += 1500 * MS;
             assert_eq!(o.pick(now, 0, None, true, false).kind, PickKind::Probe);
-            o.record(now, 1, PickKind::Probe, ok(), &mut rng);
+            o.record(now, 1, PickKind::Probe, ok(), None, &mut rng);
             now += config().window;
+        }
+    }
+
+    #[test]
+    fn an_endpoint_far_slower_than_the_rest_is_out_until_a_probe_is_quick() {
+        let mut rng = StdRng::seed_from_u64(12);
+        let t0 = Instant::now();
+        let mut o = Outliers::try_new(&config(), 3, t0).unwrap();
+        let (quick, slow) = (Some(10 * MS), Some(1000 * MS));
+        let mut event = None;
+        for turn in 0..60 {
+            let pick = o.pick(t0, turn, None, true, false);
+            let latency = if pick.index == 2 { slow } else { quick };
+            event = o
+                .record(t0, pick.index, pick.kind, ok(), latency, &mut rng)
+                .or(event);
+        }
+        assert!(
+            matches!(
+                event,
+                Some(Event::Ejected {
+                    index: 2,
+                    why: Why::Slow,
+                    ..
+                })
+            ),
+            "{event:?}"
+        );
+        // A probe as slow keeps it out; a quick one brings it back.
+        let later = t0 + 1500 * MS;
+        assert_eq!(o.pick(later, 0, None, true, false).kind, PickKind::Probe);
+        let again = o.record(later, 2, PickKind::Probe, ok(), slow, &mut rng);
+        assert!(
+            matches!(again, Some(Event::Ejected { why: Why::Slow, .. })),
+            "{again:?}"
+        );
+        let later = later + 5000 * MS;
+        assert_eq!(o.pick(later, 0, None, true, false).kind, PickKind::Probe);
+        assert_eq!(
+            o.record(later, 2, PickKind::Probe, ok(), quick, &mut rng),
+            Some(Event::Returned { index: 2 })
+        );
+        // Even latencies, however high, eject nobody; nor does slow_factor 0.
+        let mut o = Outliers::try_new(&config(), 3, t0).unwrap();
+        for turn in 0..60 {
+            let pick = o.pick(t0, turn, None, true, false);
+            assert_eq!(
+                o.record(t0, pick.index, pick.kind, ok(), slow, &mut rng),
+                None
+            );
+        }
+        let off = OutlierConfig {
+            slow_factor: 0.0,
+            ..config()
+        };
+        let mut o = Outliers::try_new(&off, 3, t0).unwrap();
+        for turn in 0..60 {
+            let pick = o.pick(t0, turn, None, true, false);
+            let latency = if pick.index == 2 { slow } else { quick };
+            assert_eq!(
+                o.record(t0, pick.index, pick.kind, ok(), latency, &mut rng),
+                None
+            );
         }
     }
 }

@@ -321,7 +321,8 @@ impl retry::Attempts for Forward<'_> {
             };
         // The upstream's latency runs from when it had the whole request:
         // a slow upload is the caller's time, not the upstream's.
-        upstream.observe(outcome, sent_whole.elapsed());
+        let latency = sent_whole.elapsed();
+        upstream.observe(outcome, latency);
         let note = picked.kind.note();
         // An answer whose body is still to come is the endpoint's success
         // only once the body ends whole: that is settled by the body.
@@ -330,9 +331,9 @@ impl retry::Attempts for Forward<'_> {
                 if Verdict::of(outcome) == Verdict::Success
                     && !http_body::Body::is_end_stream(resp.body()) =>
             {
-                slot.answered_by(picked)
+                slot.answered_by(picked, latency)
             }
-            _ => picked.settle(outcome),
+            _ => picked.settle(outcome, latency),
         }
         if answer.is_none() {
             tracing::debug!(upstream = %name, outcome = outcome.label(), error = %detail, "upstream attempt failed");

@@ -5,6 +5,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderValue, Request, Response, Uri};
@@ -320,7 +321,7 @@ impl Upstream {
 
     /// Feeds how an attempt to an endpoint ended to its health; counts and
     /// logs an ejection or a return.
-    fn settle(&self, index: usize, kind: PickKind, verdict: Verdict) {
+    fn settle(&self, index: usize, kind: PickKind, verdict: Verdict, latency: Option<Duration>) {
         let Some(outliers) = &self.outliers else {
             return;
         };
@@ -329,7 +330,14 @@ impl Upstream {
         }
         let event = {
             let mut o = outliers.lock().unwrap_or_else(|e| e.into_inner());
-            let event = o.record(Instant::now(), index, kind, verdict, &mut rand::rng());
+            let event = o.record(
+                Instant::now(),
+                index,
+                kind,
+                verdict,
+                latency,
+                &mut rand::rng(),
+            );
             self.any_out.store(o.any_out(), Ordering::Release);
             event
         };
@@ -473,15 +481,16 @@ impl Picked<'_> {
 
     /// Leaves the verdict to whoever reads the answer's body: the index
     /// and the kind of pick, to settle later.
-    fn defer(mut self) -> (usize, PickKind) {
+    fn defer(mut self, latency: Duration) -> (usize, PickKind, Duration) {
         self.settled = true;
-        (self.index, self.kind)
+        (self.index, self.kind, latency)
     }
 
-    pub fn settle(mut self, outcome: Outcome) {
+    /// `latency`: from the request sent whole to the response's head.
+    pub fn settle(mut self, outcome: Outcome, latency: Duration) {
         self.settled = true;
         self.upstream
-            .settle(self.index, self.kind, Verdict::of(outcome));
+            .settle(self.index, self.kind, Verdict::of(outcome), Some(latency));
     }
 }
 
@@ -489,7 +498,7 @@ impl Drop for Picked<'_> {
     fn drop(&mut self) {
         if !self.settled {
             self.upstream
-                .settle(self.index, self.kind, Verdict::Neutral);
+                .settle(self.index, self.kind, Verdict::Neutral, None);
         }
     }
 }
@@ -501,7 +510,7 @@ pub struct InFlight {
     conn: Option<(usize, Pooled)>,
     /// The endpoint that answered and how it was picked, while its answer
     /// is not yet settled: that waits for the end of the body.
-    endpoint: Option<(usize, PickKind)>,
+    endpoint: Option<(usize, PickKind, Duration)>,
     /// Whether it still counts toward the upstream's in-flight requests.
     counted: bool,
 }
@@ -515,22 +524,23 @@ impl InFlight {
 
     /// The endpoint of `picked` answered the request this slot is for; its
     /// health hears how when the body ends.
-    pub fn answered_by(&mut self, picked: Picked<'_>) {
-        self.endpoint = Some(picked.defer());
+    pub fn answered_by(&mut self, picked: Picked<'_>, latency: Duration) {
+        self.endpoint = Some(picked.defer(latency));
     }
 
     /// The body came whole: a success of the endpoint that sent it.
     pub fn body_done(&mut self) {
-        if let Some((index, kind)) = self.endpoint.take() {
-            self.upstream.settle(index, kind, Verdict::Success);
+        if let Some((index, kind, latency)) = self.endpoint.take() {
+            self.upstream
+                .settle(index, kind, Verdict::Success, Some(latency));
         }
     }
 
     /// The endpoint broke its answer off mid-body: a failure of that
     /// endpoint, as if it had failed before answering.
     pub fn broken(&mut self) {
-        if let Some((index, kind)) = self.endpoint.take() {
-            self.upstream.settle(index, kind, Verdict::Failure);
+        if let Some((index, kind, _)) = self.endpoint.take() {
+            self.upstream.settle(index, kind, Verdict::Failure, None);
         }
     }
 
@@ -555,8 +565,9 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         // The caller left before the body ended: the endpoint answered
         // well as far as anyone saw.
-        if let Some((index, kind)) = self.endpoint.take() {
-            self.upstream.settle(index, kind, Verdict::Success);
+        if let Some((index, kind, latency)) = self.endpoint.take() {
+            self.upstream
+                .settle(index, kind, Verdict::Success, Some(latency));
         }
         if let Some((index, conn)) = self.conn.take() {
             if let Some(Transport::Pool(pool)) =

@@ -262,6 +262,10 @@ fn config_text() -> impl Strategy<Value = String> {
         "ejection_time",
         "max_ejection_time",
         "max_ejected",
+        "slow_factor",
+        "max_tunnels",
+        "tunnel_idle_timeout",
+        "idle_timeout",
         "min_requests",
     ]);
     let value = prop_oneof![

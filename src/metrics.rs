@@ -156,7 +156,8 @@ impl Metrics {
     }
 
     /// Live route and upstream scopes (for tests of what a reload frees).
-    pub fn scopes(&self) -> usize {
+    #[cfg(test)]
+    fn scopes(&self) -> usize {
         self.live().len()
     }
 

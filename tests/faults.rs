@@ -746,3 +746,43 @@ async fn fault_matrix_the_caller_gets_what_the_upstream_sent_or_an_honest_error(
     assert!(body[..] == expected[..], "1 MiB byte for byte");
     hg.terminate().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_stalls_mid_body_for_an_h2_caller_is_blamed() {
+    // Headers and 3 of 100 bytes, then nothing: beside a healthy endpoint.
+    let url = hanging_upstream(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nabc").await;
+    let good = ok_upstream("fine").await;
+    let hg = Binary::start_with(
+        "write_timeout = \"300ms\"",
+        &format!(
+            "[upstreams.u]\nendpoints = [\"{}\", \"{url}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+            good.url()
+        ),
+    )
+    .await;
+    // HTTP/2 callers that read everything they are given.
+    let calls: Vec<_> = (0..12)
+        .map(|i| {
+            let listen = hg.listen.clone();
+            tokio::spawn(async move {
+                let req = http::Request::get(format!("http://{listen}/s/{i}"))
+                    .body(empty())
+                    .unwrap();
+                if let Ok(resp) = h2c_client().request(req).await {
+                    let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
+                }
+            })
+        })
+        .collect();
+    for c in calls {
+        c.await.unwrap();
+    }
+    let ejected = format!("herdguard_endpoint_ejected{{upstream=\"u\",endpoint=\"{url}\"}}");
+    eventually(
+        std::time::Duration::from_secs(5),
+        "the stalling endpoint is ejected",
+        || async { hg.metric(&ejected).await == 1.0 },
+    )
+    .await;
+    hg.terminate().await;
+}

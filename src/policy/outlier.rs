@@ -309,14 +309,6 @@ impl Outliers {
         self.out > 0
     }
 
-    pub fn len(&self) -> usize {
-        self.endpoints.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.endpoints.is_empty()
-    }
-
     pub fn state(&self, index: usize) -> Option<State> {
         self.endpoints.get(index).map(|h| h.state)
     }
@@ -391,23 +383,21 @@ impl Outliers {
         // Round robin over the endpoints in rotation, so that an ejected
         // endpoint's share is spread over all of them, not handed to the
         // next in line.
-        let serving: Vec<usize> = (0..len)
-            .filter(|i| self.endpoints[*i].state == State::Serving)
-            .collect();
-        if !serving.is_empty() {
-            let k = match previous {
-                // A retry: the serving endpoint after the one that failed.
-                Some(p) => serving.iter().position(|i| *i > p).unwrap_or(0),
-                None => turn % serving.len(),
+        let serving = |i: &usize| self.endpoints[*i].state == State::Serving;
+        let count = (0..len).filter(serving).count();
+        if count > 0 {
+            let index = match previous {
+                // A retry: the serving endpoint after the one that failed
+                // (never it, when another serves).
+                Some(_) => order.clone().find(|i| serving(i)),
+                None => (0..len).filter(serving).nth(turn % count),
             };
-            let index = match serving[k] {
-                i if Some(i) == previous && serving.len() > 1 => serving[(k + 1) % serving.len()],
-                i => i,
-            };
-            return Pick {
-                index,
-                kind: PickKind::Serving,
-            };
+            if let Some(index) = index {
+                return Pick {
+                    index,
+                    kind: PickKind::Serving,
+                };
+            }
         }
         let index = order
             .clone()
@@ -519,19 +509,17 @@ impl Outliers {
         if self.slow_factor == 0.0 || latency < SLOW_FLOOR {
             return false;
         }
-        let mut others: Vec<f64> = self
-            .endpoints
-            .iter()
-            .enumerate()
-            .filter(|(i, h)| *i != index && h.state == State::Serving && h.samples >= SLOW_SAMPLES)
-            .map(|(_, h)| h.latency)
-            .collect();
-        if others.is_empty() {
-            return false;
+        // latency > factor × median of the others ⟺ more than half of the
+        // others are below latency / factor: counted, not sorted (this
+        // runs under the upstream's lock, for every answer).
+        let (mut others, mut below) = (0usize, 0usize);
+        for (i, h) in self.endpoints.iter().enumerate() {
+            if i != index && h.state == State::Serving && h.samples >= SLOW_SAMPLES {
+                others += 1;
+                below += usize::from(self.slow_factor * h.latency < latency);
+            }
         }
-        others.sort_by(f64::total_cmp);
-        let median = others[others.len() / 2];
-        latency > self.slow_factor * median
+        others > 0 && below > others / 2
     }
 
     /// Takes endpoint `index` out (it is counted in `out` already), for
@@ -862,6 +850,17 @@ mod tests {
             Outliers::try_new(&c, 2, t0).unwrap_err().key(),
             "max_ejection_time"
         );
+        for bad in [1.0, -2.0, f64::NAN, f64::INFINITY] {
+            let c = OutlierConfig {
+                slow_factor: bad,
+                ..config()
+            };
+            assert_eq!(
+                Outliers::try_new(&c, 2, t0).unwrap_err().key(),
+                "slow_factor",
+                "{bad}"
+            );
+        }
         let mut c = config();
         c.consecutive_failures = 0;
         assert_eq!(

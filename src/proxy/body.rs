@@ -3,7 +3,7 @@
 
 use std::future::Future as _;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -295,6 +295,7 @@ impl ResponseBody {
         }
         let watch = Arc::new(Watch {
             last: Stamp::new(),
+            waiting: AtomicBool::new(false),
             slot: std::sync::Mutex::new(Some(slot)),
             done: Arc::new(Notify::new()),
         });
@@ -388,6 +389,14 @@ impl Slot {
     fn progress(&self) {
         if let Slot::Watched(watch) = self {
             watch.last.touch();
+            watch.waiting.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// Polled, and the upstream had nothing more yet.
+    fn waiting(&self) {
+        if let Slot::Watched(watch) = self {
+            watch.waiting.store(true, Ordering::Relaxed);
         }
     }
 }
@@ -396,6 +405,9 @@ impl Slot {
 struct Watch {
     /// When the last frame went out.
     last: Stamp,
+    /// The body was polled and the upstream had nothing: a stall then is
+    /// the upstream's, not the caller's.
+    waiting: AtomicBool,
     slot: std::sync::Mutex<Option<InFlight>>,
     /// Wakes the watchdog when the body is done or dropped.
     done: Arc<Notify>,
@@ -426,7 +438,15 @@ async fn watchdog(watch: std::sync::Weak<Watch>, done: Arc<Notify>, idle: Durati
             _ => return,
         };
         if tokio::time::Instant::now() >= deadline {
-            if let Some(mut slot) = watch.upgrade().and_then(|w| w.take()) {
+            let Some(w) = watch.upgrade() else {
+                return;
+            };
+            if let Some(mut slot) = w.take() {
+                // Waiting on the upstream: its stall. Otherwise the caller
+                // stopped taking frames, and the upstream answered well.
+                if w.waiting.load(Ordering::Relaxed) {
+                    slot.broken();
+                }
                 slot.abandon();
                 tracing::debug!(idle = ?idle, "a response made no progress toward its caller; its upstream slot is freed");
             }
@@ -459,6 +479,7 @@ impl Body for ResponseBody {
                 let mut body = body;
                 let polled = body.as_mut().poll_frame(cx);
                 if polled.is_pending() {
+                    slot.waiting();
                     // Made on the first wait, pushed back at the start of each later one.
                     let deadline = tokio::time::Instant::now() + *idle;
                     let timer =

@@ -344,9 +344,9 @@ impl Upstream {
         let endpoint = |i: usize| self.endpoints.get(i).map_or("?", |e| e.label.as_ref());
         match event {
             Some(Event::Ejected { index, length, why }) => {
+                // The `ejected` gauge is set from the state at scrape time.
                 if let Some(m) = self.metrics.endpoints.get(index) {
                     m.ejections.increment(1);
-                    m.ejected.set(1.0);
                 }
                 tracing::warn!(
                     upstream = %self.name,
@@ -357,9 +357,6 @@ impl Upstream {
                 );
             }
             Some(Event::Returned { index }) => {
-                if let Some(m) = self.metrics.endpoints.get(index) {
-                    m.ejected.set(0.0);
-                }
                 tracing::info!(upstream = %self.name, endpoint = endpoint(index), "endpoint back in rotation");
             }
             None => {}

@@ -94,12 +94,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     }
     // `TE: trailers` says the client accepts trailers; the proxy relays them, so
     // it may say the same to the upstream (gRPC needs it).
-    let te_trailers = present[TE_AT]
-        && headers.get(header::TE).is_some_and(|v| {
-            v.as_bytes()
-                .split(|b| *b == b',')
-                .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers"))
-        });
+    let te_trailers = present[TE_AT] && lists(headers, &header::TE, "trailers");
     for (name, present) in HOP_BY_HOP.iter().zip(present) {
         if !present || (upgrade && (name == header::CONNECTION || name == header::UPGRADE)) {
             continue;
@@ -125,19 +120,10 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
 /// the caller would then speak HTTP/2 straight to the upstream, past every
 /// header rule ("h2c smuggling"); it is forwarded as a plain request.
 pub fn requested_upgrade(version: Version, headers: &HeaderMap) -> bool {
-    let h2c = headers.get_all(header::UPGRADE).iter().any(|v| {
-        v.as_bytes()
-            .split(|b| *b == b',')
-            .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"h2c"))
-    });
     version == Version::HTTP_11
-        && !h2c
+        && !lists(headers, &header::UPGRADE, "h2c")
         && headers.contains_key(header::UPGRADE)
-        && headers.get_all(header::CONNECTION).iter().any(|v| {
-            v.as_bytes()
-                .split(|b| *b == b',')
-                .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"upgrade"))
-        })
+        && lists(headers, &header::CONNECTION, "upgrade")
 }
 
 /// Appends this hop to `Via`, as `1.1 herdguard` (or `2 herdguard`).
@@ -226,17 +212,14 @@ pub fn check_host(
     }
 }
 
-/// Whether a comma-separated list in field `list` names `name`
-/// (`Trailer: idempotency-key`, say).
-pub fn lists(headers: &HeaderMap, list: &HeaderName, name: &HeaderName) -> bool {
+/// Whether the comma-separated lists of field `field`, over all its lines,
+/// hold `token` (ASCII case aside): `Connection: keep-alive, Upgrade`.
+pub fn lists(headers: &HeaderMap, field: &HeaderName, token: &str) -> bool {
     headers
-        .get_all(list)
+        .get_all(field)
         .iter()
         .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .any(|t| {
-            t.trim_ascii()
-                .eq_ignore_ascii_case(name.as_str().as_bytes())
-        })
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
 }
 
 /// Checks a request's framing: a `Transfer-Encoding` must be `chunked`,

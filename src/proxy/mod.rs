@@ -379,7 +379,7 @@ async fn forward(
     let key_in_trailer = headers::lists(
         h,
         &http::header::TRAILER,
-        route.guards.policy.idempotency_header(),
+        route.guards.policy.idempotency_header().as_str(),
     );
     // Room for the fields this hop adds (Via, X-Forwarded-*, the attempt
     // number): hyper's maps come with none, and growing once beats growing

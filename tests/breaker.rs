@@ -103,7 +103,7 @@ async fn a_half_open_probe_closes_it() {
     let server = proxy(&route(
         &up.url(),
         "",
-        "retry = { attempts = 1 }\nbreaker = { consecutive_failures = 2, open_for = \"200ms\", half_open_probes = 1 }",
+        "retry = { attempts = 1 }\nbreaker = { consecutive_failures = 2, open_for = \"200ms\", half_open_probes = 1, probe_interval = \"1h\" }",
     ))
     .await;
     for _ in 0..2 {

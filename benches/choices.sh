@@ -20,16 +20,22 @@ UP_PORT=18281 HG_PORT=18283 HG_ADMIN=18284
 install_tools wrk:wrk nginx:nginx-light
 ports_free $UP_PORT $HG_PORT $HG_ADMIN
 
-echo "building the three variants (release, fat LTO: a few minutes each)..." >&2
-cargo build --release --quiet
-CARGO_PROFILE_RELEASE_PANIC=unwind cargo build --release --quiet --target-dir target/choice-unwind
-cargo build --release --quiet --no-default-features --target-dir target/choice-system
+VARIANTS=${VARIANTS:-shipped unwind system-alloc eager-purge}
+echo "building the variants (release, fat LTO: a few minutes each)..." >&2
+[ "${SKIP_BUILD:-}" ] || cargo build --release --quiet
+case " $VARIANTS " in *" unwind "*)
+  CARGO_PROFILE_RELEASE_PANIC=unwind cargo build --release --quiet --target-dir target/choice-unwind ;; esac
+case " $VARIANTS " in *" system-alloc "*)
+  cargo build --release --quiet --no-default-features --target-dir target/choice-system ;; esac
 declare -A BIN=(
   [shipped]=target/release/herdguard
   [unwind]=target/choice-unwind/release/herdguard
   [system-alloc]=target/choice-system/release/herdguard
+  [eager-purge]=target/release/herdguard
 )
-VARIANTS="shipped unwind system-alloc"
+# eager-purge: the shipped binary with freed memory purged at once instead
+# of after mimalloc's delay (see return_freed_memory in src/main.rs).
+declare -A ENVS=([eager-purge]="MIMALLOC_PURGE_DELAY=0")
 
 scratch_and_pinning
 
@@ -51,7 +57,7 @@ for v in $VARIANTS; do RPS[$v]=""; P99[$v]=""; done
 for round in $(seq 1 "$ROUNDS"); do
   for v in $VARIANTS; do
     routes 1
-    ( pin 1 "${BIN[$v]}" --config "$WORK/hg.toml" --threads 1 2>/dev/null ) & pid=$!
+    ( pin 1 env ${ENVS[$v]:-} "${BIN[$v]}" --config "$WORK/hg.toml" --threads 1 2>/dev/null ) & pid=$!
     wait_port $HG_PORT
     out=$(pin 0 wrk -t1 -c"$CONNECTIONS" -d"${DURATION}s" --latency "http://127.0.0.1:$HG_PORT/" 2>/dev/null)
     RPS[$v]+="$(echo "$out" | awk '/Requests\/sec/ {print $2}') "

@@ -1,12 +1,14 @@
 //! The admin listener: /metrics, /healthz, /readyz, /config. Loopback by
 //! default; it tells operators and orchestrators what the proxy is doing.
 
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::Full;
+use subtle::ConstantTimeEq;
 
 use crate::app::Shared;
 use crate::policy::breaker::State as BreakerState;
@@ -14,7 +16,11 @@ use crate::policy::breaker::State as BreakerState;
 /// Answers one admin request. `/metrics` is rendered on a blocking thread:
 /// with thousands of routes it takes a while, and the proxy's workers must
 /// not wait on it.
-pub async fn serve<B>(shared: &Shared, req: &Request<B>) -> Response<Full<Bytes>> {
+pub async fn serve<B>(
+    shared: &Shared,
+    peer: SocketAddr,
+    req: &Request<B>,
+) -> Response<Full<Bytes>> {
     let get = req.method() == Method::GET || req.method() == Method::HEAD;
     if get && req.uri().path() == "/metrics" {
         let proxy = shared.proxy.clone();
@@ -38,16 +44,21 @@ pub async fn serve<B>(shared: &Shared, req: &Request<B>) -> Response<Full<Bytes>
             ),
         };
     }
-    handle(shared, req)
+    handle(shared, peer, req)
 }
 
-fn handle<B>(shared: &Shared, req: &Request<B>) -> Response<Full<Bytes>> {
+fn handle<B>(shared: &Shared, peer: SocketAddr, req: &Request<B>) -> Response<Full<Bytes>> {
     if let Some(rest) = req.uri().path().strip_prefix("/breakers/") {
         if req.method() != Method::POST {
             return text(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "use POST /breakers/ROUTE/open|close|reset\n".into(),
             );
+        }
+        let runtime = shared.proxy.runtime();
+        if let Err(why) = may_change(peer, req.headers(), runtime.config.admin.token.as_deref()) {
+            tracing::warn!(%peer, path = req.uri().path(), why, "admin change refused");
+            return text(StatusCode::FORBIDDEN, format!("{why}\n"));
         }
         return force_breaker(shared, rest);
     }
@@ -76,6 +87,30 @@ fn handle<B>(shared: &Shared, req: &Request<B>) -> Response<Full<Bytes>> {
             StatusCode::NOT_FOUND,
             "not found; try /metrics, /healthz, /readyz, /config or /breakers\n".into(),
         ),
+    }
+}
+
+/// Whether a caller may change state (force a breaker): one on loopback
+/// (the pod's own containers) may; one elsewhere only with the configured
+/// token, compared in constant time.
+fn may_change(
+    peer: SocketAddr,
+    headers: &http::HeaderMap,
+    token: Option<&str>,
+) -> Result<(), &'static str> {
+    if peer.ip().to_canonical().is_loopback() {
+        return Ok(());
+    }
+    let Some(token) = token else {
+        return Err("changes are taken from loopback only (set admin.token to allow others)");
+    };
+    let given = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+    match given {
+        Some(given) if bool::from(given.ct_eq(token.as_bytes())) => Ok(()),
+        Some(_) => Err("wrong admin token"),
+        None => Err("changes from off loopback need Authorization: Bearer <admin.token>"),
     }
 }
 
@@ -150,4 +185,63 @@ fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
         HeaderValue::from_static("text/plain; charset=utf-8"),
     );
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer(ip: &str) -> SocketAddr {
+        SocketAddr::new(ip.parse().unwrap(), 40000)
+    }
+
+    fn bearer(token: &str) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        h.insert(
+            http::header::AUTHORIZATION,
+            HeaderValue::from_str(&format!("Bearer {token}")).unwrap(),
+        );
+        h
+    }
+
+    const TOKEN: &str = "0123456789abcdef0123";
+
+    #[test]
+    fn loopback_may_change_without_a_token() {
+        let none = http::HeaderMap::new();
+        for ip in ["127.0.0.1", "::1", "::ffff:127.0.0.1"] {
+            assert_eq!(may_change(peer(ip), &none, None), Ok(()), "{ip}");
+            assert_eq!(may_change(peer(ip), &none, Some(TOKEN)), Ok(()), "{ip}");
+        }
+    }
+
+    #[test]
+    fn others_need_the_exact_token() {
+        let none = http::HeaderMap::new();
+        for ip in ["10.1.2.3", "::ffff:10.1.2.3", "fd00::1", "0.0.0.0"] {
+            let p = peer(ip);
+            assert!(may_change(p, &none, None).is_err(), "{ip}: no token set");
+            assert!(may_change(p, &bearer(TOKEN), None).is_err(), "{ip}");
+            assert!(
+                may_change(p, &none, Some(TOKEN)).is_err(),
+                "{ip}: none sent"
+            );
+            assert_eq!(may_change(p, &bearer(TOKEN), Some(TOKEN)), Ok(()), "{ip}");
+            for wrong in ["", "0123456789abcdef012", "0123456789abcdef01234", "x"] {
+                assert!(
+                    may_change(p, &bearer(wrong), Some(TOKEN)).is_err(),
+                    "{wrong:?}"
+                );
+            }
+            let mut basic = http::HeaderMap::new();
+            basic.insert(
+                http::header::AUTHORIZATION,
+                HeaderValue::from_str(&format!("Basic {TOKEN}")).unwrap(),
+            );
+            assert!(
+                may_change(p, &basic, Some(TOKEN)).is_err(),
+                "{ip}: not a bearer"
+            );
+        }
+    }
 }

@@ -133,11 +133,13 @@ impl Server {
                 admin_listener,
                 limits,
                 admin_stop_rx,
-                move |_, _| {
+                move |peer, _| {
                     let shared = shared.clone();
                     service_fn(move |req: Request<Incoming>| {
                         let shared = shared.clone();
-                        async move { Ok::<_, Infallible>(crate::admin::serve(&shared, &req).await) }
+                        async move {
+                            Ok::<_, Infallible>(crate::admin::serve(&shared, peer, &req).await)
+                        }
                     })
                 },
             )
@@ -250,6 +252,17 @@ impl Server {
                 seen = now;
             }
         })
+    }
+
+    /// Turns `/readyz` to 503 (what a SIGTERM does first); the listener
+    /// goes on serving until [`shutdown`](Self::shutdown).
+    pub fn not_ready(&self) {
+        self.shared.draining.store(true, Ordering::Release);
+    }
+
+    /// `listen.drain_delay` of the running config.
+    pub fn drain_delay(&self) -> Duration {
+        self.shared.proxy.runtime().config.listen.drain_delay
     }
 
     /// Stops accepting and lets in-flight requests finish, up to `drain_timeout`.
@@ -527,9 +540,12 @@ async fn accept_loop<M, S, B>(
         .await
         .is_err()
     {
+        let left = limits.max_connections - permits.available_permits();
         warn!(
             listener = what,
-            "drain timeout passed with requests still in flight; closing them"
+            connections = left,
+            timeout = ?limits.drain_timeout,
+            "drain timeout passed with connections still open; closing them"
         );
     }
 }

@@ -86,3 +86,71 @@ async fn unrouted_requests_are_counted() {
         "{text}"
     );
 }
+
+/// `admin.token` opens the changing endpoints to callers off loopback (the
+/// rule itself is unit-tested in `admin.rs`: tests talk over loopback only).
+/// Through the binary: a loopback caller still may, the token is never shown
+/// back, and a weak one is a config error with key and line.
+#[tokio::test]
+async fn the_admin_token_is_checked_and_never_shown() {
+    use common::process::Binary;
+    let up = ok_upstream("fine").await;
+    let token = "s3cret-7f9a1c2e4b6d8f00";
+    // The text after the harness's `[admin]` line: a token of its own.
+    let hg = Binary::start(&format!(
+        "token = \"{token}\"\n[upstreams.u]\nendpoints = [\"{}\"]\n\
+         [[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+        up.url()
+    ))
+    .await;
+    let post = |path: &str| {
+        http::Request::post(format!("http://{}{path}", hg.admin))
+            .body(empty())
+            .unwrap()
+    };
+    let (status, _, _) = send(&client(), post("/breakers/r/open")).await;
+    assert_eq!(status, StatusCode::OK, "loopback may, token or not");
+    let (status, _, _) = send(&client(), post("/breakers/r/reset")).await;
+    assert_eq!(status, StatusCode::OK);
+    let req = http::Request::get(format!("http://{}/config", hg.admin))
+        .body(empty())
+        .unwrap();
+    let (status, _, shown) = send(&client(), req).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        !String::from_utf8_lossy(&shown).contains(token),
+        "/config shows no token"
+    );
+    hg.terminate().await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.toml");
+    let body = format!(
+        "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+        up.url()
+    );
+    for (value, ok) in [
+        (token, true),
+        ("short", false),
+        ("has spaces in it, 16+", false),
+    ] {
+        std::fs::write(&path, format!("[admin]\ntoken = \"{value}\"\n{body}")).unwrap();
+        let out = std::process::Command::new(common::process::BIN)
+            .args(["check", "--config"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert_eq!(out.status.success(), ok, "{value}: {stderr}");
+        assert!(
+            !stdout.contains(value) && !stderr.contains(value),
+            "{value} shown"
+        );
+        if !ok {
+            assert!(stderr.contains("admin.token (line 2)"), "{stderr}");
+        }
+    }
+}

@@ -14,6 +14,15 @@ fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> std::path::PathBuf 
     path
 }
 
+/// `herdguard check --config PATH`.
+fn check(path: &std::path::Path) -> std::process::Output {
+    Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(path)
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn check_prints_the_effective_config() {
     let dir = tempfile::tempdir().unwrap();
@@ -22,11 +31,7 @@ fn check_prints_the_effective_config() {
         "ok.toml",
         "[upstreams.api]\nendpoints = [\"http://127.0.0.1:3000\"]\n[[routes]]\nname = \"a\"\nupstream = \"api\"\n",
     );
-    let out = Command::new(BIN)
-        .args(["check", "--config"])
-        .arg(&path)
-        .output()
-        .unwrap();
+    let out = check(&path);
     assert!(out.status.success(), "{out:?}");
     let stdout = String::from_utf8(out.stdout).unwrap();
     assert!(stdout.contains("[routes.retry.backoff]"), "{stdout}");
@@ -66,11 +71,7 @@ fn check_refuses_absurd_durations_and_sizes_with_key_and_line_and_never_aborts()
                 "[upstreams.api]\nendpoints = [\"http://127.0.0.1:3000\"]\n\n{table}\n\n[[routes]]\nname = \"a\"\nupstream = \"api\"\n"
             ),
         );
-        let out = Command::new(BIN)
-            .args(["check", "--config"])
-            .arg(&path)
-            .output()
-            .unwrap();
+        let out = check(&path);
         assert_eq!(out.status.code(), Some(1), "{table}: {out:?}");
         let stderr = String::from_utf8(out.stderr).unwrap();
         assert!(stderr.contains(key), "{key} not named:\n{stderr}");
@@ -85,11 +86,7 @@ fn check_reports_every_error_with_key_and_line() {
         "bad.toml",
         "[upstreams.api]\nendpoints = [\"http://127.0.0.1:3000\"]\n\n[[routes]]\nname = \"a\"\nupstream = \"nope\"\n\n[[routes]]\nname = \"b\"\nupstream = \"api\"\nretry = { attempts = 0 }\n",
     );
-    let out = Command::new(BIN)
-        .args(["check", "--config"])
-        .arg(&path)
-        .output()
-        .unwrap();
+    let out = check(&path);
     assert_eq!(out.status.code(), Some(1));
     let stderr = String::from_utf8(out.stderr).unwrap();
     assert!(
@@ -253,4 +250,56 @@ async fn get_at(listen: &str, path: &str) -> (http::StatusCode, http::HeaderMap,
         .body(empty())
         .unwrap();
     send(&client(), req).await
+}
+
+#[test]
+fn endpoint_ports_out_of_range_and_credentials_are_refused_without_echoing_them() {
+    let dir = tempfile::tempdir().unwrap();
+    for (endpoint, says) in [
+        ("http://127.0.0.1:99999", "port \"99999\""),
+        ("http://127.0.0.1:0", "port \"0\""),
+        ("http://[::1]:70000", "port \"70000\""),
+        ("http://127.0.0.1:-1", "port \"-1\""),
+        (
+            "http://user:hunter2@127.0.0.1:3000",
+            "user name or password",
+        ),
+        ("https://token@example.com", "user name or password"),
+    ] {
+        let path = write(
+            &dir,
+            "bad.toml",
+            &format!(
+                "[upstreams.api]\nendpoints = [\n  \"http://127.0.0.1:3000\",\n  \"{endpoint}\",\n]\n\
+                 [[routes]]\nname = \"a\"\nupstream = \"api\"\n"
+            ),
+        );
+        let out = check(&path);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{endpoint}: {err}");
+        assert!(
+            err.contains("upstreams.api.endpoints[1]"),
+            "{endpoint}: {err}"
+        );
+        assert!(err.contains("line 4"), "{endpoint}: {err}");
+        assert!(err.contains(says), "{endpoint}: {err}");
+        assert!(!err.contains("hunter2") && !err.contains("token@"), "{err}");
+        // The same URL given on the command line.
+        let out = Command::new(BIN)
+            .args(["--upstream", endpoint])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "--upstream {endpoint}: {err}");
+        assert!(!err.contains("hunter2") && !err.contains("token@"), "{err}");
+    }
+    // The highest port and an IPv6 host with one are fine.
+    let path = write(
+        &dir,
+        "ok.toml",
+        "[upstreams.api]\nendpoints = [\"http://127.0.0.1:65535\", \"http://[::1]:8080\"]\n\
+         [[routes]]\nname = \"a\"\nupstream = \"api\"\n",
+    );
+    let out = check(&path);
+    assert!(out.status.success(), "{out:?}");
 }

@@ -131,8 +131,8 @@ fn check_deployment(name: &str, native: bool) {
     // Kubernetes waits longer than herdguard drains.
     let grace = spec["terminationGracePeriodSeconds"].as_i64().unwrap();
     assert!(
-        grace as u64 > config.listen.drain_timeout.as_secs(),
-        "{name}: grace {grace}s <= drain_timeout"
+        grace as u64 > (config.listen.drain_delay + config.listen.drain_timeout).as_secs(),
+        "{name}: grace {grace}s <= drain_delay + drain_timeout"
     );
 
     // Non-root, read-only, no privileges.

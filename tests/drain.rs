@@ -198,3 +198,54 @@ async fn a_stream_still_answering_outlives_idle_timeout() {
     assert_eq!(body.len(), 60, "the whole body came");
     hg.terminate().await;
 }
+
+/// `listen.drain_delay`: after SIGTERM, /readyz is 503 at once but new
+/// connections are still accepted and served until the delay has passed;
+/// then the drain proceeds and the process exits by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_delay_keeps_serving_new_callers_with_readiness_off() {
+    use common::process::Binary;
+    let up = ok_upstream("fine").await;
+    let hg = Binary::start_with(
+        "drain_delay = \"5s\"",
+        &format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+            up.url()
+        ),
+    )
+    .await;
+    let readyz = || async {
+        let req = http::Request::get(format!("http://{}/readyz", hg.admin))
+            .body(empty())
+            .unwrap();
+        send(&client(), req).await.0
+    };
+    assert_eq!(readyz().await, http::StatusCode::OK);
+    let started = std::time::Instant::now();
+    hg.sigterm();
+    eventually(
+        std::time::Duration::from_secs(2),
+        "/readyz turns 503",
+        || async { readyz().await == http::StatusCode::SERVICE_UNAVAILABLE },
+    )
+    .await;
+    // A caller that connects now (a fresh client: a new connection) is served.
+    let req = http::Request::get(format!("http://{}/x", hg.listen))
+        .body(empty())
+        .unwrap();
+    let (status, _, body) = send(&client(), req).await;
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "the request came within the delay"
+    );
+    assert_eq!((status, &body[..]), (http::StatusCode::OK, &b"fine"[..]));
+    let lines = hg.exited().await;
+    assert!(
+        started.elapsed() >= std::time::Duration::from_secs(5),
+        "it waited for the delay before it stopped"
+    );
+    assert!(
+        lines.iter().any(|l| l.contains("drain delay")),
+        "{lines:#?}"
+    );
+}

@@ -35,6 +35,11 @@ pub struct Config {
 pub struct ListenConfig {
     /// Where callers connect (HTTP/1.1 and h2c).
     pub address: SocketAddr,
+    /// After SIGTERM, how long to go on accepting and serving (with
+    /// `/readyz` at 503) before the drain: a sidecar's app gets SIGTERM at
+    /// the same time and may still make calls while it shuts down.
+    #[serde(with = "duration")]
+    pub drain_delay: Duration,
     /// How long in-flight requests may take to finish after SIGTERM.
     #[serde(with = "duration")]
     pub drain_timeout: Duration,
@@ -60,6 +65,7 @@ impl Default for ListenConfig {
     fn default() -> Self {
         Self {
             address: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            drain_delay: Duration::ZERO,
             drain_timeout: Duration::from_secs(15),
             header_read_timeout: Duration::from_secs(10),
             max_connections: 10_000,
@@ -75,12 +81,18 @@ impl Default for ListenConfig {
 pub struct AdminConfig {
     /// /metrics, /healthz, /readyz, /config. Loopback unless the user writes otherwise.
     pub address: SocketAddr,
+    /// Lets a caller off loopback use the mutating endpoints (`POST
+    /// /breakers/...`) with `Authorization: Bearer TOKEN`. Never shown
+    /// back (`/config`, `check`).
+    #[serde(skip_serializing)]
+    pub token: Option<String>,
 }
 
 impl Default for AdminConfig {
     fn default() -> Self {
         Self {
             address: SocketAddr::from(([127, 0, 0, 1], 9901)),
+            token: None,
         }
     }
 }

@@ -52,6 +52,16 @@ pub(super) fn validate(config: &Config, report: &mut Report<'_>) {
         &listen.key("idle_timeout"),
         config.listen.idle_timeout,
     );
+    if let Some(token) = &config.admin.token {
+        if token.len() < 16 || !token.bytes().all(|b| b.is_ascii_graphic()) {
+            report(
+                root.key("admin").key("token"),
+                "must be at least 16 visible ASCII characters (no spaces); \
+                 e.g. the output of `openssl rand -hex 16`"
+                    .into(),
+            );
+        }
+    }
     if config.admin.address == config.listen.address && config.admin.address.port() != 0 {
         report(
             root.key("admin").key("address"),
@@ -185,8 +195,16 @@ fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) 
     }
 }
 
-/// An endpoint is `scheme://host[:port]` and nothing more.
+/// An endpoint is `scheme://host[:port]` and nothing more: no credentials
+/// (they would travel in the Host header and show in `/config`; errors
+/// never repeat them) and a port in 1..=65535.
 pub(crate) fn check_endpoint(endpoint: &str) -> Result<(), String> {
+    if let Some(shown) = without_userinfo(endpoint) {
+        return Err(format!(
+            "{shown:?} has a user name or password before its host; an endpoint carries no \
+             credentials (use client_cert for mutual TLS)"
+        ));
+    }
     let uri: Uri = endpoint
         .parse()
         .map_err(|e| format!("{endpoint:?} is not a URL: {e}"))?;
@@ -194,8 +212,21 @@ pub(crate) fn check_endpoint(endpoint: &str) -> Result<(), String> {
         Some("http" | "https") => {}
         _ => return Err(format!("{endpoint:?} must start with http:// or https://")),
     }
-    if uri.authority().is_none_or(|a| a.host().is_empty()) {
+    let Some(authority) = uri.authority().filter(|a| !a.host().is_empty()) else {
         return Err(format!("{endpoint:?} has no host"));
+    };
+    // What follows the host (an IPv6 host is bracketed) is the port.
+    let host = authority.host();
+    let after_host = authority
+        .as_str()
+        .rsplit_once(host)
+        .map_or("", |(_, rest)| rest);
+    if let Some(port) = after_host.strip_prefix(':') {
+        if !matches!(port.parse::<u16>(), Ok(1..)) {
+            return Err(format!(
+                "{endpoint:?} has port {port:?}; a port is a number in 1..=65535"
+            ));
+        }
     }
     if uri.path_and_query().is_some_and(|pq| pq.as_str() != "/") {
         return Err(format!(
@@ -203,6 +234,15 @@ pub(crate) fn check_endpoint(endpoint: &str) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// The endpoint with its user information masked, if it has any.
+fn without_userinfo(endpoint: &str) -> Option<String> {
+    let (scheme, rest) = endpoint.split_once("://").unwrap_or(("", endpoint));
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    let (_, host) = authority.rsplit_once('@')?;
+    Some(format!("{scheme}://***@{host}{tail}"))
 }
 
 // Validation is construction: each table is compiled by the constructor

@@ -19,14 +19,21 @@ pub struct Running {
 impl Running {
     /// Sends SIGTERM, checks the exit status is 0, and gives back the log lines left.
     pub async fn terminate(self) -> Vec<String> {
-        let Running {
-            mut child, rest, ..
-        } = self;
+        let Running { child, rest, .. } = self;
         let killed = Command::new("kill")
             .args(["-TERM", &child.id().to_string()])
             .status()
             .unwrap();
         assert!(killed.success());
+        Running::exited(child, rest).await
+    }
+
+    /// Waits for `child` to end, checks the exit is 0, and gives back the
+    /// log lines left.
+    async fn exited(
+        mut child: std::process::Child,
+        rest: std::sync::mpsc::Receiver<String>,
+    ) -> Vec<String> {
         let status = tokio::task::spawn_blocking(move || child.wait())
             .await
             .unwrap()
@@ -186,6 +193,22 @@ impl Binary {
     /// One series of `/metrics`, 0 when it is not there yet.
     pub async fn metric(&self, series: &str) -> f64 {
         super::metric(&self.metrics().await, series).unwrap_or(0.0)
+    }
+
+    /// Sends SIGTERM and returns at once.
+    pub fn sigterm(&self) {
+        let sent = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+    }
+
+    /// Waits for the process to end by itself (after [`sigterm`](Self::sigterm)),
+    /// checks the exit is 0, and gives back the log lines left.
+    pub async fn exited(mut self) -> Vec<String> {
+        let Running { child, rest, .. } = self.running.take().expect("running");
+        Running::exited(child, rest).await
     }
 
     /// Sends SIGTERM and checks the exit.

@@ -140,6 +140,7 @@ fn check_deployment(name: &str, native: bool) {
     assert_eq!(sc["runAsNonRoot"].as_bool(), Some(true));
     assert_eq!(sc["readOnlyRootFilesystem"].as_bool(), Some(true));
     assert_eq!(sc["allowPrivilegeEscalation"].as_bool(), Some(false));
+    restricted(name, spec);
 
     // The config comes from the ConfigMap, where the args say it is.
     let args = container_args(herdguard);
@@ -161,19 +162,97 @@ fn check_deployment(name: &str, native: bool) {
     );
     assert!(file.ends_with("herdguard.toml"));
 
-    // The app points at the sidecar's listener.
+    // The app uses the sidecar as its HTTP proxy and calls each dependency
+    // by a name some route matches on (proxy-style requests carry it).
     let app = spec["containers"]
         .as_vec()
         .unwrap()
         .iter()
         .find(|c| c["name"].as_str() == Some("app"))
         .unwrap();
+    let env = |key: &str| {
+        app["env"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"].as_str() == Some(key))
+            .and_then(|e| e["value"].as_str())
+    };
     let listen = format!("http://{}", config.listen.address);
-    assert!(app["env"]
-        .as_vec()
-        .unwrap()
+    for proxy in ["HTTP_PROXY", "http_proxy"] {
+        assert_eq!(env(proxy), Some(listen.as_str()), "{name}: {proxy}");
+    }
+    for dependency in ["INVENTORY_URL", "PAYMENTS_URL"] {
+        let url: http::Uri = env(dependency).unwrap().parse().unwrap();
+        let host = url.host().unwrap();
+        assert!(
+            config
+                .routes
+                .iter()
+                .any(|r| r.matcher.host.as_deref() == Some(host)),
+            "{name}: {dependency} names {host}, which no route matches"
+        );
+        assert!(
+            !url.host().unwrap().starts_with("127."),
+            "{name}: {dependency}"
+        );
+    }
+}
+
+/// The Pod Security Standards' "restricted" profile, for every container of
+/// the pod: no privilege escalation, every capability dropped, non-root,
+/// a seccomp profile, no host namespaces or paths; and no service-account
+/// token mounted (nothing in the pod calls the Kubernetes API).
+fn restricted(name: &str, spec: &Yaml) {
+    let pod = &spec["securityContext"];
+    assert_eq!(
+        spec["automountServiceAccountToken"].as_bool(),
+        Some(false),
+        "{name}"
+    );
+    for host in ["hostNetwork", "hostPID", "hostIPC"] {
+        assert_ne!(spec[host].as_bool(), Some(true), "{name}: {host}");
+    }
+    for volume in spec["volumes"].as_vec().unwrap() {
+        assert!(volume["hostPath"].is_badvalue(), "{name}: hostPath");
+    }
+    let containers = ["initContainers", "containers"]
         .iter()
-        .any(|e| e["value"].as_str() == Some(listen.as_str())));
+        .filter_map(|list| spec[*list].as_vec())
+        .flatten();
+    let mut seen = 0;
+    for c in containers {
+        seen += 1;
+        let who = format!("{name}: {}", c["name"].as_str().unwrap());
+        let sc = &c["securityContext"];
+        // A container's own setting wins over the pod's.
+        let either = |key: &str| match &sc[key] {
+            Yaml::BadValue => &pod[key],
+            own => own,
+        };
+        assert_eq!(
+            sc["allowPrivilegeEscalation"].as_bool(),
+            Some(false),
+            "{who}"
+        );
+        assert_ne!(sc["privileged"].as_bool(), Some(true), "{who}");
+        let drop = sc["capabilities"]["drop"].as_vec().expect("drops");
+        assert!(drop.iter().any(|d| d.as_str() == Some("ALL")), "{who}");
+        if let Some(add) = sc["capabilities"]["add"].as_vec() {
+            assert!(
+                add.iter().all(|a| a.as_str() == Some("NET_BIND_SERVICE")),
+                "{who}"
+            );
+        }
+        assert_eq!(either("runAsNonRoot").as_bool(), Some(true), "{who}");
+        assert_ne!(either("runAsUser").as_i64(), Some(0), "{who}");
+        let seccomp = either("seccompProfile")["type"].as_str();
+        assert!(
+            matches!(seccomp, Some("RuntimeDefault" | "Localhost")),
+            "{who}: seccompProfile {seccomp:?}"
+        );
+    }
+    assert_eq!(seen, 2, "{name}: the app and herdguard");
 }
 
 #[test]

@@ -33,6 +33,8 @@ pub const CONCURRENCY_LIMIT: &str = "herdguard_concurrency_limit";
 pub const ENDPOINT_EJECTIONS: &str = "herdguard_endpoint_ejections_total";
 pub const ENDPOINT_EJECTED: &str = "herdguard_endpoint_ejected";
 pub const TUNNELS_OPEN: &str = "herdguard_tunnels_open";
+pub const ATTEMPT_DURATION: &str = "herdguard_upstream_attempt_duration_seconds";
+pub const BUILD_INFO: &str = "herdguard_build_info";
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -72,7 +74,7 @@ pub struct Scope {
 impl Scope {
     fn new() -> Self {
         let builder = PrometheusBuilder::new();
-        let builder = [REQUEST_DURATION, BACKOFF_SECONDS]
+        let builder = [REQUEST_DURATION, BACKOFF_SECONDS, ATTEMPT_DURATION]
             .into_iter()
             .fold(builder, |b, name| {
                 b.set_buckets_for_metric(Matcher::Full(name.to_owned()), LATENCY_BUCKETS)
@@ -108,6 +110,8 @@ impl Metrics {
             m.counter(CONFIG_RELOADS, &[("result", result)])
                 .increment(0);
         }
+        m.gauge(BUILD_INFO, &[("version", env!("CARGO_PKG_VERSION"))])
+            .set(1.0);
         Arc::new(m)
     }
 
@@ -177,7 +181,13 @@ impl Metrics {
 /// What each metric is, for its `# HELP` line.
 fn help(name: &str) -> Option<&'static str> {
     Some(match name {
-        REQUESTS_TOTAL => "Requests answered, by route and status code.",
+        REQUESTS_TOTAL => {
+            "Requests answered, by route, status code and source (upstream: its answer; proxy: herdguard's own)."
+        }
+        ATTEMPT_DURATION => {
+            "Time from an attempt sent to its response headers (or its failure), per attempt."
+        }
+        BUILD_INFO => "1, labelled with the running version.",
         UPSTREAM_ATTEMPTS => "Attempts sent upstream (first tries and retries), by outcome.",
         RETRIES_TOTAL => "Retries made, by the cause of the failed attempt.",
         RETRIES_SKIPPED => "Retries that were not made, by reason.",
@@ -260,6 +270,8 @@ struct ByStatus {
     name: &'static str,
     route: Arc<str>,
     label: &'static str,
+    /// A label every series of this set carries (`source="proxy"`).
+    fixed: Option<(&'static str, &'static str)>,
     counters: [OnceLock<Counter>; USUAL.len()],
 }
 
@@ -275,12 +287,14 @@ impl ByStatus {
         name: &'static str,
         route: &Arc<str>,
         label: &'static str,
+        fixed: Option<(&'static str, &'static str)>,
     ) -> Self {
         Self {
             registry: registry.clone(),
             name,
             route: route.clone(),
             label,
+            fixed,
             counters: Default::default(),
         }
     }
@@ -288,10 +302,13 @@ impl ByStatus {
     /// Counts one for `status`.
     fn increment(&self, status: StatusCode) {
         let register = || {
-            self.registry.counter(
-                self.name,
-                &[("route", &self.route), (self.label, status.as_str())],
-            )
+            let labels = [("route", &*self.route), (self.label, status.as_str())];
+            match self.fixed {
+                Some(fixed) => self
+                    .registry
+                    .counter(self.name, &[labels[0], labels[1], fixed]),
+                None => self.registry.counter(self.name, &labels),
+            }
         };
         let slot = USUAL.binary_search(&status.as_u16()).ok();
         match slot.and_then(|i| self.counters.get(i)) {
@@ -305,8 +322,10 @@ impl ByStatus {
 pub struct RouteMetrics {
     /// Kept while the route lives: its series go with it.
     _scope: Arc<Scope>,
-    requests: ByStatus,
+    /// `herdguard_requests_total` by [`Source`].
+    requests: [ByStatus; 2],
     duration: Histogram,
+    attempt_duration: Histogram,
     /// By [`Outcome::sent_index`].
     attempts: [Counter; Outcome::SENT.len()],
     /// `herdguard_retries_total` for the upstream's failures that are not a status.
@@ -341,11 +360,23 @@ impl RouteMetrics {
         });
         Self {
             _scope: registry.clone(),
-            requests: ByStatus::new(registry, REQUESTS_TOTAL, &name, "code"),
+            requests: [Source::Upstream, Source::Proxy].map(|s| {
+                ByStatus::new(
+                    registry,
+                    REQUESTS_TOTAL,
+                    &name,
+                    "code",
+                    Some(("source", s.as_str())),
+                )
+            }),
             duration: registry.histogram(REQUEST_DURATION, &[("route", route)]),
+            attempt_duration: registry.histogram(
+                ATTEMPT_DURATION,
+                &[("route", route), ("upstream", upstream)],
+            ),
             attempts,
             retries,
-            retries_by_status: ByStatus::new(registry, RETRIES_TOTAL, &name, "reason"),
+            retries_by_status: ByStatus::new(registry, RETRIES_TOTAL, &name, "reason", None),
             skipped,
             backoff: registry.histogram(BACKOFF_SECONDS, &[("route", route)]),
             budget_available: registry.gauge(RETRY_BUDGET_AVAILABLE, &[("route", route)]),
@@ -362,15 +393,20 @@ impl RouteMetrics {
     }
 
     /// Counts a request answered to the caller, and how long it took.
-    pub fn request(&self, status: StatusCode, elapsed: Duration) {
-        self.requests.increment(status);
+    pub fn request(&self, status: StatusCode, source: Source, elapsed: Duration) {
+        self.requests[source as usize].increment(status);
         self.duration.record(elapsed.as_secs_f64());
     }
 
-    /// Counts an attempt that was sent, by how it ended (refusals are not attempts).
-    pub fn attempt(&self, outcome: Outcome) {
+    /// Counts an attempt that was sent, by how it ended (refusals are not
+    /// attempts), and how long it took, when it ran its course (an attempt
+    /// its caller abandoned says nothing of the upstream's latency).
+    pub fn attempt(&self, outcome: Outcome, elapsed: Option<Duration>) {
         if let Some(i) = outcome.sent_index() {
             self.attempts[i].increment(1);
+            if let Some(elapsed) = elapsed {
+                self.attempt_duration.record(elapsed.as_secs_f64());
+            }
         }
     }
 
@@ -406,12 +442,34 @@ impl RouteMetrics {
     }
 }
 
-/// `herdguard_requests_total` for requests no route took.
+/// Who made the answer a caller got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// The upstream's response, passed on.
+    Upstream = 0,
+    /// herdguard's own (`x-herdguard-error`, or an injected fault).
+    Proxy = 1,
+}
+
+impl Source {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Upstream => "upstream",
+            Source::Proxy => "proxy",
+        }
+    }
+}
+
+/// `herdguard_requests_total` for requests no route took: always the proxy's answer.
 pub fn unrouted(registry: &Metrics, status: StatusCode) {
     registry
         .counter(
             REQUESTS_TOTAL,
-            &[("route", "none"), ("code", status.as_str())],
+            &[
+                ("route", "none"),
+                ("code", status.as_str()),
+                ("source", Source::Proxy.as_str()),
+            ],
         )
         .increment(1);
 }
@@ -477,8 +535,12 @@ mod tests {
         let m = Metrics::new();
         let a = RouteMetrics::new(&m, "a", "u");
         let b = RouteMetrics::new(&m, "b", "u");
-        a.request(StatusCode::OK, Duration::from_millis(3));
-        b.request(StatusCode::IM_A_TEAPOT, Duration::from_millis(3));
+        a.request(StatusCode::OK, Source::Upstream, Duration::from_millis(3));
+        b.request(
+            StatusCode::IM_A_TEAPOT,
+            Source::Proxy,
+            Duration::from_millis(3),
+        );
         let text = m.render();
         // One HELP and one TYPE per metric, every route's series under it.
         for name in [REQUESTS_TOTAL, REQUEST_DURATION, CONFIG_RELOADS] {
@@ -490,13 +552,16 @@ mod tests {
                 "{name}"
             );
         }
-        assert!(text.contains("herdguard_requests_total{route=\"a\",code=\"200\"} 1"));
-        assert!(text.contains("herdguard_requests_total{route=\"b\",code=\"418\"} 1"));
+        assert!(text
+            .contains("herdguard_requests_total{route=\"a\",code=\"200\",source=\"upstream\"} 1"));
+        assert!(
+            text.contains("herdguard_requests_total{route=\"b\",code=\"418\",source=\"proxy\"} 1")
+        );
         // A second handle set for a live name shares its counts.
-        RouteMetrics::new(&m, "a", "u").request(StatusCode::OK, Duration::ZERO);
+        RouteMetrics::new(&m, "a", "u").request(StatusCode::OK, Source::Upstream, Duration::ZERO);
         assert!(m
             .render()
-            .contains("herdguard_requests_total{route=\"a\",code=\"200\"} 2"));
+            .contains("herdguard_requests_total{route=\"a\",code=\"200\",source=\"upstream\"} 2"));
         // A dropped route takes its series with it.
         drop(b);
         let text = m.render();

@@ -34,7 +34,7 @@ async fn admin_endpoints() {
     assert_eq!(
         metric(
             &text,
-            "herdguard_requests_total{route=\"all\",code=\"200\"}"
+            "herdguard_requests_total{route=\"all\",code=\"200\",source=\"upstream\"}"
         ),
         Some(4.0),
         "{text}"
@@ -57,6 +57,23 @@ async fn admin_endpoints() {
         text.contains("herdguard_request_duration_seconds_bucket{route=\"all\",le=\"0.005\"}"),
         "buckets set"
     );
+    // Each attempt's own latency, by route and upstream, and the version.
+    assert_eq!(
+        metric(
+            &text,
+            "herdguard_upstream_attempt_duration_seconds_count{route=\"all\",upstream=\"u\"}"
+        ),
+        Some(4.0),
+        "{text}"
+    );
+    assert!(text.contains(
+        "herdguard_upstream_attempt_duration_seconds_bucket{route=\"all\",upstream=\"u\",le=\"0.005\"}"
+    ));
+    let build = format!(
+        "herdguard_build_info{{version=\"{}\"}}",
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_eq!(metric(&text, &build), Some(1.0), "{text}");
     assert_eq!(
         metric(&text, "herdguard_in_flight{upstream=\"u\"}"),
         Some(0.0)
@@ -80,7 +97,7 @@ async fn unrouted_requests_are_counted() {
     assert_eq!(
         metric(
             &text,
-            "herdguard_requests_total{route=\"none\",code=\"404\"}"
+            "herdguard_requests_total{route=\"none\",code=\"404\",source=\"proxy\"}"
         ),
         Some(1.0),
         "{text}"

@@ -456,7 +456,7 @@ async fn a_stalled_upload_is_the_callers_408_and_a_cut_off_one_costs_nothing() {
     cut.shutdown().await.unwrap();
     let mut out = Vec::new();
     let _ = cut.read_to_end(&mut out).await;
-    let bad = r#"herdguard_requests_total{route="r",code="400"}"#;
+    let bad = r#"herdguard_requests_total{route="r",code="400",source="proxy"}"#;
     eventually(
         Duration::from_secs(5),
         "the cut-off upload is answered",

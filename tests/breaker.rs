@@ -80,10 +80,12 @@ async fn opens_after_failures_and_the_upstream_sees_nothing_while_open() {
         ),
         Some(1.0)
     );
-    assert_eq!(
-        metric(&text, "herdguard_requests_total{route=\"r\",code=\"503\"}"),
-        Some(23.0)
-    );
+    // The upstream's three 503s and the breaker's twenty, told apart.
+    for (source, count) in [("upstream", 3.0), ("proxy", 20.0)] {
+        let series =
+            format!("herdguard_requests_total{{route=\"r\",code=\"503\",source=\"{source}\"}}");
+        assert_eq!(metric(&text, &series), Some(count), "{series}");
+    }
 }
 
 #[tokio::test]

@@ -68,7 +68,8 @@ async fn a_reload_to_fewer_routes_drops_their_series_and_memory() {
             "a removed route's series are gone"
         );
         // The routes that stayed kept their counts.
-        assert!(after.contains("herdguard_requests_total{route=\"r1\",code=\"200\"} 1"));
+        assert!(after
+            .contains("herdguard_requests_total{route=\"r1\",code=\"200\",source=\"upstream\"} 1"));
         assert_eq!(series(&after), before, "{after}");
         // At least 90% of what the big config took goes back to the
         // system, within seconds even with no traffic.

@@ -61,7 +61,10 @@ async fn get_is_retried_to_success() {
         Some(2.0)
     );
     assert_eq!(
-        metric(&text, "herdguard_requests_total{route=\"r\",code=\"200\"}"),
+        metric(
+            &text,
+            "herdguard_requests_total{route=\"r\",code=\"200\",source=\"upstream\"}"
+        ),
         Some(1.0)
     );
 }

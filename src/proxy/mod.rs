@@ -308,7 +308,19 @@ impl Proxy {
             return resp;
         };
         let resp = forward(&route, req, caller, start).await;
-        route.guards.metrics.request(resp.status(), start.elapsed());
+        // The upstream's own x-herdguard-error was dropped: one left is ours.
+        let h = resp.headers();
+        let source = match h.contains_key(&headers::X_HERDGUARD_ERROR)
+            || h.get(&headers::X_HERDGUARD_FAULT)
+                .is_some_and(|v| v == "abort")
+        {
+            true => metrics::Source::Proxy,
+            false => metrics::Source::Upstream,
+        };
+        route
+            .guards
+            .metrics
+            .request(resp.status(), source, start.elapsed());
         resp
     }
 }

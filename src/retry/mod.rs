@@ -207,7 +207,7 @@ pub async fn run<T: Attempts>(
         if n == 1 && outcome.fault() != Fault::Caller {
             guards.budget.deposit(start);
         }
-        guards.metrics.attempt(outcome);
+        guards.metrics.attempt(outcome, Some(attempt.elapsed));
         if probe {
             guards.record(true, BreakerOutcome::of(outcome));
             counted = true;
@@ -386,7 +386,7 @@ impl Drop for Unanswered<'_> {
         if self.probe {
             self.guards.record(true, BreakerOutcome::of(gone));
         }
-        self.guards.metrics.attempt(gone);
+        self.guards.metrics.attempt(gone, None);
     }
 }
 

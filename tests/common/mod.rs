@@ -212,7 +212,7 @@ pub async fn admin(server: &Server, path: &str) -> (http::StatusCode, String) {
 }
 
 /// The value of one series in Prometheus text, e.g.
-/// `metric(&text, "herdguard_requests_total{route=\"a\",code=\"200\"}")`.
+/// `metric(&text, "herdguard_shed_total{upstream=\"u\"}")`.
 pub fn metric(text: &str, series: &str) -> Option<f64> {
     text.lines().find_map(|l| {
         l.strip_prefix(series)

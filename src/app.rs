@@ -320,9 +320,19 @@ impl Reloader {
         match built {
             Ok(runtime) => {
                 let routes = runtime.routes.len();
+                let changes = Changes::between(&current.config, &runtime.config);
                 proxy.swap(runtime);
                 proxy.metrics().reloaded(true);
-                info!(routes, "config reloaded");
+                info!(
+                    routes,
+                    routes.added = %changes.routes.added,
+                    routes.removed = %changes.routes.removed,
+                    routes.changed = %changes.routes.changed,
+                    upstreams.added = %changes.upstreams.added,
+                    upstreams.removed = %changes.upstreams.removed,
+                    upstreams.changed = %changes.upstreams.changed,
+                    "config reloaded"
+                );
                 Ok(())
             }
             Err(e) => {
@@ -349,6 +359,91 @@ impl Reloader {
                 Err(e.to_string())
             }
         }
+    }
+}
+
+/// What a reload added, removed and changed, by name.
+struct Changes {
+    routes: Diff,
+    upstreams: Diff,
+}
+
+impl Changes {
+    fn between(old: &Config, new: &Config) -> Self {
+        let routes =
+            |c: &Config| -> std::collections::BTreeMap<String, crate::config::RouteConfig> {
+                c.routes
+                    .iter()
+                    .map(|r| (r.name.clone(), r.clone()))
+                    .collect()
+            };
+        Self {
+            routes: Diff::between(&routes(old), &routes(new)),
+            upstreams: Diff::between(&old.upstreams, &new.upstreams),
+        }
+    }
+}
+
+/// Names added, removed and changed between two maps, for one log line.
+struct Diff {
+    added: Names,
+    removed: Names,
+    changed: Names,
+}
+
+impl Diff {
+    fn between<V: PartialEq>(
+        old: &std::collections::BTreeMap<String, V>,
+        new: &std::collections::BTreeMap<String, V>,
+    ) -> Self {
+        let mut diff = Diff {
+            added: Names::default(),
+            removed: Names::default(),
+            changed: Names::default(),
+        };
+        for (name, value) in new {
+            match old.get(name) {
+                None => diff.added.push(name),
+                Some(before) if before != value => diff.changed.push(name),
+                Some(_) => {}
+            }
+        }
+        for name in old.keys().filter(|n| !new.contains_key(*n)) {
+            diff.removed.push(name);
+        }
+        diff
+    }
+}
+
+/// A list of names, shown as `a,b,c` (the first 20, then how many more),
+/// or `-` when empty.
+#[derive(Default)]
+struct Names {
+    shown: Vec<String>,
+    more: usize,
+}
+
+impl Names {
+    const SHOWN: usize = 20;
+
+    fn push(&mut self, name: &str) {
+        match self.shown.len() < Self::SHOWN {
+            true => self.shown.push(name.to_owned()),
+            false => self.more += 1,
+        }
+    }
+}
+
+impl std::fmt::Display for Names {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.shown.is_empty() {
+            return f.write_str("-");
+        }
+        f.write_str(&self.shown.join(","))?;
+        if self.more > 0 {
+            write!(f, ",…+{}", self.more)?;
+        }
+        Ok(())
     }
 }
 

@@ -34,18 +34,56 @@ pub fn init(format: LogFormat) {
         std::io::stderr().is_terminal(),
         std::env::var_os("NO_COLOR"),
     );
-    let fmt = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_ansi(ansi);
+    let fmt = tracing_subscriber::fmt::layer().with_ansi(ansi);
     let registry = tracing_subscriber::registry().with(filter);
     match format {
-        LogFormat::Text => registry.with(fmt).init(),
+        LogFormat::Text => registry
+            .with(fmt.with_writer(|| OneLine(std::io::stderr())))
+            .init(),
         LogFormat::Json => registry
-            .with(fmt.json().flatten_event(true).with_current_span(false))
+            .with(
+                fmt.with_writer(std::io::stderr)
+                    .json()
+                    .flatten_event(true)
+                    .with_current_span(false),
+            )
             .init(),
     }
     if let Some(bad) = bad {
         tracing::warn!("{bad}");
+    }
+}
+
+/// Keeps each text event on one line, whatever its fields hold (an error
+/// listing several config problems, a value with a line break): line-based
+/// log shippers take a line for an event. A break inside the event is
+/// written `\n`. The formatter hands over each event whole, in one write.
+struct OneLine<W>(W);
+
+impl<W: std::io::Write> std::io::Write for OneLine<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let body = buf.strip_suffix(b"\n").unwrap_or(buf);
+        if !body.iter().any(|&b| b == b'\n' || b == b'\r') {
+            self.0.write_all(buf)?;
+            return Ok(buf.len());
+        }
+        let mut line = Vec::with_capacity(buf.len() + 16);
+        for &b in body {
+            match b {
+                b'\n' => line.extend_from_slice(b"\\n"),
+                b'\r' => line.extend_from_slice(b"\\r"),
+                b => line.push(b),
+            }
+        }
+        if body.len() < buf.len() {
+            line.push(b'\n');
+        }
+        self.0.write_all(&line)?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
     }
 }
 
@@ -60,7 +98,20 @@ fn default_filter() -> Targets {
 
 #[cfg(test)]
 mod tests {
-    use super::colour;
+    use super::{colour, OneLine};
+    use std::io::Write;
+
+    #[test]
+    fn an_event_stays_on_one_line() {
+        let mut out = OneLine(Vec::new());
+        out.write_all(b"a error=first\nsecond\r\n").unwrap();
+        out.write_all(b"b plain\n").unwrap();
+        out.write_all(b"c no end").unwrap();
+        assert_eq!(
+            String::from_utf8(out.0).unwrap(),
+            "a error=first\\nsecond\\r\nb plain\nc no end"
+        );
+    }
 
     #[test]
     fn colour_only_on_a_terminal_without_no_color() {

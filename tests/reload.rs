@@ -225,3 +225,66 @@ async fn requests_in_flight_count_toward_a_replaced_upstreams_limit() {
         "and it came back"
     );
 }
+
+/// Through the binary, logging text: a reload that fails with several
+/// errors logs them on one line (line-based shippers take a line for an
+/// event), and a reload that succeeds says which routes and upstreams it
+/// added, removed and changed.
+#[tokio::test]
+async fn reload_log_lines_are_single_and_say_what_changed() {
+    use common::process::{line_with, spawn_reading_stderr, BIN};
+    let up = ok_upstream("ok").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("herdguard.toml");
+    let routes = |list: &[(&str, &str, &str)]| toml(list, &up.url());
+    std::fs::write(&path, routes(&[("a", "/a", ""), ("gone", "/g", "")])).unwrap();
+    let mut cmd = std::process::Command::new(BIN);
+    cmd.arg("--config")
+        .arg(&path)
+        .args(["--log-format", "text"])
+        .env("NO_COLOR", "1");
+    let (mut child, lines) = spawn_reading_stderr(cmd);
+    let hup = |pid: u32| {
+        let sent = std::process::Command::new("kill")
+            .args(["-HUP", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+    };
+    let (_, lines) = line_with(lines, "herdguard serving").await;
+
+    // Two errors in two routes.
+    std::fs::write(
+        &path,
+        routes(&[
+            ("a", "/a", "retry = { attempts = 0 }"),
+            ("b", "/b", "typo = 1"),
+        ]),
+    )
+    .unwrap();
+    hup(child.id());
+    let (failed, lines) = line_with(lines, "config reload failed").await;
+    assert!(
+        failed.contains("routes[0].retry.attempts") && failed.contains("routes[1].typo"),
+        "both errors on the one line: {failed}"
+    );
+
+    // a changed, b added, gone removed, an upstream added.
+    let mut text = routes(&[("a", "/a", "retry = { attempts = 2 }"), ("b", "/b", "")]);
+    text.push_str(&format!("[upstreams.v]\nendpoints = [\"{}\"]\n", up.url()));
+    std::fs::write(&path, text).unwrap();
+    hup(child.id());
+    let (reloaded, _) = line_with(lines, "config reloaded").await;
+    for field in [
+        "routes.added=b",
+        "routes.removed=gone",
+        "routes.changed=a",
+        "upstreams.added=v",
+        "upstreams.removed=-",
+        "upstreams.changed=-",
+    ] {
+        assert!(reloaded.contains(field), "{field}: {reloaded}");
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+}

@@ -84,6 +84,9 @@ enum Command {
         /// The config file to check.
         #[arg(long, env = "HERDGUARD_CONFIG")]
         config: PathBuf,
+        /// Print nothing when the config is valid (warnings and errors still go to stderr).
+        #[arg(long, short)]
+        quiet: bool,
     },
     /// Start a flaky API in-process, herdguard with default policies in front
     /// of it, send traffic for about 15 s, and show what the proxy absorbed.
@@ -173,7 +176,7 @@ fn duration(text: &str) -> Result<std::time::Duration, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Some(Command::Check { config }) => check(&config),
+        Some(Command::Check { config, quiet }) => check(&config, quiet),
         Some(Command::Lab(lab)) => run_lab(lab),
         Some(Command::Demo { callers, duration }) => run_demo(callers, duration),
         None => run(cli),
@@ -388,18 +391,22 @@ fn lab_plot(from: &std::path::Path, out: &std::path::Path) -> Result<(), LabErro
     Ok(())
 }
 
-fn check(path: &std::path::Path) -> ExitCode {
+fn check(path: &std::path::Path, quiet: bool) -> ExitCode {
     match Config::check_file(path) {
         Ok(checked) => {
-            print!("{}", checked.config.to_toml());
+            if !quiet {
+                print!("{}", checked.config.to_toml());
+            }
             for w in &checked.warnings {
                 eprintln!("warning: {w}");
             }
-            eprintln!(
-                "{}: ok ({} warnings)",
-                path.display(),
-                checked.warnings.len()
-            );
+            if !quiet {
+                eprintln!(
+                    "{}: ok ({} warnings)",
+                    path.display(),
+                    checked.warnings.len()
+                );
+            }
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -303,3 +303,87 @@ fn endpoint_ports_out_of_range_and_credentials_are_refused_without_echoing_them(
     let out = check(&path);
     assert!(out.status.success(), "{out:?}");
 }
+
+/// `check` reports every error, each at its own key path and line: several
+/// in one route, a route after one that did not parse (its index is the
+/// file's), and an upstream with a bad key without a false "no upstream is
+/// named" on the routes that use it.
+#[test]
+fn check_reports_every_error_without_shifts_or_cascades() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(
+        &dir,
+        "bad.toml",
+        "[upstreams.api]\n\
+         endpoints = [\"http://127.0.0.1:3000\"]\n\
+         bogus = 1\n\
+         \n\
+         [[routes]]\n\
+         name = \"a\"\n\
+         upstream = \"api\"\n\
+         typo = true\n\
+         retry = { backoff = { jitter = \"sometimes\" }, attempts = \"x\" }\n\
+         \n\
+         [[routes]]\n\
+         name = \"b\"\n\
+         upstream = \"api\"\n\
+         retry = { attempts = 0 }\n",
+    );
+    let out = check(&path);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    let errors: Vec<&str> = stderr.lines().skip(1).collect();
+    assert_eq!(
+        errors
+            .iter()
+            .map(|e| e.split(':').next().unwrap())
+            .collect::<Vec<_>>(),
+        [
+            "upstreams.api.bogus (line 3)",
+            "routes[0].typo (line 8)",
+            "routes[0].retry.attempts (line 9)",
+            "routes[0].retry.backoff.jitter (line 9)",
+            "routes[1].retry.attempts (line 14)",
+        ],
+        "{stderr}"
+    );
+    assert!(!stderr.contains("no upstream is named"), "{stderr}");
+}
+
+#[test]
+fn check_quiet_prints_nothing_for_a_valid_config_but_warnings_and_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let quiet = |path: &std::path::Path| {
+        Command::new(BIN)
+            .args(["check", "--quiet", "--config"])
+            .arg(path)
+            .output()
+            .unwrap()
+    };
+    let ok = write(
+        &dir,
+        "ok.toml",
+        "[upstreams.api]\nendpoints = [\"http://127.0.0.1:3000\"]\n[[routes]]\nname = \"a\"\nupstream = \"api\"\n",
+    );
+    let out = quiet(&ok);
+    assert!(out.status.success());
+    assert!(out.stdout.is_empty() && out.stderr.is_empty(), "{out:?}");
+    // A warning (idempotency_header set to a field most requests carry).
+    let warned = write(
+        &dir,
+        "warned.toml",
+        "[upstreams.api]\nendpoints = [\"http://127.0.0.1:3000\"]\n[[routes]]\nname = \"a\"\nupstream = \"api\"\nretry = { idempotency_header = \"content-type\" }\n",
+    );
+    let out = quiet(&warned);
+    assert!(out.status.success(), "{out:?}");
+    assert!(out.stdout.is_empty());
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("warning: routes[0].retry.idempotency_header"),
+        "{out:?}"
+    );
+    let bad = write(&dir, "bad.toml", "[[routes]]\nname = 1\n");
+    let out = quiet(&bad);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(!out.stderr.is_empty());
+}

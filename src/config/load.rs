@@ -99,6 +99,19 @@ impl KeyPath {
         self.0.is_empty()
     }
 
+    /// `routes[i]...` with `i` taken as a position in `index` (the routes
+    /// that parsed) and given back as the route's index in the file.
+    fn route_in_file(mut self, index: &[usize]) -> Self {
+        if let [Segment::Key(routes), Segment::Index(i), ..] = &mut self.0[..] {
+            if routes == "routes" {
+                if let Some(&in_file) = index.get(*i) {
+                    *i = in_file;
+                }
+            }
+        }
+        self
+    }
+
     fn extend_from(&self, path: &serde_path_to_error::Path) -> Self {
         use serde_path_to_error::Segment as S;
         let mut p = self.clone();
@@ -184,9 +197,14 @@ impl Config {
             src,
             tree: &root,
             errors: Vec::new(),
+            route_index: Vec::new(),
+            unparsed_upstreams: Default::default(),
         };
         let config = loader.sections();
-        validate::validate(&config, &mut |path, message| {
+        let unparsed = std::mem::take(&mut loader.unparsed_upstreams);
+        validate::validate(&config, &unparsed, &mut |path, message| {
+            // `routes[i]` counts the routes that parsed: name the file's.
+            let path = path.route_in_file(&loader.route_index);
             loader.error(path, None, message)
         });
         let errors = loader.errors;
@@ -221,6 +239,10 @@ struct Loader<'a, 'i> {
     src: &'a str,
     tree: &'a Spanned<DeTable<'i>>,
     errors: Vec<ConfigError>,
+    /// For each route that parsed, its index in the file.
+    route_index: Vec<usize>,
+    /// Upstreams the file names that did not parse.
+    unparsed_upstreams: std::collections::BTreeSet<String>,
 }
 
 impl<'i> Loader<'_, 'i> {
@@ -251,8 +273,13 @@ impl<'i> Loader<'_, 'i> {
                         for (name, upstream) in table.iter() {
                             let name = name.get_ref().to_string();
                             let path = path.key(name.clone());
-                            if let Some(v) = self.section::<UpstreamConfig>(upstream, &path) {
-                                config.upstreams.insert(name, v);
+                            match self.section::<UpstreamConfig>(upstream, &path) {
+                                Some(v) => {
+                                    config.upstreams.insert(name, v);
+                                }
+                                None => {
+                                    self.unparsed_upstreams.insert(name);
+                                }
                             }
                         }
                     }
@@ -263,6 +290,7 @@ impl<'i> Loader<'_, 'i> {
                         for (i, route) in routes.iter().enumerate() {
                             if let Some(v) = self.section::<RouteConfig>(route, &path.index(i)) {
                                 config.routes.push(v);
+                                self.route_index.push(i);
                             }
                         }
                     }
@@ -280,22 +308,32 @@ impl<'i> Loader<'_, 'i> {
         config
     }
 
+    /// Deserializes one section, reporting every error in it: serde stops
+    /// at a section's first error, so after one, each value of the section
+    /// is tried alone (a missing required key then is no error of its own).
     fn section<T: DeserializeOwned>(
         &mut self,
         value: &Spanned<DeValue<'i>>,
         path: &KeyPath,
     ) -> Option<T> {
-        let de = ValueDeserializer::from(value.clone());
-        match serde_path_to_error::deserialize::<_, T>(de) {
-            Ok(v) => Some(v),
-            Err(e) => {
-                let path = path.extend_from(e.path());
-                let inner = e.into_inner();
-                let message = inner.message().trim().to_owned();
-                self.error(path, inner.span(), message);
-                None
+        let first = match try_section::<T>(value.clone(), path) {
+            Ok(v) => return Some(v),
+            Err(e) => e,
+        };
+        let mut found = vec![first];
+        let mut leaves = Vec::new();
+        one_value_trees(value, &mut Vec::new(), &mut leaves);
+        for tree in leaves {
+            if let Err(e) = try_section::<T>(tree, path) {
+                if !e.2.starts_with("missing field") && !found.contains(&e) {
+                    found.push(e);
+                }
             }
         }
+        for (path, span, message) in found {
+            self.error(path, span, message);
+        }
+        None
     }
 
     fn error(&mut self, path: KeyPath, span: Option<Range<usize>>, message: impl Into<String>) {
@@ -305,6 +343,45 @@ impl<'i> Loader<'_, 'i> {
             path,
             message: message.into(),
         });
+    }
+}
+
+/// A section's first error: where, the span, what.
+type SectionError = (KeyPath, Option<Range<usize>>, String);
+
+fn try_section<T: DeserializeOwned>(
+    value: Spanned<DeValue<'_>>,
+    path: &KeyPath,
+) -> Result<T, SectionError> {
+    serde_path_to_error::deserialize::<_, T>(ValueDeserializer::from(value)).map_err(|e| {
+        let path = path.extend_from(e.path());
+        let inner = e.into_inner();
+        (path, inner.span(), inner.message().trim().to_owned())
+    })
+}
+
+/// For each value in `value`'s tables (an array or a scalar is one value),
+/// a copy of `value` holding that value alone, at its place.
+fn one_value_trees<'i>(
+    value: &Spanned<DeValue<'i>>,
+    above: &mut Vec<(Spanned<toml::de::DeString<'i>>, Range<usize>)>,
+    out: &mut Vec<Spanned<DeValue<'i>>>,
+) {
+    let DeValue::Table(table) = value.get_ref() else {
+        // Rebuild the tables above, innermost first, around this one value.
+        let mut tree = value.clone();
+        for (key, span) in above.iter().rev() {
+            let mut t = DeTable::new();
+            t.insert(key.clone(), tree);
+            tree = Spanned::new(span.clone(), DeValue::Table(t));
+        }
+        out.push(tree);
+        return;
+    };
+    for (key, inner) in table.iter() {
+        above.push((key.clone(), value.span()));
+        one_value_trees(inner, above, out);
+        above.pop();
     }
 }
 

@@ -49,7 +49,7 @@ impl Config {
     /// Runs the semantic checks on a config built in code.
     pub fn check(&self) -> Result<(), ConfigErrors> {
         let mut errors = Vec::new();
-        validate::validate(self, &mut |path, message| {
+        validate::validate(self, &Default::default(), &mut |path, message| {
             errors.push(ConfigError {
                 path,
                 line: None,

@@ -21,7 +21,13 @@ use tokio::time::Instant;
 
 type Report<'a> = dyn FnMut(KeyPath, String) + 'a;
 
-pub(super) fn validate(config: &Config, report: &mut Report<'_>) {
+/// `unparsed`: upstreams the file names but that did not parse (reported
+/// already): a route naming one is not told that no such upstream exists.
+pub(super) fn validate(
+    config: &Config,
+    unparsed: &std::collections::BTreeSet<String>,
+    report: &mut Report<'_>,
+) {
     let root = KeyPath::root();
     let listen = root.key("listen");
     if config.listen.max_connections == 0 {
@@ -94,7 +100,7 @@ pub(super) fn validate(config: &Config, report: &mut Report<'_>) {
                 ),
             );
         }
-        if !config.upstreams.contains_key(&route.upstream) {
+        if !config.upstreams.contains_key(&route.upstream) && !unparsed.contains(&route.upstream) {
             let known: Vec<&str> = config.upstreams.keys().map(String::as_str).collect();
             report(
                 path.key("upstream"),

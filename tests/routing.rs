@@ -106,3 +106,99 @@ match = { path_prefix = "/static", host = "cdn.test" }
     let hits: Vec<usize> = ups.iter().map(|u| u.hits()).collect();
     assert_eq!(hits, [2, 1, 1, 1, 2, 1]);
 }
+
+/// Proxy-style requests (`curl -x`, `HTTP_PROXY`): the absolute-form
+/// request's host picks the route, `host_rewrite` sets the Host the
+/// upstream sees, and an endpoint's base path prefixes every forwarded path.
+/// Through the binary.
+#[tokio::test]
+async fn proxy_style_routing_host_rewrite_and_a_base_path() {
+    use common::process::Binary;
+    let up = ok_upstream("ok").await;
+    let hg = Binary::start(&format!(
+        "[upstreams.inventory]\nendpoints = [\"{url}\"]\n\
+         [upstreams.api]\nendpoints = [\"{url}/api/v1/\"]\n\
+         [[routes]]\nname = \"inventory\"\nupstream = \"inventory\"\n\
+         host_rewrite = \"inventory.internal\"\nmatch = {{ host = \"inventory\" }}\n\
+         [[routes]]\nname = \"api\"\nupstream = \"api\"\n",
+        url = up.url()
+    ))
+    .await;
+    let exchange = |request: &'static str| raw_exchange(hg.listen.clone(), request.as_bytes());
+    let out = exchange(
+        "GET http://inventory/items?x=1 HTTP/1.1\r\nHost: inventory\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    let seen = up.last();
+    assert_eq!(seen.uri, "/items?x=1");
+    assert_eq!(seen.headers["host"], "inventory.internal");
+
+    for (request, path) in [
+        (
+            "GET /items?x=1 HTTP/1.1\r\nHost: shop\r\nConnection: close\r\n\r\n",
+            "/api/v1/items?x=1",
+        ),
+        (
+            "GET / HTTP/1.1\r\nHost: shop\r\nConnection: close\r\n\r\n",
+            "/api/v1/",
+        ),
+        (
+            "GET http://shop/a/b HTTP/1.1\r\nHost: shop\r\nConnection: close\r\n\r\n",
+            "/api/v1/a/b",
+        ),
+    ] {
+        let out = exchange(request).await;
+        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+        let seen = up.last();
+        assert_eq!(seen.uri, path, "{request}");
+        assert_eq!(
+            seen.headers["host"],
+            up.addr.to_string(),
+            "the endpoint's own"
+        );
+    }
+    hg.terminate().await;
+
+    // `--upstream` takes a base path too.
+    let quick = common::process::quick_mode(&format!("{}/base", up.url()), &[]).await;
+    let out = raw_exchange(
+        quick.listen.clone(),
+        b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    assert_eq!(up.last().uri, "/base/x");
+    quick.terminate().await;
+}
+
+/// A host_rewrite that is no host, and an endpoint with a query, are
+/// config errors naming key and line.
+#[test]
+fn a_bad_host_rewrite_or_an_endpoint_query_is_refused() {
+    let upstream = "[upstreams.u]\nendpoints = [\"http://127.0.0.1:3000\"]\n";
+    for (table, key) in [
+        (
+            "host_rewrite = \"user@host\"",
+            "routes[0].host_rewrite (line 7)",
+        ),
+        ("host_rewrite = \"\"", "routes[0].host_rewrite (line 7)"),
+        ("host_rewrite = \"a/b\"", "routes[0].host_rewrite (line 7)"),
+        (
+            "host_rewrite = \"a:99999\"",
+            "routes[0].host_rewrite (line 7)",
+        ),
+    ] {
+        let src = format!("{upstream}[[routes]]\nname = \"r\"\nupstream = \"u\"\n\n{table}\n");
+        let err = herdguard::config::Config::parse(&src)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(key), "{table}: {err}");
+    }
+    let src = "[upstreams.u]\nendpoints = [\"http://127.0.0.1:3000/a?b=1\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n";
+    let err = herdguard::config::Config::parse(src)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("upstreams.u.endpoints[0] (line 2)"), "{err}");
+    assert!(err.contains("query"), "{err}");
+}

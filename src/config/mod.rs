@@ -41,6 +41,7 @@ impl Config {
             retry: config.defaults.retry.clone(),
             breaker: config.defaults.breaker.clone(),
             fault: None,
+            host_rewrite: None,
         });
         config.check()?;
         Ok(config)

@@ -501,6 +501,10 @@ pub struct RouteConfig {
     /// Faults injected into this route's answers, for testing callers. Off unless written.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fault: Option<FaultConfig>,
+    /// The `Host` the upstream sees (`host[:port]`), instead of the
+    /// endpoint's own: for an upstream that serves several names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_rewrite: Option<String>,
 }
 
 /// `fault = { abort = 0.1, abort_status = 503, delay = "200ms", delay_ratio = 0.05 }`

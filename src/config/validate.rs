@@ -112,6 +112,11 @@ pub(super) fn validate(
             );
         }
         matcher(report, &path.key("match"), &route.matcher);
+        if let Some(host) = &route.host_rewrite {
+            if let Err(why) = check_host_rewrite(host) {
+                report(path.key("host_rewrite"), why);
+            }
+        }
         if let Some(f) = &route.fault {
             let fpath = path.key("fault");
             for (key, share) in [("abort", f.abort), ("delay_ratio", f.delay_ratio)] {
@@ -201,7 +206,7 @@ fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) 
     }
 }
 
-/// An endpoint is `scheme://host[:port]` and nothing more: no credentials
+/// An endpoint is `scheme://host[:port]`, with an optional base path: no credentials
 /// (they would travel in the Host header and show in `/config`; errors
 /// never repeat them) and a port in 1..=65535.
 pub(crate) fn check_endpoint(endpoint: &str) -> Result<(), String> {
@@ -234,10 +239,29 @@ pub(crate) fn check_endpoint(endpoint: &str) -> Result<(), String> {
             ));
         }
     }
-    if uri.path_and_query().is_some_and(|pq| pq.as_str() != "/") {
+    // A path is a base prefixed to every forwarded path; a query would
+    // make every forwarded URL ambiguous.
+    if uri.query().is_some() || endpoint.contains('#') {
         return Err(format!(
-            "{endpoint:?} has a path or query; an endpoint is scheme://host:port only"
+            "{endpoint:?} has a query or fragment; an endpoint is scheme://host[:port][/base/path]"
         ));
+    }
+    Ok(())
+}
+
+/// A `Host` value: `host[:port]`, nothing else.
+pub(crate) fn check_host_rewrite(host: &str) -> Result<(), String> {
+    let bad = || {
+        format!("{host:?} is not a host[:port] (e.g. \"api.internal\" or \"api.internal:8080\")")
+    };
+    let authority: http::uri::Authority = host.parse().map_err(|_| bad())?;
+    let port_ok = match authority.as_str().strip_prefix(authority.host()) {
+        Some("") => true,
+        Some(port) => matches!(port.strip_prefix(':').map(str::parse::<u16>), Some(Ok(1..))),
+        None => false,
+    };
+    if host.contains('@') || authority.host().is_empty() || !port_ok {
+        return Err(bad());
     }
     Ok(())
 }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::uri::PathAndQuery;
-use http::{HeaderMap, Method, Request, Response, Version};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, Version};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
@@ -53,6 +53,8 @@ pub struct Forward<'a> {
     timeout: Duration,
     /// The caller asked to upgrade: only then is a 101 an answer.
     upgrade: bool,
+    /// The route's `host_rewrite`: sent as `Host` instead of the endpoint's.
+    host: Option<HeaderValue>,
 }
 
 enum AttemptBody {
@@ -98,7 +100,13 @@ impl<'a> Forward<'a> {
             slot: None,
             timeout,
             upgrade,
+            host: None,
         }
+    }
+
+    /// Sends `host` as every attempt's `Host`, whatever the endpoint.
+    pub fn host_rewrite(&mut self, host: Option<HeaderValue>) {
+        self.host = host;
     }
 
     /// Reads a body the caller declared small enough to keep whole before
@@ -144,7 +152,7 @@ impl<'a> Forward<'a> {
     fn request(
         &mut self,
         n: u32,
-        host: &http::HeaderValue,
+        host: &HeaderValue,
     ) -> (Request<RequestBody>, Option<Arc<Progress>>) {
         let (body, progress) = match &mut self.body {
             AttemptBody::Empty => (RequestBody::empty(), None),
@@ -170,7 +178,10 @@ impl<'a> Forward<'a> {
         // room to spare, and adding a field to it would reallocate.
         let mut headers = match self.headers.take() {
             Some(mut h) => {
-                h.insert(http::header::HOST, host.clone());
+                h.insert(
+                    http::header::HOST,
+                    self.host.as_ref().unwrap_or(host).clone(),
+                );
                 if !self.inner_hop {
                     h.insert(&X_HERDGUARD_ATTEMPT, attempt_value(n));
                 }

@@ -62,6 +62,8 @@ pub struct Route {
     /// `listen.write_timeout`: how long a response body may make no progress.
     write_timeout: std::time::Duration,
     fault: Option<crate::config::FaultConfig>,
+    /// `host_rewrite`: the `Host` the upstream sees instead of the endpoint's.
+    host_rewrite: Option<HeaderValue>,
 }
 
 impl Runtime {
@@ -202,6 +204,12 @@ impl Route {
             explain: listen.explain,
             write_timeout: listen.write_timeout,
             fault: config.fault.clone(),
+            host_rewrite: match &config.host_rewrite {
+                Some(host) => Some(HeaderValue::from_str(host).map_err(|_| {
+                    invalid(format!("host_rewrite: {host:?} is not a header value"))
+                })?),
+                None => None,
+            },
             name,
             matcher: Matcher::try_new(&config.matcher)
                 .map_err(|e| invalid(format!("match: {e}")))?,
@@ -422,6 +430,7 @@ async fn forward(
         policy.timeout,
         upgrade,
     );
+    attempts.host_rewrite(route.host_rewrite.clone());
     let deadline = retry::deadline(start, policy.timeout);
     if let Err((fault, detail)) = attempts.prefetch(deadline).await {
         let outcome = crate::policy::Outcome::Caller(fault);

@@ -116,6 +116,9 @@ pub struct Endpoint {
     authority: Authority,
     /// The `Host` header sent to this endpoint.
     pub host: HeaderValue,
+    /// The endpoint's path (`http://host/api/v1` → `/api/v1`), prefixed
+    /// to every path forwarded to it; `None` for `/` or none.
+    base: Option<Box<str>>,
     transport: Transport,
 }
 
@@ -154,9 +157,11 @@ impl Endpoint {
         } else {
             Transport::Client(client()?)
         };
+        let base = uri.path().trim_end_matches('/');
         Ok(Self {
             label: url.into(),
             scheme,
+            base: (!base.is_empty()).then(|| base.into()),
             host: HeaderValue::from_str(authority.as_str()).map_err(|_| bad())?,
             authority,
             transport,
@@ -170,6 +175,19 @@ impl Endpoint {
         path_and_query: Option<&PathAndQuery>,
         mut req: Request<RequestBody>,
     ) -> Result<(Response<Incoming>, Option<Pooled>), SendError> {
+        let based;
+        let path_and_query = match (&self.base, path_and_query) {
+            (Some(base), Some(pq)) if pq.path().starts_with('/') => {
+                based = with_base(base, pq);
+                based.as_ref().or(Some(pq))
+            }
+            (Some(base), None) => {
+                based = with_base(base, &PathAndQuery::from_static("/"));
+                based.as_ref()
+            }
+            // `OPTIONS *` asks about the server, not a path: no base.
+            _ => path_and_query,
+        };
         match &self.transport {
             Transport::Pool(pool) => {
                 *req.uri_mut() = pool::origin_form(path_and_query);
@@ -196,6 +214,16 @@ impl Endpoint {
         );
         Uri::from_parts(parts).expect("scheme, authority and path are all set")
     }
+}
+
+/// `base` and the request's path, joined: `/api/v1` and `/items?x=1` give
+/// `/api/v1/items?x=1`. `None` only if the join is not a valid path, which
+/// two valid parts cannot make (the path is then sent as it came).
+fn with_base(base: &str, pq: &PathAndQuery) -> Option<PathAndQuery> {
+    let mut joined = String::with_capacity(base.len() + pq.as_str().len());
+    joined.push_str(base);
+    joined.push_str(pq.as_str());
+    PathAndQuery::try_from(joined).ok()
 }
 
 pub struct Upstream {

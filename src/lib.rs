@@ -4,6 +4,7 @@
 //! tests can start the whole proxy in-process on ephemeral ports.
 #![forbid(unsafe_code)]
 
+pub mod access_log;
 pub mod admin;
 pub mod app;
 pub mod config;

@@ -534,6 +534,7 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
     }
     server.shutdown();
     server.wait().await;
+    herdguard::access_log::flush(std::time::Duration::from_secs(2));
     info!("stopped");
     ExitCode::SUCCESS
 }

@@ -188,6 +188,9 @@ fn help(name: &str) -> Option<&'static str> {
             "Time from an attempt sent to its response headers (or its failure), per attempt."
         }
         BUILD_INFO => "1, labelled with the running version.",
+        crate::access_log::DROPPED => {
+            "Access log lines dropped because the writer fell 16,384 lines behind (a stalled stdout)."
+        }
         UPSTREAM_ATTEMPTS => "Attempts sent upstream (first tries and retries), by outcome.",
         RETRIES_TOTAL => "Retries made, by the cause of the failed attempt.",
         RETRIES_SKIPPED => "Retries that were not made, by reason.",

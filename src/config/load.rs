@@ -263,6 +263,11 @@ impl<'i> Loader<'_, 'i> {
                         config.admin = v;
                     }
                 }
+                "access_log" => {
+                    if let Some(v) = self.section(value, &path) {
+                        config.access_log = v;
+                    }
+                }
                 "defaults" => {
                     if let Some(v) = self.section::<Defaults>(value, &path) {
                         config.defaults = v;
@@ -300,7 +305,7 @@ impl<'i> Loader<'_, 'i> {
                     path,
                     Some(value.span()),
                     format!(
-                        "unknown key {other:?} (expected listen, admin, upstreams, defaults or routes)"
+                        "unknown key {other:?} (expected listen, admin, access_log, upstreams, defaults or routes)"
                     ),
                 ),
             }

@@ -23,6 +23,8 @@ pub struct Config {
     #[serde(default)]
     pub admin: AdminConfig,
     #[serde(default)]
+    pub access_log: AccessLogConfig,
+    #[serde(default)]
     pub upstreams: BTreeMap<String, UpstreamConfig>,
     #[serde(default)]
     pub defaults: Defaults,
@@ -418,6 +420,24 @@ impl Default for BackoffConfig {
             jitter: Jitter::Full,
         }
     }
+}
+
+/// `[access_log]`: one line per request on stdout, after it ends.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AccessLogConfig {
+    pub enabled: bool,
+    pub format: AccessLogFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AccessLogFormat {
+    /// `key=value` pairs (logfmt).
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -104,6 +104,11 @@ impl<'a> Forward<'a> {
         }
     }
 
+    /// The endpoint of the last attempt, as the config writes it.
+    pub fn last_endpoint(&self) -> Option<Arc<str>> {
+        self.endpoint.and_then(|i| self.upstream.endpoint_label(i))
+    }
+
     /// Sends `host` as every attempt's `Host`, whatever the endpoint.
     pub fn host_rewrite(&mut self, host: Option<HeaderValue>) {
         self.host = host;

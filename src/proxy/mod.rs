@@ -25,6 +25,7 @@ pub use pool::{PoolError, Pooled};
 pub use replay::ReplayBody;
 pub use upstream::{InFlight, SendError, Upstream, UpstreamError};
 
+use crate::access_log::{AccessLog, Logged};
 use crate::config::{Config, RouteConfig};
 use crate::metrics::{self, Metrics, RouteMetrics};
 use crate::policy::breaker::{Breaker, SharedBreaker};
@@ -48,6 +49,8 @@ pub enum BuildError {
 pub struct Runtime {
     pub config: Arc<Config>,
     pub routes: Vec<Arc<Route>>,
+    /// `[access_log]`, when on.
+    access_log: Option<Arc<AccessLog>>,
 }
 
 /// A route, compiled.
@@ -128,7 +131,15 @@ impl Runtime {
                 .map(Arc::new)
             })
             .collect::<Result<_, _>>()?;
-        Ok(Self { config, routes })
+        let access_log = AccessLog::new(
+            &config.access_log,
+            registry.counter(crate::access_log::DROPPED, &[]),
+        );
+        Ok(Self {
+            config,
+            routes,
+            access_log,
+        })
     }
 
     /// Sets the gauges that are cheaper to compute when scraped than on every request.
@@ -263,14 +274,41 @@ impl Proxy {
         &self.metrics
     }
 
-    /// Answers one request from `caller`.
-    pub async fn handle(&self, req: Request<Incoming>, caller: &Caller) -> Response<ResponseBody> {
+    /// Answers one request from `caller`; its access log line, if the log
+    /// is on, is written when the response body is done with.
+    pub async fn handle(
+        &self,
+        req: Request<Incoming>,
+        caller: &Caller,
+    ) -> Response<Logged<ResponseBody>> {
         let start = Instant::now();
+        let log = self.runtime.load().access_log.clone();
+        let mut entry = log.map(|log| log.entry(req.method(), req.uri().path(), start));
+        let (resp, summary) = self.answer(req, caller, start).await;
+        if let Some(entry) = entry.as_mut() {
+            entry.status = resp.status().as_u16();
+            entry.error = resp.headers().get(&headers::X_HERDGUARD_ERROR).cloned();
+            entry.route = summary.route;
+            entry.attempts = summary.attempts;
+            entry.endpoint = summary.endpoint;
+            entry.skip = summary.skipped.map(|s| s.as_str());
+        }
+        let (parts, body) = resp.into_parts();
+        Response::from_parts(parts, Logged::new(body, entry))
+    }
+
+    async fn answer(
+        &self,
+        req: Request<Incoming>,
+        caller: &Caller,
+        start: Instant,
+    ) -> (Response<ResponseBody>, Summary) {
+        let unrouted = Summary::default;
         if req.method() == Method::CONNECT {
             let resp = LocalError::NotProxied
                 .response("CONNECT is not proxied; herdguard is a reverse proxy");
             metrics::unrouted(&self.metrics, resp.status());
-            return resp;
+            return (resp, unrouted());
         }
         let checked = headers::check_host(req.version(), req.headers())
             .map_err(|problem| (LocalError::BadRequest, problem))
@@ -287,12 +325,12 @@ impl Proxy {
             Err((error, problem)) => {
                 let resp = error.response(problem);
                 metrics::unrouted(&self.metrics, resp.status());
-                return resp;
+                return (resp, unrouted());
             }
         };
         if let Some(resp) = headers::max_forwards_reached(&req) {
             metrics::unrouted(&self.metrics, resp.status());
-            return resp;
+            return (resp, unrouted());
         }
         let host = request_host(req.uri(), host_field);
         let route = {
@@ -313,9 +351,10 @@ impl Proxy {
                 req.uri().path()
             ));
             metrics::unrouted(&self.metrics, resp.status());
-            return resp;
+            return (resp, unrouted());
         };
-        let resp = forward(&route, req, caller, start).await;
+        let (resp, mut summary) = forward(&route, req, caller, start).await;
+        summary.route = Some(route.name.clone());
         // The upstream's own x-herdguard-error was dropped: one left is ours.
         let h = resp.headers();
         let source = match h.contains_key(&headers::X_HERDGUARD_ERROR)
@@ -329,8 +368,18 @@ impl Proxy {
             .guards
             .metrics
             .request(resp.status(), source, start.elapsed());
-        resp
+        (resp, summary)
     }
+}
+
+/// What the access log tells of a request besides its response.
+#[derive(Default)]
+struct Summary {
+    route: Option<Arc<str>>,
+    attempts: u32,
+    /// The endpoint of the last attempt.
+    endpoint: Option<Arc<str>>,
+    skipped: Option<crate::policy::SkipReason>,
 }
 
 /// The request's authority: from the URI (absolute-form or HTTP/2) or `Host`.
@@ -345,7 +394,7 @@ async fn forward(
     mut req: Request<Incoming>,
     caller: &Caller,
     start: Instant,
-) -> Response<ResponseBody> {
+) -> (Response<ResponseBody>, Summary) {
     let upgrade = headers::requested_upgrade(req.version(), req.headers());
     let multiplexed = req.version() == Version::HTTP_2;
     // A request that asks to upgrade takes a tunnel place first: tunnels
@@ -355,11 +404,12 @@ async fn forward(
             Some(place) => Some(place),
             None => {
                 let tunnels = &route.upstream.tunnels;
-                return LocalError::Overloaded.response(&format!(
+                let resp = LocalError::Overloaded.response(&format!(
                     "upstream {} has {} upgraded connections open, its max_tunnels",
                     route.upstream.name,
                     tunnels.max()
                 ));
+                return (resp, Summary::default());
             }
         },
         false => None,
@@ -390,7 +440,10 @@ async fn forward(
             fault_note = Some(HeaderValue::from_static("delay"));
         }
         if abort {
-            return error::fault_response(fault.abort_status);
+            return (
+                error::fault_response(fault.abort_status),
+                Summary::default(),
+            );
         }
     }
     let h = &mut parts.headers;
@@ -437,9 +490,15 @@ async fn forward(
         let mut resp = LocalError::for_outcome(outcome).response(&detail);
         resp.headers_mut()
             .insert(&headers::X_HERDGUARD_ATTEMPTS, attempt::attempt_value(0));
-        return resp;
+        return (resp, Summary::default());
     }
     let sent = retry::run(&route.guards, facts, &mut attempts, start, explain).await;
+    let summary = Summary {
+        route: None,
+        attempts: sent.attempts,
+        endpoint: attempts.last_endpoint(),
+        skipped: sent.skipped,
+    };
     drop(attempts);
     let attempts = attempt::attempt_value(sent.attempts);
     // What the caller is told besides the answer: the trace, an injected delay.
@@ -466,7 +525,7 @@ async fn forward(
             resp.headers_mut()
                 .insert(&headers::X_HERDGUARD_ATTEMPTS, attempts);
             notes(resp.headers_mut());
-            return resp;
+            return (resp, summary);
         }
     };
 
@@ -476,20 +535,22 @@ async fn forward(
             tokio::spawn(tunnel::relay(caller, upstream_side, slot, place));
             let (mut parts, _) = resp.into_parts();
             finish_headers(&mut parts.headers, true, attempts);
-            return Response::from_parts(parts, ResponseBody::local(bytes::Bytes::new()));
+            let resp = Response::from_parts(parts, ResponseBody::local(bytes::Bytes::new()));
+            return (resp, summary);
         }
     }
     let (mut parts, body) = resp.into_parts();
     let settle = sent.settle_on_body.then(|| route.clone());
     finish_headers(&mut parts.headers, false, attempts);
     notes(&mut parts.headers);
-    Response::from_parts(
+    let resp = Response::from_parts(
         parts,
         match multiplexed {
             true => ResponseBody::watched(body, slot, route.write_timeout, settle),
             false => ResponseBody::upstream(body, slot, route.write_timeout, settle),
         },
-    )
+    );
+    (resp, summary)
 }
 
 fn finish_headers(h: &mut http::HeaderMap, upgrade: bool, attempts: HeaderValue) {

@@ -101,6 +101,8 @@ pub struct Sent<A> {
     /// the breaker ([`Guards::record`]) when it ends: whole, a success;
     /// broken off, a failure.
     pub settle_on_body: bool,
+    /// Why a retry was not made, when one was not.
+    pub skipped: Option<SkipReason>,
 }
 
 /// What goes back to the caller.
@@ -281,6 +283,9 @@ pub async fn run<T: Attempts>(
                 }
                 let mut sent = done(n, end(attempt), trace);
                 sent.settle_on_body = deferred;
+                if let Stop::Skip(reason) = stop {
+                    sent.skipped = Some(reason);
+                }
                 return sent;
             }
         };
@@ -335,7 +340,9 @@ fn refuse<A>(
     skip(guards, n - 1, reason);
     let mut trace = trace;
     note(&mut trace, format_args!("skip={}", reason.as_str()));
-    done(n - 1, previous, trace)
+    let mut sent = done(n - 1, previous, trace);
+    sent.skipped = Some(reason);
+    sent
 }
 
 fn end<A>(attempt: Attempt<A>) -> End<A> {
@@ -396,6 +403,7 @@ fn done<A>(attempts: u32, end: End<A>, trace: Option<String>) -> Sent<A> {
         end,
         trace,
         settle_on_body: false,
+        skipped: None,
     }
 }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Build choices, measured side by side in one run: the shipped build
-# (panic = "abort", mimalloc) against panic = "unwind" and against the
-# system allocator (glibc malloc). For each: binary size, closed-loop
+# Build and run choices, measured side by side in one run: the shipped
+# build (panic = "abort", mimalloc) against panic = "unwind", the system
+# allocator (glibc malloc), mimalloc purging at once, and the shipped build
+# with the access log on (written to a file). For each: binary size, closed-loop
 # req/s and p99 through the proxy (wrk, 64 connections, CPU-pinned as in
 # proxy.sh), peak RSS under that load, and RSS after a reload from 10,000
 # routes back to 2. Reported as ratios to the shipped build.
@@ -20,7 +21,7 @@ UP_PORT=18281 HG_PORT=18283 HG_ADMIN=18284
 install_tools wrk:wrk nginx:nginx-light
 ports_free $UP_PORT $HG_PORT $HG_ADMIN
 
-VARIANTS=${VARIANTS:-shipped unwind system-alloc eager-purge}
+VARIANTS=${VARIANTS:-shipped unwind system-alloc eager-purge access-log}
 echo "building the variants (release, fat LTO: a few minutes each)..." >&2
 [ "${SKIP_BUILD:-}" ] || cargo build --release --quiet
 case " $VARIANTS " in *" unwind "*)
@@ -32,10 +33,14 @@ declare -A BIN=(
   [unwind]=target/choice-unwind/release/herdguard
   [system-alloc]=target/choice-system/release/herdguard
   [eager-purge]=target/release/herdguard
+  [access-log]=target/release/herdguard
 )
 # eager-purge: the shipped binary with freed memory purged at once instead
 # of after mimalloc's delay (see return_freed_memory in src/main.rs).
 declare -A ENVS=([eager-purge]="MIMALLOC_PURGE_DELAY=0")
+# access-log: the shipped binary with [access_log] on (text), its lines
+# written to a file, to measure what the log costs per request.
+declare -A EXTRA=([access-log]=$'[access_log]\nenabled = true\n')
 
 scratch_and_pinning
 
@@ -57,15 +62,16 @@ for v in $VARIANTS; do RPS[$v]=""; P99[$v]=""; done
 for round in $(seq 1 "$ROUNDS"); do
   for v in $VARIANTS; do
     routes 1
-    ( pin 1 env ${ENVS[$v]:-} "${BIN[$v]}" --config "$WORK/hg.toml" --threads 1 2>/dev/null ) & pid=$!
+    printf '%s' "${EXTRA[$v]:-}" >> "$WORK/hg.toml"
+    ( pin 1 env ${ENVS[$v]:-} "${BIN[$v]}" --config "$WORK/hg.toml" --threads 1 2>/dev/null >"$WORK/access-$v.log" ) & pid=$!
     wait_port $HG_PORT
     out=$(pin 0 wrk -t1 -c"$CONNECTIONS" -d"${DURATION}s" --latency "http://127.0.0.1:$HG_PORT/" 2>/dev/null)
     RPS[$v]+="$(echo "$out" | awk '/Requests\/sec/ {print $2}') "
     P99[$v]+="$(echo "$out" | awk '$1=="99%" {print $2}') "
     PEAK[$v]=$(hwm $pid)
     if [ "$round" = 1 ]; then
-      routes 10000; kill -HUP $pid; sleep 6
-      routes 1; kill -HUP $pid; sleep 6
+      routes 10000; printf '%s' "${EXTRA[$v]:-}" >> "$WORK/hg.toml"; kill -HUP $pid; sleep 6
+      routes 1; printf '%s' "${EXTRA[$v]:-}" >> "$WORK/hg.toml"; kill -HUP $pid; sleep 6
       curl -s "http://127.0.0.1:$HG_ADMIN/metrics" >/dev/null; sleep 2
       RELOAD[$v]=$(rss $pid)
     fi
@@ -84,3 +90,5 @@ for v in $VARIANTS; do
   printf '%-13s %10s %10.0f %8.2f %9.2f %9s %10s KiB\n' "$v" "$size" "$r" "$(echo "$r $base" | awk '{print $1/$2}')" "$p" "${PEAK[$v]}" "${RELOAD[$v]}"
 done
 echo "(req/s and p99: median of $ROUNDS rounds of ${DURATION}s, $CONNECTIONS connections, one proxy thread; after reload: RSS after 1 -> 10,000 -> 1 routes)"
+case " $VARIANTS " in *" access-log "*)
+  echo "(access-log: $(wc -l < "$WORK/access-access-log.log") lines written in its last round, to a file on $(df --output=fstype "$WORK" | tail -1))" ;; esac

@@ -76,6 +76,19 @@ impl AccessLog {
 
 static LINES: OnceLock<Option<SyncSender<Message>>> = OnceLock::new();
 
+/// Where the lines go instead of stdout, if set before the log starts.
+static FILE: OnceLock<std::fs::File> = OnceLock::new();
+
+/// Sends this process's access log to `path` (created or emptied) instead of
+/// stdout: for the demo, whose own report is on stdout. Call it before any
+/// config with the log on is loaded; later it changes nothing (`false`).
+pub fn write_to(path: &std::path::Path) -> std::io::Result<bool> {
+    if LINES.get().is_some() {
+        return Ok(false);
+    }
+    Ok(FILE.set(std::fs::File::create(path)?).is_ok())
+}
+
 /// The one writer thread of the process, started on first use.
 fn writer() -> Option<SyncSender<Message>> {
     LINES
@@ -85,7 +98,10 @@ fn writer() -> Option<SyncSender<Message>> {
                 let stdout = std::io::stdout();
                 let mut acks = Vec::new();
                 while let Ok(first) = rx.recv() {
-                    let mut out = stdout.lock();
+                    let mut out: Box<dyn Write> = match FILE.get() {
+                        Some(file) => Box::new(file),
+                        None => Box::new(stdout.lock()),
+                    };
                     // Whatever queued meanwhile goes in the same write burst.
                     for message in std::iter::once(first).chain(rx.try_iter()) {
                         match message {

@@ -28,6 +28,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, MissedTickBehavior};
 
+use crate::access_log;
 use crate::app::Server;
 use crate::config::Config;
 
@@ -47,6 +48,8 @@ pub struct Params {
     /// failure does not bring the next request forward. Callers do not retry:
     /// herdguard does.
     pub interval: Duration,
+    /// Turns the access log on, into this file (see [`access_log::write_to`]).
+    pub access_log: Option<std::path::PathBuf>,
 }
 
 impl Default for Params {
@@ -59,6 +62,7 @@ impl Default for Params {
             error_rate: 0.10,
             reset_rate: 0.03,
             interval: Duration::from_millis(100),
+            access_log: None,
         }
     }
 }
@@ -389,8 +393,12 @@ pub async fn run(
     let upstream_counts = Arc::new(UpstreamCounts::default());
     let upstream = flaky_upstream(p, start, upstream_counts.clone()).await?;
     let localhost = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
-    let config = Config::for_upstream(&format!("http://{upstream}"), localhost, localhost)
+    let mut config = Config::for_upstream(&format!("http://{upstream}"), localhost, localhost)
         .map_err(|e| std::io::Error::other(e.to_string()))?;
+    if let Some(path) = &p.access_log {
+        crate::access_log::write_to(path)?;
+        config.access_log.enabled = true;
+    }
     let server = Server::start(config).await.map_err(std::io::Error::other)?;
     let url: http::Uri = format!("http://{}/demo", server.proxy_addr())
         .parse()
@@ -456,6 +464,7 @@ pub async fn run(
     let metrics = parse_metrics(&server.proxy().metrics().render());
     server.shutdown();
     server.wait().await;
+    access_log::flush(Duration::from_secs(2));
     let mut by_phase = std::mem::take(&mut tally.lock().unwrap_or_else(|e| e.into_inner()).phases);
     let phases: Vec<PhaseSummary> = Phase::in_run(p)
         .map(|phase| PhaseSummary {
@@ -536,4 +545,21 @@ pub fn progress_line(
         sum("herdguard_retries_skipped_total{"),
         state,
     )
+}
+
+/// The access log the demo wrote: how many lines, and one line of each
+/// kind worth a look (a failure a retry absorbed, a retry not made and
+/// why, an answer from the open breaker), as written.
+pub fn access_log_samples(path: &std::path::Path) -> std::io::Result<(usize, Vec<String>)> {
+    let text = std::fs::read_to_string(path)?;
+    let kinds: [&dyn Fn(&str) -> bool; 3] = [
+        &|l| l.contains(" status=200 ") && !l.contains(" attempts=1 "),
+        &|l| !l.contains(" skip=-") && !l.contains("skip=attempts_exhausted"),
+        &|l| l.contains(" error=circuit-open "),
+    ];
+    let samples = kinds
+        .iter()
+        .filter_map(|kind| text.lines().find(|l| kind(l)).map(str::to_owned))
+        .collect();
+    Ok((text.lines().count(), samples))
 }

@@ -186,11 +186,13 @@ fn main() -> ExitCode {
 fn run_demo(callers: usize, duration: std::time::Duration) -> ExitCode {
     telemetry::init(LogFormat::Text);
     let outage_at = duration.mul_f64(0.4);
+    let access_log = std::env::temp_dir().join("herdguard-demo-access.log");
     let params = demo::Params {
         callers,
         duration,
         outage_at,
         outage_for: duration.mul_f64(0.2),
+        access_log: Some(access_log.clone()),
         ..demo::Params::default()
     };
     println!(
@@ -218,6 +220,16 @@ fn run_demo(callers: usize, duration: std::time::Duration) -> ExitCode {
     match summary {
         Ok(summary) => {
             println!("\n{}", summary.render());
+            if let Ok((lines, samples)) = demo::access_log_samples(&access_log) {
+                println!(
+                    "\nThe access log ([access_log] enabled = true; on stdout outside the demo) has \
+                     {lines} lines in {}; a few:",
+                    access_log.display()
+                );
+                for line in samples {
+                    println!("  {line}");
+                }
+            }
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -51,11 +51,15 @@ async fn demo_completes_and_agrees_with_the_metrics() {
         reset_rate: 0.02,
         ..Params::default()
     };
+    // The access log is on in the demo, into a file.
+    let dir = tempfile::tempdir().unwrap();
+    let access_log = dir.path().join("access.log");
     let outage = Params {
         callers: 8,
         duration: Duration::from_secs(5),
         outage_at: Duration::from_secs(1),
         outage_for: Duration::from_secs(2),
+        access_log: Some(access_log.clone()),
         ..Params::default()
     };
     let mut ticks = 0;
@@ -112,5 +116,12 @@ async fn demo_completes_and_agrees_with_the_metrics() {
         outage.sum("herdguard_breaker_transitions_total", "to=\"open\"") >= 1.0,
         "{}",
         outage.render()
+    );
+    // One access log line per request, and the breaker's answers among them.
+    let (lines, samples) = demo::access_log_samples(&access_log).unwrap();
+    assert_eq!(lines as u64, outage.callers.requests);
+    assert!(
+        samples.iter().any(|l| l.contains("error=circuit-open")),
+        "{samples:#?}"
     );
 }

@@ -249,3 +249,44 @@ async fn drain_delay_keeps_serving_new_callers_with_readiness_off() {
         "{lines:#?}"
     );
 }
+
+/// A drain that runs out of time says so, with how many connections it
+/// cut, and the process still exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_timeout_that_cuts_connections_logs_how_many() {
+    use common::process::Binary;
+    let Held {
+        upstream: up,
+        arrived,
+        release: _release,
+    } = held_upstream("never").await;
+    let hg = Binary::start_with(
+        "drain_timeout = \"300ms\"",
+        &format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n\
+             retry = {{ per_try_timeout = \"30s\", timeout = \"30s\" }}\n",
+            up.url()
+        ),
+    )
+    .await;
+    let mut callers = Vec::new();
+    for _ in 0..2 {
+        let req = http::Request::get(format!("http://{}/held", hg.listen))
+            .body(empty())
+            .unwrap();
+        callers.push(tokio::spawn(async move { send(&client(), req).await }));
+        arrived.notified().await;
+    }
+    hg.sigterm();
+    let lines = hg.exited().await;
+    let cut = lines
+        .iter()
+        .find(|l| l.contains("drain timeout passed"))
+        .unwrap_or_else(|| panic!("{lines:#?}"));
+    let cut: serde_json::Value = serde_json::from_str(cut).unwrap();
+    assert_eq!(cut["connections"], 2, "{cut}");
+    assert_eq!(cut["level"], "WARN");
+    for caller in callers {
+        caller.abort();
+    }
+}

@@ -26,6 +26,9 @@ use crate::config::{AccessLogConfig, AccessLogFormat};
 /// Lines that may wait for the writer; past this they are dropped.
 const QUEUE: usize = 16 * 1024;
 
+/// How long the writer lets lines gather before it writes them.
+const BATCH: std::time::Duration = std::time::Duration::from_millis(50);
+
 pub const DROPPED: &str = "herdguard_access_log_dropped_total";
 
 /// The access log of one config: its format and where its lines go.
@@ -98,10 +101,18 @@ fn writer() -> Option<SyncSender<Message>> {
                 let stdout = std::io::stdout();
                 let mut acks = Vec::new();
                 while let Ok(first) = rx.recv() {
-                    let mut out: Box<dyn Write> = match FILE.get() {
+                    // Let a burst gather: a writer that slept on every line
+                    // would be woken (a futex call and a context switch on
+                    // the proxy's core) for nearly every request. Lines wait
+                    // at most this long; Envoy flushes once a second.
+                    std::thread::sleep(BATCH);
+                    // One write for a burst of lines: stdout is line-buffered
+                    // (a write per line), a file not buffered at all.
+                    let sink: Box<dyn Write> = match FILE.get() {
                         Some(file) => Box::new(file),
                         None => Box::new(stdout.lock()),
                     };
+                    let mut out = std::io::BufWriter::with_capacity(64 * 1024, sink);
                     // Whatever queued meanwhile goes in the same write burst.
                     for message in std::iter::once(first).chain(rx.try_iter()) {
                         match message {

@@ -17,6 +17,27 @@ use tracing::{error, info, warn};
 /// the system, where glibc's malloc keeps it in its arenas (a reload from
 /// 10,000 routes back to 2 left the RSS at its peak; see the README's
 /// memory figures).
+// Writing to stdout or stderr never panics: a closed pipe (`check | head`)
+// or a full disk (`> /dev/full`) is not a reason to abort.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), $($arg)*);
+    }};
+}
+macro_rules! out_line {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+macro_rules! err_line {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -195,7 +216,7 @@ fn run_demo(callers: usize, duration: std::time::Duration) -> ExitCode {
         access_log: Some(access_log.clone()),
         ..demo::Params::default()
     };
-    println!(
+    out_line!(
         "herdguard demo: a flaky API (10% 503s, a third with Retry-After; 3% connection resets; an outage \
          from {}s to {}s), herdguard with default policies in front, {} callers sending every {} ms for {}s.\n",
         params.outage_at.as_secs(),
@@ -207,33 +228,33 @@ fn run_demo(callers: usize, duration: std::time::Duration) -> ExitCode {
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("herdguard demo: cannot start the runtime: {e}");
+            err_line!("herdguard demo: cannot start the runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
     let summary = rt.block_on(demo::run(&params, |elapsed, second, upstream, metrics| {
-        println!(
+        out_line!(
             "{}",
             demo::progress_line(elapsed, second, upstream, metrics)
         );
     }));
     match summary {
         Ok(summary) => {
-            println!("\n{}", summary.render());
+            out_line!("\n{}", summary.render());
             if let Ok((lines, samples)) = demo::access_log_samples(&access_log) {
-                println!(
+                out_line!(
                     "\nThe access log ([access_log] enabled = true; on stdout outside the demo) has \
                      {lines} lines in {}; a few:",
                     access_log.display()
                 );
                 for line in samples {
-                    println!("  {line}");
+                    out_line!("  {line}");
                 }
             }
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("herdguard demo: {e}");
+            err_line!("herdguard demo: {e}");
             ExitCode::FAILURE
         }
     }
@@ -269,11 +290,11 @@ fn run_lab(lab: Lab) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(LabError::Usage(e)) => {
-            eprintln!("herdguard lab: {e}");
+            err_line!("herdguard lab: {e}");
             ExitCode::from(2)
         }
         Err(LabError::Failed(e)) => {
-            eprintln!("herdguard lab: {e}");
+            err_line!("herdguard lab: {e}");
             ExitCode::FAILURE
         }
     }
@@ -312,7 +333,7 @@ fn lab_backoff(
     out: &std::path::Path,
 ) -> Result<(), LabError> {
     let rows = lab::backoff::run(clients, trials.max(1), seed);
-    print!("{}", lab::backoff::table(&rows));
+    out!("{}", lab::backoff::table(&rows));
     create_dir(out)?;
     let csv = lab::backoff::csv(&rows);
     write(&out.join("backoff.csv"), &csv)?;
@@ -342,7 +363,7 @@ fn lab_outage(
         .map_err(|e| LabError::Failed(format!("cannot start the runtime: {e}")))?;
     let mut reports = Vec::new();
     for setup in chosen {
-        eprintln!(
+        err_line!(
             "outage: {} ({} callers, stall {:?})...",
             setup.name(),
             params.callers,
@@ -356,7 +377,7 @@ fn lab_outage(
         reports.push(report);
     }
     let table = outage::table(&reports);
-    print!("{table}");
+    out!("{table}");
     write(&out.join("outage-summary.txt"), &table)?;
     let runs: Vec<(&str, &[outage::Second])> = reports
         .iter()
@@ -407,13 +428,13 @@ fn check(path: &std::path::Path, quiet: bool) -> ExitCode {
     match Config::check_file(path) {
         Ok(checked) => {
             if !quiet {
-                print!("{}", checked.config.to_toml());
+                out!("{}", checked.config.to_toml());
             }
             for w in &checked.warnings {
-                eprintln!("warning: {w}");
+                err_line!("warning: {w}");
             }
             if !quiet {
-                eprintln!(
+                err_line!(
                     "{}: ok ({} warnings)",
                     path.display(),
                     checked.warnings.len()
@@ -422,7 +443,7 @@ fn check(path: &std::path::Path, quiet: bool) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("{e}");
+            err_line!("{e}");
             ExitCode::FAILURE
         }
     }
@@ -445,7 +466,7 @@ fn run(cli: Cli) -> ExitCode {
     } = match checked {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("herdguard: {e}");
+            err_line!("herdguard: {e}");
             return ExitCode::from(2);
         }
     };
@@ -482,7 +503,7 @@ fn run(cli: Cli) -> ExitCode {
     let rt = match rt.build() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("herdguard: cannot start the runtime: {e}");
+            err_line!("herdguard: cannot start the runtime: {e}");
             return ExitCode::FAILURE;
         }
     };

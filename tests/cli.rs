@@ -265,6 +265,21 @@ fn endpoint_ports_out_of_range_and_credentials_are_refused_without_echoing_them(
             "user name or password",
         ),
         ("https://token@example.com", "user name or password"),
+        // A password with the characters that end an authority.
+        (
+            "http://user:hunter2?x@127.0.0.1:8080",
+            "user name or password",
+        ),
+        (
+            "http://user:hunter2#x@127.0.0.1:8080",
+            "user name or password",
+        ),
+        (
+            "http://user:hunter2/x@127.0.0.1:8080",
+            "user name or password",
+        ),
+        ("http://127.0.0.1:+3000", "port \"+3000\""),
+        ("http://127.0.0.1:03000", "port \"03000\""),
     ] {
         let path = write(
             &dir,
@@ -386,4 +401,49 @@ fn check_quiet_prints_nothing_for_a_valid_config_but_warnings_and_errors() {
     let out = quiet(&bad);
     assert_eq!(out.status.code(), Some(1));
     assert!(!out.stderr.is_empty());
+}
+
+/// `check` never aborts on its own output: stdout closed early (`| head`)
+/// or full (`> /dev/full`); and a "file" without end (`/dev/zero`) is
+/// refused before it fills memory.
+#[test]
+fn check_survives_a_closed_or_full_stdout_and_refuses_an_endless_file() {
+    use std::process::Stdio;
+    let mut child = Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/config/herdguard.toml"
+        ))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "closed stdout: {status:?}");
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let status = Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/config/herdguard.toml"
+        ))
+        .stdout(full)
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "full stdout: {status:?}");
+    let out = Command::new(BIN)
+        .args(["check", "--config", "/dev/zero"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("larger than 16 MiB"),
+        "{out:?}"
+    );
 }

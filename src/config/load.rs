@@ -168,7 +168,7 @@ impl Config {
     pub fn check_file(path: impl AsRef<Path>) -> Result<Checked, LoadError> {
         let path = path.as_ref();
         let display = path.display().to_string();
-        let src = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
+        let src = read_bounded(path).map_err(|source| LoadError::Read {
             path: display.clone(),
             source,
         })?;
@@ -225,6 +225,26 @@ impl Config {
             warnings: tidy(warnings),
         })
     }
+}
+
+/// The largest config file read: ten times a 10,000-route config, and more
+/// than a Kubernetes ConfigMap holds (1 MiB). A larger "file" (`/dev/zero`,
+/// a log named by mistake) is refused before it fills memory.
+pub const MAX_CONFIG_BYTES: u64 = 16 * 1024 * 1024;
+
+fn read_bounded(path: &Path) -> std::io::Result<String> {
+    use std::io::Read as _;
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(MAX_CONFIG_BYTES + 1)
+        .read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(std::io::Error::other(format!(
+            "larger than {} MiB; is this the config file?",
+            MAX_CONFIG_BYTES / (1024 * 1024)
+        )));
+    }
+    Ok(text)
 }
 
 /// Reports an inherited value once, not once per route, in file order.

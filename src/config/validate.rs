@@ -212,8 +212,8 @@ fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) 
 pub(crate) fn check_endpoint(endpoint: &str) -> Result<(), String> {
     if let Some(shown) = without_userinfo(endpoint) {
         return Err(format!(
-            "{shown:?} has a user name or password before its host; an endpoint carries no \
-             credentials (use client_cert for mutual TLS)"
+            "{shown:?} has a user name or password (an `@`) before its host; an endpoint \
+             carries no credentials (use client_cert for mutual TLS)"
         ));
     }
     let uri: Uri = endpoint
@@ -233,7 +233,7 @@ pub(crate) fn check_endpoint(endpoint: &str) -> Result<(), String> {
         .rsplit_once(host)
         .map_or("", |(_, rest)| rest);
     if let Some(port) = after_host.strip_prefix(':') {
-        if !matches!(port.parse::<u16>(), Ok(1..)) {
+        if !valid_port(port) {
             return Err(format!(
                 "{endpoint:?} has port {port:?}; a port is a number in 1..=65535"
             ));
@@ -249,6 +249,14 @@ pub(crate) fn check_endpoint(endpoint: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// A port as a Host header carries it: digits only (no sign, no leading
+/// zero), 1 to 65535.
+fn valid_port(port: &str) -> bool {
+    port.bytes().all(|b| b.is_ascii_digit())
+        && !port.starts_with('0')
+        && matches!(port.parse::<u16>(), Ok(1..))
+}
+
 /// A `Host` value: `host[:port]`, nothing else.
 pub(crate) fn check_host_rewrite(host: &str) -> Result<(), String> {
     let bad = || {
@@ -257,7 +265,7 @@ pub(crate) fn check_host_rewrite(host: &str) -> Result<(), String> {
     let authority: http::uri::Authority = host.parse().map_err(|_| bad())?;
     let port_ok = match authority.as_str().strip_prefix(authority.host()) {
         Some("") => true,
-        Some(port) => matches!(port.strip_prefix(':').map(str::parse::<u16>), Some(Ok(1..))),
+        Some(port) => port.strip_prefix(':').is_some_and(valid_port),
         None => false,
     };
     if host.contains('@') || authority.host().is_empty() || !port_ok {
@@ -266,13 +274,14 @@ pub(crate) fn check_host_rewrite(host: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The endpoint with its user information masked, if it has any.
+/// The endpoint with everything up to its last `@` masked, if it has
+/// one: user information, however it is spelt (a password may hold `/`,
+/// `?` or `#`, which would end the authority for a URL parser and leave the
+/// rest of the password in view).
 fn without_userinfo(endpoint: &str) -> Option<String> {
     let (scheme, rest) = endpoint.split_once("://").unwrap_or(("", endpoint));
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    let (_, host) = authority.rsplit_once('@')?;
-    Some(format!("{scheme}://***@{host}{tail}"))
+    let (_, after) = rest.rsplit_once('@')?;
+    Some(format!("{scheme}://***@{after}"))
 }
 
 // Validation is construction: each table is compiled by the constructor

@@ -147,6 +147,20 @@ async fn proxy_style_routing_host_rewrite_and_a_base_path() {
             "GET http://shop/a/b HTTP/1.1\r\nHost: shop\r\nConnection: close\r\n\r\n",
             "/api/v1/a/b",
         ),
+        // Dot segments, plain or encoded, never climb out of the base.
+        (
+            "GET /a/../../etc HTTP/1.1\r\nHost: shop\r\nConnection: close\r\n\r\n",
+            "/api/v1/etc",
+        ),
+        (
+            "GET /a/%2e%2e/%2E%2E/x HTTP/1.1\r\nHost: shop\r\nConnection: close\r\n\r\n",
+            "/api/v1/x",
+        ),
+        // No path, a query: the base's root with the query.
+        (
+            "GET http://shop?x=1 HTTP/1.1\r\nHost: shop\r\nConnection: close\r\n\r\n",
+            "/api/v1/?x=1",
+        ),
     ] {
         let out = exchange(request).await;
         assert!(out.starts_with("HTTP/1.1 200"), "{out}");
@@ -158,6 +172,20 @@ async fn proxy_style_routing_host_rewrite_and_a_base_path() {
             "the endpoint's own"
         );
     }
+    // A fully qualified name (trailing dot) is the same host.
+    let out = exchange(
+        "GET http://inventory./items HTTP/1.1\r\nHost: inventory.\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    assert_eq!(up.last().headers["host"], "inventory.internal");
+    let hits = up.hits();
+    let out = exchange(
+        "GET ftp://inventory/items HTTP/1.1\r\nHost: inventory\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(out.starts_with("HTTP/1.1 400"), "{out}");
+    assert_eq!(up.hits(), hits, "another scheme is never forwarded");
     hg.terminate().await;
 
     // `--upstream` takes a base path too.
@@ -195,10 +223,47 @@ fn a_bad_host_rewrite_or_an_endpoint_query_is_refused() {
             .to_string();
         assert!(err.contains(key), "{table}: {err}");
     }
+    let src = "[upstreams.u]\nendpoints = [\"http://127.0.0.1:3000/api/../admin\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n";
+    let err = herdguard::config::Config::parse(src)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("upstreams.u.endpoints[0] (line 2)") && err.contains("`..`"),
+        "{err}"
+    );
     let src = "[upstreams.u]\nendpoints = [\"http://127.0.0.1:3000/a?b=1\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n";
     let err = herdguard::config::Config::parse(src)
         .unwrap_err()
         .to_string();
     assert!(err.contains("upstreams.u.endpoints[0] (line 2)"), "{err}");
     assert!(err.contains("query"), "{err}");
+}
+
+/// Routes match the path as the upstream will resolve it: dot segments,
+/// plain or encoded, cannot carry a request past a route that would take it.
+#[tokio::test]
+async fn routes_match_the_path_without_dot_segments() {
+    let private = ok_upstream("private").await;
+    let public = ok_upstream("public").await;
+    let server = proxy(&format!(
+        "[upstreams.private]\nendpoints = [\"{}\"]\n[upstreams.public]\nendpoints = [\"{}\"]\n\
+         [[routes]]\nname = \"private\"\nupstream = \"private\"\nmatch = {{ path_prefix = \"/private\" }}\n\
+         [[routes]]\nname = \"public\"\nupstream = \"public\"\n",
+        private.url(),
+        public.url()
+    ))
+    .await;
+    for path in [
+        "/public/../private/x",
+        "/public/%2E%2e/private/x",
+        "/./private/x",
+    ] {
+        let out = raw_exchange(
+            server.proxy_addr(),
+            format!("GET {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await;
+        assert!(out.ends_with("private"), "{path}: {out}");
+    }
+    assert_eq!(public.hits(), 0);
 }

@@ -239,6 +239,11 @@ pub(crate) fn check_endpoint(endpoint: &str) -> Result<(), String> {
             ));
         }
     }
+    if crate::policy::route::without_dot_segments(uri.path()) != uri.path() {
+        return Err(format!(
+            "{endpoint:?} has `.` or `..` in its path; write the base path it means"
+        ));
+    }
     // A path is a base prefixed to every forwarded path; a query would
     // make every forwarded URL ambiguous.
     if uri.query().is_some() || endpoint.contains('#') {

@@ -147,15 +147,64 @@ impl HostMatch {
     fn matches(&self, authority: &str) -> bool {
         match self {
             HostMatch::Authority(a) => authority.eq_ignore_ascii_case(a),
-            HostMatch::Host(h) => strip_port(authority).eq_ignore_ascii_case(h),
+            HostMatch::Host(h) => without_root_dot(strip_port(authority)).eq_ignore_ascii_case(h),
             HostMatch::Suffix(suffix) => {
-                let host = strip_port(authority);
+                let host = without_root_dot(strip_port(authority));
                 host.len() > suffix.len()
                     && host.as_bytes()[host.len() - suffix.len()..]
                         .eq_ignore_ascii_case(suffix.as_bytes())
             }
         }
     }
+}
+
+/// A host as written, less the trailing dot of a fully qualified name
+/// (`inventory.` is `inventory`).
+fn without_root_dot(host: &str) -> &str {
+    host.strip_suffix('.').unwrap_or(host)
+}
+
+/// `path` with its dot segments removed (RFC 3986 §5.2.4), `%2e` read as
+/// the `.` it encodes (§6.2.2.2): `/a/../b` and `/a/%2E%2e/b` are `/b`, and
+/// `..` never climbs above the root. What routes match, and what is joined
+/// to an endpoint's base path: a caller cannot step out of either. Borrowed
+/// when there is nothing to remove.
+pub fn without_dot_segments(path: &str) -> std::borrow::Cow<'_, str> {
+    let dotted = |s: &str| s == "." || s.eq_ignore_ascii_case("%2e");
+    let dotdot = |s: &str| {
+        s == ".."
+            || [".%2e", "%2e.", "%2e%2e"]
+                .iter()
+                .any(|d| s.eq_ignore_ascii_case(d))
+    };
+    let Some(rest) = path.strip_prefix('/') else {
+        return path.into(); // `*`, or no path
+    };
+    if !rest.split('/').any(|s| dotted(s) || dotdot(s)) {
+        return path.into();
+    }
+    let mut kept: Vec<&str> = Vec::new();
+    let mut ends_in_dir = false;
+    for segment in rest.split('/') {
+        ends_in_dir = false;
+        if dotted(segment) {
+            ends_in_dir = true;
+        } else if dotdot(segment) {
+            kept.pop();
+            ends_in_dir = true;
+        } else {
+            kept.push(segment);
+        }
+    }
+    let mut out = String::with_capacity(path.len());
+    for segment in &kept {
+        out.push('/');
+        out.push_str(segment);
+    }
+    if ends_in_dir || out.is_empty() {
+        out.push('/');
+    }
+    out.into()
 }
 
 fn strip_port(authority: &str) -> &str {
@@ -209,6 +258,33 @@ mod tests {
         let m = compile(&MatchConfig::default());
         let h = HeaderMap::new();
         assert!(m.matches(&info(None, &Method::POST, "/x", &h)));
+    }
+
+    #[test]
+    fn dot_segments_are_removed_and_never_climb_above_the_root() {
+        for (path, want) in [
+            ("/plain/path", "/plain/path"),
+            ("/", "/"),
+            ("*", "*"),
+            ("/a/../b", "/b"),
+            ("/a/./b", "/a/b"),
+            ("/a/b/..", "/a/"),
+            ("/a/b/.", "/a/b/"),
+            ("/../../etc", "/etc"),
+            ("/a/../../etc", "/etc"),
+            ("/a/%2e%2e/%2E%2E/x", "/x"),
+            ("/a/.%2e/x", "/x"),
+            ("/a/%2e/x", "/a/x"),
+            ("/..", "/"),
+            ("/a/..b/c", "/a/..b/c"),
+            ("/a//../b", "/a/b"),
+        ] {
+            assert_eq!(without_dot_segments(path), want, "{path}");
+        }
+        assert!(matches!(
+            without_dot_segments("/no/dots"),
+            std::borrow::Cow::Borrowed(_)
+        ));
     }
 
     #[test]

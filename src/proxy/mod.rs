@@ -332,13 +332,27 @@ impl Proxy {
             metrics::unrouted(&self.metrics, resp.status());
             return (resp, unrouted());
         }
+        // An absolute-form request names a scheme: only http (https
+        // callers would use CONNECT, which is refused).
+        if let Some(scheme) = req.uri().scheme_str() {
+            if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
+                let resp = LocalError::BadRequest.response(&format!(
+                    "{scheme}:// requests are not proxied; only http://"
+                ));
+                metrics::unrouted(&self.metrics, resp.status());
+                return (resp, unrouted());
+            }
+        }
         let host = request_host(req.uri(), host_field);
         let route = {
             let runtime = self.runtime.load();
+            // Routes see the path as the upstream will resolve it:
+            // `/public/../admin` is `/admin`.
+            let path = crate::policy::route::without_dot_segments(req.uri().path());
             let info = RequestInfo {
                 host,
                 method: req.method(),
-                path: req.uri().path(),
+                path: &path,
                 headers: req.headers(),
             };
             runtime.route(&info).cloned()

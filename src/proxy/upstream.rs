@@ -217,12 +217,18 @@ impl Endpoint {
 }
 
 /// `base` and the request's path, joined: `/api/v1` and `/items?x=1` give
-/// `/api/v1/items?x=1`. `None` only if the join is not a valid path, which
+/// `/api/v1/items?x=1`, and `?x=1` (an empty path) gives `/api/v1/?x=1`. `None` only if the join is not a valid path, which
 /// two valid parts cannot make (the path is then sent as it came).
 fn with_base(base: &str, pq: &PathAndQuery) -> Option<PathAndQuery> {
-    let mut joined = String::with_capacity(base.len() + pq.as_str().len());
+    // Dot segments resolved first: `/a/../../etc` must not climb out of the base.
+    let path = crate::policy::route::without_dot_segments(pq.path());
+    let mut joined = String::with_capacity(base.len() + pq.as_str().len() + 1);
     joined.push_str(base);
-    joined.push_str(pq.as_str());
+    joined.push_str(&path);
+    if let Some(query) = pq.query() {
+        joined.push('?');
+        joined.push_str(query);
+    }
     PathAndQuery::try_from(joined).ok()
 }
 

@@ -67,7 +67,9 @@ impl AccessLog {
             method: method.clone(),
             path: path.into(),
             route: None,
-            status: 0,
+            // Until an answer is made: a caller that leaves first gets
+            // nginx's "client closed request".
+            status: 499,
             attempts: 0,
             endpoint: None,
             error: None,
@@ -173,6 +175,7 @@ pub struct Entry {
     path: Box<str>,
     /// `None` when no route took the request.
     pub route: Option<Arc<str>>,
+    /// 499 when the caller left before the answer.
     pub status: u16,
     pub attempts: u32,
     /// The endpoint of the last attempt, as the config writes it.
@@ -238,12 +241,14 @@ impl Entry {
 }
 
 /// ` key=value` in logfmt: `-` for none, quoted (escaped) when the value
-/// holds a space, a quote, an `=`, a control character, or nothing.
+/// holds a space, a quote, an `=`, a control character, or nothing, or is
+/// `-` itself.
 fn field(out: &mut Vec<u8>, key: &str, value: Option<&str>) {
     let _ = match value {
         None => write!(out, " {key}=-"),
         Some(v)
             if v.is_empty()
+                || v == "-"
                 || v.chars()
                     .any(|c| c == ' ' || c == '"' || c == '=' || c.is_control()) =>
         {
@@ -319,13 +324,14 @@ mod tests {
             ("b", None),
             ("c", Some("has space")),
             ("d", Some("")),
+            ("f", Some("-")),
             ("e", Some("x=\"y\"\n")),
         ] {
             field(&mut out, key, value);
         }
         assert_eq!(
             String::from_utf8(out).unwrap(),
-            r#" a=/plain/path b=- c="has space" d="" e="x=\"y\"\n""#
+            r#" a=/plain/path b=- c="has space" d="" f="-" e="x=\"y\"\n""#
         );
     }
 }

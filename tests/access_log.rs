@@ -87,6 +87,10 @@ async fn flaky_upstream() -> Upstream {
     upstream(|req| async move {
         match req.uri().path() {
             "/ok" => Response::new(full("fine")),
+            "/hang" => {
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                Response::new(full("late"))
+            }
             _ => Response::builder().status(503).body(full("down")).unwrap(),
         }
     })
@@ -166,6 +170,30 @@ async fn json_lines_say_attempts_endpoint_error_and_skip() {
     assert_eq!(line["error"], "no-route", "{line}");
     assert!(line["route"].is_null() && line["endpoint"].is_null());
     assert_eq!(line["attempts"], 0);
+
+    // The caller leaves while the upstream is still at it: how far the
+    // request got (its route, attempt, endpoint), status 499.
+    let hits = up.hits();
+    let mut stream = tokio::net::TcpStream::connect(&log.listen).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut stream, b"GET /hang HTTP/1.1\r\nHost: app\r\n\r\n")
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(5), "the upstream has it", || async {
+        up.hits() > hits
+    })
+    .await;
+    drop(stream);
+    let line = log.next_json();
+    assert_eq!(
+        (
+            &line["status"],
+            &line["route"],
+            &line["attempts"],
+            &line["endpoint"]
+        ),
+        (&499.into(), &"r".into(), &1.into(), &up.url().into()),
+        "{line}"
+    );
 
     // Malformed: two Host headers, answered 400 by the proxy, logged too.
     let out = raw_exchange(

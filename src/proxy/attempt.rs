@@ -17,6 +17,7 @@ use http::{HeaderMap, HeaderValue, Method, Request, Response, Version};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
+use crate::access_log::Entry;
 use crate::policy::outlier::Verdict;
 use crate::policy::retry::retry_after;
 use crate::policy::{CallerFault, Outcome, UpstreamFault};
@@ -55,6 +56,8 @@ pub struct Forward<'a> {
     upgrade: bool,
     /// The route's `host_rewrite`: sent as `Host` instead of the endpoint's.
     host: Option<HeaderValue>,
+    /// The access log line, when the log is on.
+    log: Option<&'a mut Entry>,
 }
 
 enum AttemptBody {
@@ -101,12 +104,14 @@ impl<'a> Forward<'a> {
             timeout,
             upgrade,
             host: None,
+            log: None,
         }
     }
 
-    /// The endpoint of the last attempt, as the config writes it.
-    pub fn last_endpoint(&self) -> Option<Arc<str>> {
-        self.endpoint.and_then(|i| self.upstream.endpoint_label(i))
+    /// Keeps `entry` (the request's access log line) told of each attempt
+    /// and its endpoint as they are made.
+    pub fn log_into(&mut self, entry: Option<&'a mut Entry>) {
+        self.log = entry;
     }
 
     /// Sends `host` as every attempt's `Host`, whatever the endpoint.
@@ -246,6 +251,10 @@ impl retry::Attempts for Forward<'_> {
         let picked = upstream.pick(self.endpoint, self.repeatable, probe);
         let (index, target) = (picked.index, picked.endpoint());
         self.endpoint = Some(index);
+        if let Some(log) = self.log.as_deref_mut() {
+            log.attempts = n;
+            log.endpoint = Some(target.label.clone());
+        }
         let (req, progress) = self.request(n, &target.host);
 
         let sent_at = Instant::now();

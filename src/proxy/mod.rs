@@ -25,7 +25,7 @@ pub use pool::{PoolError, Pooled};
 pub use replay::ReplayBody;
 pub use upstream::{InFlight, SendError, Upstream, UpstreamError};
 
-use crate::access_log::{AccessLog, Logged};
+use crate::access_log::{AccessLog, Entry, Logged};
 use crate::config::{Config, RouteConfig};
 use crate::metrics::{self, Metrics, RouteMetrics};
 use crate::policy::breaker::{Breaker, SharedBreaker};
@@ -283,15 +283,13 @@ impl Proxy {
     ) -> Response<Logged<ResponseBody>> {
         let start = Instant::now();
         let log = self.runtime.load().access_log.clone();
+        // Filled in as the request goes: should its caller leave before
+        // the answer (this future dropped), the line says how far it got.
         let mut entry = log.map(|log| log.entry(req.method(), req.uri().path(), start));
-        let (resp, summary) = self.answer(req, caller, start).await;
+        let resp = self.answer(req, caller, start, &mut entry).await;
         if let Some(entry) = entry.as_mut() {
             entry.status = resp.status().as_u16();
             entry.error = resp.headers().get(&headers::X_HERDGUARD_ERROR).cloned();
-            entry.route = summary.route;
-            entry.attempts = summary.attempts;
-            entry.endpoint = summary.endpoint;
-            entry.skip = summary.skipped.map(|s| s.as_str());
         }
         let (parts, body) = resp.into_parts();
         Response::from_parts(parts, Logged::new(body, entry))
@@ -302,13 +300,13 @@ impl Proxy {
         req: Request<Incoming>,
         caller: &Caller,
         start: Instant,
-    ) -> (Response<ResponseBody>, Summary) {
-        let unrouted = Summary::default;
+        entry: &mut Option<Box<Entry>>,
+    ) -> Response<ResponseBody> {
         if req.method() == Method::CONNECT {
             let resp = LocalError::NotProxied
                 .response("CONNECT is not proxied; herdguard is a reverse proxy");
             metrics::unrouted(&self.metrics, resp.status());
-            return (resp, unrouted());
+            return resp;
         }
         let checked = headers::check_host(req.version(), req.headers())
             .map_err(|problem| (LocalError::BadRequest, problem))
@@ -325,12 +323,12 @@ impl Proxy {
             Err((error, problem)) => {
                 let resp = error.response(problem);
                 metrics::unrouted(&self.metrics, resp.status());
-                return (resp, unrouted());
+                return resp;
             }
         };
         if let Some(resp) = headers::max_forwards_reached(&req) {
             metrics::unrouted(&self.metrics, resp.status());
-            return (resp, unrouted());
+            return resp;
         }
         // An absolute-form request names a scheme: only http (https
         // callers would use CONNECT, which is refused).
@@ -340,7 +338,7 @@ impl Proxy {
                     "{scheme}:// requests are not proxied; only http://"
                 ));
                 metrics::unrouted(&self.metrics, resp.status());
-                return (resp, unrouted());
+                return resp;
             }
         }
         let host = request_host(req.uri(), host_field);
@@ -365,10 +363,12 @@ impl Proxy {
                 req.uri().path()
             ));
             metrics::unrouted(&self.metrics, resp.status());
-            return (resp, unrouted());
+            return resp;
         };
-        let (resp, mut summary) = forward(&route, req, caller, start).await;
-        summary.route = Some(route.name.clone());
+        if let Some(entry) = entry.as_mut() {
+            entry.route = Some(route.name.clone());
+        }
+        let resp = forward(&route, req, caller, start, entry.as_deref_mut()).await;
         // The upstream's own x-herdguard-error was dropped: one left is ours.
         let h = resp.headers();
         let source = match h.contains_key(&headers::X_HERDGUARD_ERROR)
@@ -382,18 +382,8 @@ impl Proxy {
             .guards
             .metrics
             .request(resp.status(), source, start.elapsed());
-        (resp, summary)
+        resp
     }
-}
-
-/// What the access log tells of a request besides its response.
-#[derive(Default)]
-struct Summary {
-    route: Option<Arc<str>>,
-    attempts: u32,
-    /// The endpoint of the last attempt.
-    endpoint: Option<Arc<str>>,
-    skipped: Option<crate::policy::SkipReason>,
 }
 
 /// The request's authority: from the URI (absolute-form or HTTP/2) or `Host`.
@@ -408,7 +398,8 @@ async fn forward(
     mut req: Request<Incoming>,
     caller: &Caller,
     start: Instant,
-) -> (Response<ResponseBody>, Summary) {
+    mut log: Option<&mut Entry>,
+) -> Response<ResponseBody> {
     let upgrade = headers::requested_upgrade(req.version(), req.headers());
     let multiplexed = req.version() == Version::HTTP_2;
     // A request that asks to upgrade takes a tunnel place first: tunnels
@@ -423,7 +414,7 @@ async fn forward(
                     route.upstream.name,
                     tunnels.max()
                 ));
-                return (resp, Summary::default());
+                return resp;
             }
         },
         false => None,
@@ -454,10 +445,7 @@ async fn forward(
             fault_note = Some(HeaderValue::from_static("delay"));
         }
         if abort {
-            return (
-                error::fault_response(fault.abort_status),
-                Summary::default(),
-            );
+            return error::fault_response(fault.abort_status);
         }
     }
     let h = &mut parts.headers;
@@ -498,22 +486,20 @@ async fn forward(
         upgrade,
     );
     attempts.host_rewrite(route.host_rewrite.clone());
+    attempts.log_into(log.as_deref_mut());
     let deadline = retry::deadline(start, policy.timeout);
     if let Err((fault, detail)) = attempts.prefetch(deadline).await {
         let outcome = crate::policy::Outcome::Caller(fault);
         let mut resp = LocalError::for_outcome(outcome).response(&detail);
         resp.headers_mut()
             .insert(&headers::X_HERDGUARD_ATTEMPTS, attempt::attempt_value(0));
-        return (resp, Summary::default());
+        return resp;
     }
     let sent = retry::run(&route.guards, facts, &mut attempts, start, explain).await;
-    let summary = Summary {
-        route: None,
-        attempts: sent.attempts,
-        endpoint: attempts.last_endpoint(),
-        skipped: sent.skipped,
-    };
     drop(attempts);
+    if let (Some(log), Some(skipped)) = (log, sent.skipped) {
+        log.skip = Some(skipped.as_str());
+    }
     let attempts = attempt::attempt_value(sent.attempts);
     // What the caller is told besides the answer: the trace, an injected delay.
     let notes = |h: &mut http::HeaderMap| {
@@ -539,7 +525,7 @@ async fn forward(
             resp.headers_mut()
                 .insert(&headers::X_HERDGUARD_ATTEMPTS, attempts);
             notes(resp.headers_mut());
-            return (resp, summary);
+            return resp;
         }
     };
 
@@ -549,22 +535,20 @@ async fn forward(
             tokio::spawn(tunnel::relay(caller, upstream_side, slot, place));
             let (mut parts, _) = resp.into_parts();
             finish_headers(&mut parts.headers, true, attempts);
-            let resp = Response::from_parts(parts, ResponseBody::local(bytes::Bytes::new()));
-            return (resp, summary);
+            return Response::from_parts(parts, ResponseBody::local(bytes::Bytes::new()));
         }
     }
     let (mut parts, body) = resp.into_parts();
     let settle = sent.settle_on_body.then(|| route.clone());
     finish_headers(&mut parts.headers, false, attempts);
     notes(&mut parts.headers);
-    let resp = Response::from_parts(
+    Response::from_parts(
         parts,
         match multiplexed {
             true => ResponseBody::watched(body, slot, route.write_timeout, settle),
             false => ResponseBody::upstream(body, slot, route.write_timeout, settle),
         },
-    );
-    (resp, summary)
+    )
 }
 
 fn finish_headers(h: &mut http::HeaderMap, upgrade: bool, attempts: HeaderValue) {

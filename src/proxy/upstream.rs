@@ -319,11 +319,6 @@ impl Upstream {
     /// `breaker_probe`: the route's breaker holds the upstream failing and
     /// lets this request through to find out: it goes to the endpoints in
     /// turn, ejected or not, so a healed endpoint that was ejected is found.
-    /// Endpoint `index`'s label, as the config writes it (`None` past the end).
-    pub fn endpoint_label(&self, index: usize) -> Option<Arc<str>> {
-        self.endpoints.get(index).map(|e| e.label.clone())
-    }
-
     pub fn pick(
         &self,
         previous: Option<usize>,

@@ -47,6 +47,9 @@ pub struct Shared {
     pub proxy: Arc<Proxy>,
     /// Set once shutdown begins: /readyz turns 503.
     pub draining: AtomicBool,
+    /// Held while a reload builds and swaps: one at a time, so a reload
+    /// never builds on a runtime another is about to replace.
+    reloading: std::sync::Mutex<()>,
 }
 
 /// A running proxy.
@@ -79,6 +82,7 @@ impl Server {
         let shared = Arc::new(Shared {
             proxy,
             draining: AtomicBool::new(false),
+            reloading: std::sync::Mutex::new(()),
         });
         let (shutdown, shutdown_rx) = watch::channel(false);
         let mut drain_rx = shutdown_rx.clone();
@@ -246,7 +250,7 @@ impl Server {
                 let now = tokio::fs::read(&path).await.ok();
                 if now.is_some() && now == seen && now != loaded {
                     info!(path = %path.display(), "config file changed");
-                    let _ = reloader.reload_file(&path);
+                    let _ = reloader.reload_file_in_background(path.clone()).await;
                     loaded = now.clone();
                 }
                 seen = now;
@@ -293,6 +297,11 @@ impl Reloader {
     /// upstreams the new config keeps (see `Runtime::rebuild`). Listener
     /// addresses cannot change without a restart: a change is logged and ignored.
     pub fn reload(&self, mut config: Config) -> Result<(), BuildError> {
+        let _one_at_a_time = self
+            .shared
+            .reloading
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         let proxy = &self.shared.proxy;
         let current = proxy.runtime();
         for (what, old, new) in [
@@ -341,6 +350,16 @@ impl Reloader {
                 Err(e)
             }
         }
+    }
+
+    /// [`reload_file`](Self::reload_file) on a blocking thread: checking a
+    /// large file (or one with thousands of errors) and building its routes
+    /// takes a while, and a proxy with one worker thread must go on serving.
+    pub async fn reload_file_in_background(&self, path: PathBuf) -> Result<(), String> {
+        let reloader = self.clone();
+        tokio::task::spawn_blocking(move || reloader.reload_file(&path))
+            .await
+            .unwrap_or_else(|e| Err(format!("the reload did not finish: {e}")))
     }
 
     /// Reads, checks and applies a config file. A file with errors changes

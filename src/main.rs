@@ -547,7 +547,7 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
             _ = hup.recv() => match &path {
                 Some(path) => {
                     info!(signal = "SIGHUP", path = %path.display(), "reloading");
-                    let _ = reloader.reload_file(path);
+                    let _ = reloader.reload_file_in_background(path.clone()).await;
                 }
                 None => warn!(signal = "SIGHUP", "no config file to reload (running with --upstream)"),
             },

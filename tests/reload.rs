@@ -288,3 +288,59 @@ async fn reload_log_lines_are_single_and_say_what_changed() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// A reload is checked and built off the proxy's worker threads: with one
+/// worker, a file with 10,000 errors is still being checked while the
+/// admin listener answers, and the old config keeps serving after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_big_broken_reload_does_not_stall_a_one_thread_proxy() {
+    use common::process::{line_with, spawn_reading_stderr, BIN};
+    let up = ok_upstream("ok").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("herdguard.toml");
+    std::fs::write(&path, toml(&[("a", "/", "")], &up.url())).unwrap();
+    let mut cmd = std::process::Command::new(BIN);
+    cmd.arg("--config")
+        .arg(&path)
+        .args(["--log-format", "json", "--threads", "1"]);
+    let (mut child, lines) = spawn_reading_stderr(cmd);
+    let (serving, lines) = line_with(lines, "herdguard serving").await;
+    let serving: serde_json::Value = serde_json::from_str(&serving).unwrap();
+    let admin = serving["admin"].as_str().unwrap().to_owned();
+    let listen = serving["listen"].as_str().unwrap().to_owned();
+
+    let mut bad = toml(&[], &up.url());
+    for i in 0..10_000 {
+        bad.push_str(&format!(
+            "[[routes]]\nname = \"r{i}\"\nupstream = \"u\"\ntypo = 1\n"
+        ));
+    }
+    std::fs::write(&path, bad).unwrap();
+    let sent = std::process::Command::new("kill")
+        .args(["-HUP", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    // Answered while the reload is under way: its end is not logged yet.
+    let healthz = http::Request::get(format!("http://{admin}/healthz"))
+        .body(empty())
+        .unwrap();
+    assert_eq!(send(&client(), healthz).await.0, StatusCode::OK);
+    let so_far: Vec<String> = lines.try_iter().collect();
+    assert!(
+        !so_far.iter().any(|l| l.contains("config reload failed")),
+        "the admin listener waited for the reload: {so_far:#?}"
+    );
+    let (failed, _) = line_with(lines, "config reload failed").await;
+    assert!(failed.contains("routes[9999].typo"), "{failed}");
+    let req = http::Request::get(format!("http://{listen}/x"))
+        .body(empty())
+        .unwrap();
+    assert_eq!(
+        send(&client(), req).await.0,
+        StatusCode::OK,
+        "the old config serves"
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+}

@@ -188,13 +188,14 @@ impl Config {
         let mut root = DeTable::parse(src).map_err(|e| {
             ConfigErrors(vec![ConfigError {
                 path: KeyPath::root(),
-                line: e.span().map(|s| line_of(src, s.start)),
+                line: e.span().map(|s| Lines::new(src).of(s.start)),
                 message: e.message().trim().to_owned(),
             }])
         })?;
         inherit_defaults(root.get_mut());
+        let lines = Lines::new(src);
         let mut loader = Loader {
-            src,
+            lines: &lines,
             tree: &root,
             errors: Vec::new(),
             route_index: Vec::new(),
@@ -215,7 +216,7 @@ impl Config {
         validate::warnings(&config, &mut |path, message| {
             let span = locate(&root, &path);
             warnings.push(ConfigError {
-                line: span.map(|s| line_of(src, s.start)),
+                line: span.map(|s| lines.of(s.start)),
                 path,
                 message,
             })
@@ -256,7 +257,7 @@ fn tidy(mut errors: Vec<ConfigError>) -> Vec<ConfigError> {
 }
 
 struct Loader<'a, 'i> {
-    src: &'a str,
+    lines: &'a Lines,
     tree: &'a Spanned<DeTable<'i>>,
     errors: Vec<ConfigError>,
     /// For each route that parsed, its index in the file.
@@ -364,7 +365,7 @@ impl<'i> Loader<'_, 'i> {
     fn error(&mut self, path: KeyPath, span: Option<Range<usize>>, message: impl Into<String>) {
         let span = span.or_else(|| locate(self.tree, &path));
         self.errors.push(ConfigError {
-            line: span.map(|s| line_of(self.src, s.start)),
+            line: span.map(|s| self.lines.of(s.start)),
             path,
             message: message.into(),
         });
@@ -477,11 +478,22 @@ fn locate(tree: &Spanned<DeTable<'_>>, path: &KeyPath) -> Option<Range<usize>> {
     span
 }
 
-fn line_of(src: &str, offset: usize) -> usize {
-    let offset = offset.min(src.len());
-    src.as_bytes()[..offset]
-        .iter()
-        .filter(|&&b| b == b'\n')
-        .count()
-        + 1
+/// Where the file's lines end: the line of each of thousands of errors
+/// is a binary search, not a count from the top of the file.
+struct Lines(Vec<usize>);
+
+impl Lines {
+    fn new(src: &str) -> Self {
+        Lines(
+            src.bytes()
+                .enumerate()
+                .filter_map(|(i, b)| (b == b'\n').then_some(i))
+                .collect(),
+        )
+    }
+
+    /// The 1-based line of byte `offset`.
+    fn of(&self, offset: usize) -> usize {
+        self.0.partition_point(|&newline| newline < offset) + 1
+    }
 }

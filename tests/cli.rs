@@ -447,3 +447,53 @@ fn check_survives_a_closed_or_full_stdout_and_refuses_an_endless_file() {
         "{out:?}"
     );
 }
+
+/// What one error hides is still checked: a typo'd key in an upstream does
+/// not hide its endpoints' errors, one in a route not the rest of the route,
+/// a bad default not every route's own errors; a route naming an upstream
+/// that did not parse is not told it does not exist, and the names listed
+/// as known are quoted.
+#[test]
+fn check_reports_what_a_first_error_would_hide() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(
+        &dir,
+        "hidden.toml",
+        "[upstreams.a]\n\
+         endpoints = [\"http://127.0.0.1:99999\"]\n\
+         conect_timeout = \"1s\"\n\
+         [upstreams.\"b\\nc\"]\n\
+         endpoints = 3\n\
+         [defaults.retry.backoff]\n\
+         jitter = \"maybe\"\n\
+         [[routes]]\n\
+         name = \"r\"\n\
+         upstream = \"zzz\"\n\
+         typo = 1\n\
+         fault = { abort = 2.0 }\n\
+         host_rewrite = \"a b\"\n\
+         [[routes]]\n\
+         name = \"s\"\n\
+         upstream = \"b\\nc\"\n",
+    );
+    let out = check(&path);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    for (key, says) in [
+        ("upstreams.a.endpoints[0] (line 2)", "port \"99999\""),
+        ("upstreams.a.conect_timeout (line 3)", "unknown field"),
+        ("defaults.retry.backoff.jitter (line 7)", "unknown variant"),
+        ("routes[0].upstream (line 10)", "(known: \"a\", \"b\\nc\")"),
+        ("routes[0].typo (line 11)", "unknown field"),
+        ("routes[0].fault.abort (line 12)", "out of range"),
+        ("routes[0].host_rewrite (line 13)", "not a host"),
+    ] {
+        assert!(
+            stderr
+                .lines()
+                .any(|l| l.starts_with(key) && l.contains(says)),
+            "{key}: {says}\n{stderr}"
+        );
+    }
+    assert!(!stderr.contains("routes[1].upstream"), "{stderr}");
+}

@@ -130,7 +130,7 @@ match = { path_prefix = "v1" }
         "upstreams.web.endpoints[0] (line 6): \"ftp://example.com\" must start with http:// or https://",
         "defaults.retry.backoff.cap (line 10): 1s is below base (2s)",
         "defaults.retry.budget.ratio (line 13): 1.5 is out of range",
-        "routes[0].upstream (line 17): no upstream is named \"nope\" (known: api, web)",
+        "routes[0].upstream (line 17): no upstream is named \"nope\" (known: \"api\", \"web\")",
         "routes[1].name (line 20): \"a\" names another route too",
         "routes[1].match.path_prefix (line 22): \"v1\" must start with '/'",
     ];

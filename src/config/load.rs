@@ -112,6 +112,14 @@ impl KeyPath {
         self
     }
 
+    /// The segments of this path below `prefix` (all, if it is not one).
+    fn below(&self, prefix: &KeyPath) -> &[Segment] {
+        match self.0.strip_prefix(&prefix.0[..]) {
+            Some(rest) => rest,
+            None => &self.0,
+        }
+    }
+
     fn extend_from(&self, path: &serde_path_to_error::Path) -> Self {
         use serde_path_to_error::Segment as S;
         let mut p = self.clone();
@@ -334,32 +342,52 @@ impl<'i> Loader<'_, 'i> {
         config
     }
 
-    /// Deserializes one section, reporting every error in it: serde stops
+    /// Deserializes one section, reporting every error in it. serde stops
     /// at a section's first error, so after one, each value of the section
-    /// is tried alone (a missing required key then is no error of its own).
+    /// is tried alone (a missing required key then is no error of its own);
+    /// then the values in error are left out and the rest deserialized
+    /// again, so that what they hid (a route's other keys, an upstream's
+    /// endpoints) is still checked. `None` only when no repair serves (a
+    /// required key is missing or wrong, or the section is no table).
     fn section<T: DeserializeOwned>(
         &mut self,
         value: &Spanned<DeValue<'i>>,
         path: &KeyPath,
     ) -> Option<T> {
-        let first = match try_section::<T>(value.clone(), path) {
-            Ok(v) => return Some(v),
-            Err(e) => e,
-        };
-        let mut found = vec![first];
-        let mut leaves = Vec::new();
-        one_value_trees(value, &mut Vec::new(), &mut leaves);
-        for tree in leaves {
-            if let Err(e) = try_section::<T>(tree, path) {
-                if !e.2.starts_with("missing field") && !found.contains(&e) {
+        let mut tree = value.clone();
+        let mut found: Vec<SectionError> = Vec::new();
+        // Each pass leaves out at least one more key; a section has few.
+        let parsed = loop {
+            let first = match try_section::<T>(tree.clone(), path) {
+                Ok(v) => break Some(v),
+                Err(e) => e,
+            };
+            let mut errors = vec![first];
+            let mut leaves = Vec::new();
+            one_value_trees(&tree, &mut Vec::new(), &mut leaves);
+            for leaf in leaves {
+                if let Err(e) = try_section::<T>(leaf, path) {
+                    if !e.2.starts_with("missing field") && !errors.contains(&e) {
+                        errors.push(e);
+                    }
+                }
+            }
+            let mut repaired = false;
+            for e in errors {
+                let below = e.0.below(path);
+                repaired |= leave_out(&mut tree, below);
+                if !found.contains(&e) {
                     found.push(e);
                 }
             }
-        }
+            if !repaired {
+                break None;
+            }
+        };
         for (path, span, message) in found {
             self.error(path, span, message);
         }
-        None
+        parsed
     }
 
     fn error(&mut self, path: KeyPath, span: Option<Range<usize>>, message: impl Into<String>) {
@@ -384,6 +412,23 @@ fn try_section<T: DeserializeOwned>(
         let inner = e.into_inner();
         (path, inner.span(), inner.message().trim().to_owned())
     })
+}
+
+/// Removes the key `path` leads to from `tree` (for a path into an array,
+/// the key holding the array); false if there is no such key.
+fn leave_out(tree: &mut Spanned<DeValue<'_>>, path: &[Segment]) -> bool {
+    let Some((Segment::Key(key), rest)) = path.split_first() else {
+        return false;
+    };
+    let DeValue::Table(table) = tree.get_mut() else {
+        return false;
+    };
+    if let (Some(Segment::Key(_)), Some(inner)) = (rest.first(), table.get_mut(key.as_str())) {
+        if leave_out(inner, rest) {
+            return true;
+        }
+    }
+    table.remove(key.as_str()).is_some()
 }
 
 /// For each value in `value`'s tables (an array or a scalar is one value),

@@ -101,7 +101,13 @@ pub(super) fn validate(
             );
         }
         if !config.upstreams.contains_key(&route.upstream) && !unparsed.contains(&route.upstream) {
-            let known: Vec<&str> = config.upstreams.keys().map(String::as_str).collect();
+            let mut known: Vec<&str> = config
+                .upstreams
+                .keys()
+                .chain(unparsed)
+                .map(String::as_str)
+                .collect();
+            known.sort_unstable();
             report(
                 path.key("upstream"),
                 format!(
@@ -334,12 +340,13 @@ fn positive(report: &mut Report<'_>, path: &KeyPath, d: Duration) {
     }
 }
 
+/// Names as a list, each quoted (a name may hold any character).
 fn list(items: &[&str]) -> String {
     if items.is_empty() {
-        "none".to_owned()
-    } else {
-        items.join(", ")
+        return "none".to_owned();
     }
+    let quoted: Vec<String> = items.iter().map(|i| format!("{i:?}")).collect();
+    quoted.join(", ")
 }
 
 /// Things a config may say but probably does not mean. `check` prints them;

@@ -88,6 +88,7 @@ impl Server {
         let mut drain_rx = shutdown_rx.clone();
         let shutdown_rx_upkeep = shutdown_rx.clone();
         let (admin_stop, admin_stop_rx) = watch::channel(false);
+        let drain_timeout = config.listen.drain_timeout;
 
         let proxy_loop = {
             let proxy = shared.proxy.clone();
@@ -177,6 +178,20 @@ impl Server {
                 let draining = async {
                     stopped(&mut drain_rx).await;
                     shared.draining.store(true, Ordering::Release);
+                    // Upgraded connections have left hyper's hands: the
+                    // drain waits for them as for connections.
+                    let tunnels = shared.proxy.tunnels();
+                    let open = tunnels.count();
+                    if open > 0 {
+                        info!(tunnels = open, timeout = ?drain_timeout, "draining upgraded connections");
+                    }
+                    if !tunnels.closed_within(drain_timeout).await {
+                        warn!(
+                            tunnels = tunnels.count(),
+                            timeout = ?drain_timeout,
+                            "drain timeout passed with upgraded connections still open; closing them"
+                        );
+                    }
                 };
                 tokio::join!(proxy_loop, draining);
                 let _ = admin_stop.send(true);

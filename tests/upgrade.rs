@@ -210,3 +210,73 @@ async fn an_idle_tunnel_is_closed_and_a_busy_one_is_not() {
     drop(busy);
     hg.terminate().await;
 }
+
+/// A drain waits for open tunnels as for connections: one still open after
+/// SIGTERM goes on relaying and the process exits once it closes; one that
+/// outlives `drain_timeout` is cut, and the log says how many were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_waits_for_tunnels_then_says_how_many_it_cut() {
+    use std::time::Duration;
+    let upstream = ws_or_plain_upstream().await;
+    let hg = common::process::Binary::start_with(
+        "drain_timeout = \"20s\"",
+        &tunnel_config(upstream, ""),
+    )
+    .await;
+    let (mut ws, _) = tokio_tungstenite::connect_async(format!("ws://{}/s", hg.listen))
+        .await
+        .unwrap();
+    let admin = hg.admin.clone();
+    hg.sigterm();
+    eventually(Duration::from_secs(5), "draining", || async {
+        let req = http::Request::get(format!("http://{admin}/readyz"))
+            .body(empty())
+            .unwrap();
+        send(&client(), req).await.0 == http::StatusCode::SERVICE_UNAVAILABLE
+    })
+    .await;
+    for i in 0..3 {
+        ws.send(Message::text(format!("{i}"))).await.unwrap();
+        let echoed = ws.next().await.unwrap().unwrap();
+        assert_eq!(
+            echoed,
+            Message::text(format!("{i}")),
+            "relayed while draining"
+        );
+    }
+    ws.close(None).await.unwrap();
+    drop(ws);
+    let started = std::time::Instant::now();
+    let lines = hg.exited().await;
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "exited once it closed"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("draining upgraded connections")),
+        "{lines:#?}"
+    );
+    assert!(
+        !lines.iter().any(|l| l.contains("closing them")),
+        "{lines:#?}"
+    );
+
+    let hg = common::process::Binary::start_with(
+        "drain_timeout = \"300ms\"",
+        &tunnel_config(upstream, ""),
+    )
+    .await;
+    let (_ws, _) = tokio_tungstenite::connect_async(format!("ws://{}/s", hg.listen))
+        .await
+        .unwrap();
+    hg.sigterm();
+    let lines = hg.exited().await;
+    let cut = lines
+        .iter()
+        .find(|l| l.contains("upgraded connections still open"))
+        .unwrap_or_else(|| panic!("{lines:#?}"));
+    let cut: serde_json::Value = serde_json::from_str(cut).unwrap();
+    assert_eq!(cut["tunnels"], 1, "{cut}");
+}

@@ -7,7 +7,7 @@ mod error;
 pub mod headers;
 mod pool;
 mod replay;
-mod tunnel;
+pub mod tunnel;
 mod upstream;
 
 use std::net::SocketAddr;
@@ -250,6 +250,8 @@ impl Caller {
 pub struct Proxy {
     runtime: ArcSwap<Runtime>,
     metrics: Arc<Metrics>,
+    /// Upgraded connections open, for the drain.
+    tunnels: Arc<tunnel::OpenTunnels>,
 }
 
 impl Proxy {
@@ -257,6 +259,7 @@ impl Proxy {
         Self {
             runtime: ArcSwap::from_pointee(runtime),
             metrics,
+            tunnels: Arc::default(),
         }
     }
 
@@ -272,6 +275,11 @@ impl Proxy {
 
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
+    }
+
+    /// Upgraded connections (WebSockets) open now, under any config.
+    pub fn tunnels(&self) -> &Arc<tunnel::OpenTunnels> {
+        &self.tunnels
     }
 
     /// Answers one request from `caller`; its access log line, if the log
@@ -368,7 +376,15 @@ impl Proxy {
         if let Some(entry) = entry.as_mut() {
             entry.route = Some(route.name.clone());
         }
-        let resp = forward(&route, req, caller, start, entry.as_deref_mut()).await;
+        let resp = forward(
+            &route,
+            req,
+            caller,
+            start,
+            entry.as_deref_mut(),
+            &self.tunnels,
+        )
+        .await;
         // The upstream's own x-herdguard-error was dropped: one left is ours.
         let h = resp.headers();
         let source = match h.contains_key(&headers::X_HERDGUARD_ERROR)
@@ -399,6 +415,7 @@ async fn forward(
     caller: &Caller,
     start: Instant,
     mut log: Option<&mut Entry>,
+    tunnels: &Arc<tunnel::OpenTunnels>,
 ) -> Response<ResponseBody> {
     let upgrade = headers::requested_upgrade(req.version(), req.headers());
     let multiplexed = req.version() == Version::HTTP_2;
@@ -532,7 +549,8 @@ async fn forward(
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let (Some(caller), Some(place)) = (caller_upgrade, tunnel_place) {
             let upstream_side = hyper::upgrade::on(&mut resp);
-            tokio::spawn(tunnel::relay(caller, upstream_side, slot, place));
+            let tracked = tunnels.track();
+            tokio::spawn(tunnel::relay(caller, upstream_side, slot, place, tracked));
             let (mut parts, _) = resp.into_parts();
             finish_headers(&mut parts.headers, true, attempts);
             return Response::from_parts(parts, ResponseBody::local(bytes::Bytes::new()));

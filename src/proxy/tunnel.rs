@@ -59,6 +59,55 @@ impl Tunnels {
     }
 }
 
+/// Every tunnel a proxy has open, whatever upstream or config it began
+/// under: a drain waits for them as for connections, since an upgraded
+/// connection has left hyper's hands and no connection count holds it.
+#[derive(Debug, Default)]
+pub struct OpenTunnels {
+    open: AtomicUsize,
+    closed: tokio::sync::Notify,
+}
+
+impl OpenTunnels {
+    pub fn count(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
+    /// Counts one more until the guard is dropped.
+    pub fn track(self: &Arc<Self>) -> Tracked {
+        self.open.fetch_add(1, Ordering::AcqRel);
+        Tracked(self.clone())
+    }
+
+    /// Waits until none is open, or `limit` passes: whether none is.
+    pub async fn closed_within(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            let closed = self.closed.notified();
+            tokio::pin!(closed);
+            closed.as_mut().enable();
+            if self.count() == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, closed).await.is_err() {
+                return self.count() == 0;
+            }
+        }
+    }
+}
+
+/// One open tunnel, counted in [`OpenTunnels`] until dropped.
+#[derive(Debug)]
+pub struct Tracked(Arc<OpenTunnels>);
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        if self.0.open.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.closed.notify_waiters();
+        }
+    }
+}
+
 /// One place among an upstream's tunnels, given back on drop.
 #[derive(Debug)]
 pub struct TunnelSlot(Arc<Tunnels>);
@@ -77,6 +126,7 @@ pub async fn relay(
     upstream: hyper::upgrade::OnUpgrade,
     mut slot: InFlight,
     place: TunnelSlot,
+    tracked: Tracked,
 ) {
     slot.park();
     let idle = place.0.idle_timeout;
@@ -111,6 +161,7 @@ pub async fn relay(
     }
     drop(slot);
     drop(place);
+    drop(tracked);
 }
 
 pin_project_lite::pin_project! {

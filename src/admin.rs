@@ -98,15 +98,32 @@ fn may_change(
     headers: &http::HeaderMap,
     token: Option<&str>,
 ) -> Result<(), &'static str> {
+    // A browser sends Origin (or Sec-Fetch-Site) with a cross-site POST:
+    // any web page a developer opens could otherwise force the breakers of
+    // a proxy on their machine's loopback. Operators' tools send neither.
+    if headers.contains_key(http::header::ORIGIN)
+        || headers
+            .get("sec-fetch-site")
+            .is_some_and(|v| v != "same-origin" && v != "none")
+    {
+        return Err("changes are not taken from web pages (the request carries Origin)");
+    }
     if peer.ip().to_canonical().is_loopback() {
         return Ok(());
     }
     let Some(token) = token else {
         return Err("changes are taken from loopback only (set admin.token to allow others)");
     };
+    // `Bearer TOKEN`: the scheme is case-insensitive (RFC 9110 §11.1).
     let given = headers
         .get(http::header::AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+        .map(|v| v.as_bytes())
+        .and_then(|v| {
+            let (scheme, rest) = v.split_at(v.iter().position(|&b| b == b' ')?);
+            scheme
+                .eq_ignore_ascii_case(b"bearer")
+                .then(|| rest.trim_ascii_start())
+        });
     match given {
         Some(given) if bool::from(given.ct_eq(token.as_bytes())) => Ok(()),
         Some(_) => Err("wrong admin token"),
@@ -205,6 +222,38 @@ mod tests {
     }
 
     const TOKEN: &str = "0123456789abcdef0123";
+
+    #[test]
+    fn a_web_page_may_not_change_anything_even_from_loopback() {
+        for (name, value) in [
+            ("origin", "https://evil.example"),
+            ("origin", "null"),
+            ("sec-fetch-site", "cross-site"),
+        ] {
+            let mut h = bearer(TOKEN);
+            h.insert(name, HeaderValue::from_static(value));
+            assert!(
+                may_change(peer("127.0.0.1"), &h, Some(TOKEN)).is_err(),
+                "{name}: {value}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        for form in ["bearer", "BEARER", "Bearer  "] {
+            let mut h = http::HeaderMap::new();
+            h.insert(
+                http::header::AUTHORIZATION,
+                HeaderValue::from_str(&format!("{form} {TOKEN}")).unwrap(),
+            );
+            assert_eq!(
+                may_change(peer("10.0.0.1"), &h, Some(TOKEN)),
+                Ok(()),
+                "{form}"
+            );
+        }
+    }
 
     #[test]
     fn loopback_may_change_without_a_token() {

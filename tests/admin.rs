@@ -129,6 +129,14 @@ async fn the_admin_token_is_checked_and_never_shown() {
     assert_eq!(status, StatusCode::OK, "loopback may, token or not");
     let (status, _, _) = send(&client(), post("/breakers/r/reset")).await;
     assert_eq!(status, StatusCode::OK);
+    // A web page on the same machine (a cross-site form post) may not.
+    let mut from_page = post("/breakers/r/open");
+    from_page.headers_mut().insert(
+        http::header::ORIGIN,
+        http::HeaderValue::from_static("https://evil.example"),
+    );
+    let (status, _, body) = send(&client(), from_page).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body:?}");
     let req = http::Request::get(format!("http://{}/config", hg.admin))
         .body(empty())
         .unwrap();

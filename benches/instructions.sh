@@ -13,6 +13,7 @@
 #   benches/instructions.sh            # N1=2000 N2=22000
 #   N2=42000 benches/instructions.sh
 #   PROXIES=herdguard benches/instructions.sh   # only herdguard, while iterating
+#   PROXIES="herdguard herdguard-access-log" benches/instructions.sh   # the access log's cost
 #
 # Installs valgrind, nginx and HAProxy from Debian, and oha with cargo, when missing.
 set -euo pipefail
@@ -47,6 +48,8 @@ nginx_proxy_to $UP_PORT
 nginx_conf nginx $NGINX_PORT off "$NGINX_HTTP_EXTRA" "$NGINX_SERVER"
 haproxy_conf $HAPROXY_PORT $UP_PORT
 herdguard_conf herdguard $HG_PORT $HG_ADMIN $UP_PORT 3
+# The same with the access log on (its lines go to the run's log file).
+{ cat "$WORK/herdguard.toml"; printf '[access_log]\nenabled = true\n'; } > "$WORK/herdguard-access-log.toml"
 
 wait_port $UP_PORT
 
@@ -70,7 +73,8 @@ export RUST_LOG=warn
         nginx) echo "nginx $n $(count nginx $NGINX_PORT QUIT "$n" nginx -c "$WORK/nginx.conf")" ;;
         haproxy) echo "haproxy $n $(count haproxy $HAPROXY_PORT TERM "$n" haproxy -db -f "$WORK/haproxy.cfg")" ;;
         herdguard) echo "herdguard $n $(count herdguard $HG_PORT INT "$n" ./target/release/herdguard --config "$WORK/herdguard.toml" --threads 1)" ;;
-        *) echo "unknown proxy $proxy (nginx, haproxy, herdguard)" >&2; exit 2 ;;
+        herdguard-access-log) echo "herdguard-access-log $n $(count herdguard-access-log $HG_PORT INT "$n" ./target/release/herdguard --config "$WORK/herdguard-access-log.toml" --threads 1)" ;;
+        *) echo "unknown proxy $proxy (nginx, haproxy, herdguard, herdguard-access-log)" >&2; exit 2 ;;
       esac
     done
   done

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use crate::policy::breaker::State as BreakerState;
-use crate::policy::outcome::{Outcome, SkipReason, UpstreamFault};
+use crate::policy::outcome::{GrpcStatus, Outcome, SkipReason, UpstreamFault};
 use http::StatusCode;
 use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder, SharedString};
 use metrics_exporter_prometheus::{
@@ -334,6 +334,10 @@ pub struct RouteMetrics {
     /// `herdguard_retries_total` for the upstream's failures that are not a status.
     retries: [Counter; UpstreamFault::ALL.len()],
     retries_by_status: ByStatus,
+    /// `herdguard_retries_total` after the gRPC statuses `retry_on` may
+    /// name, registered on first use (most routes carry no gRPC).
+    retries_by_grpc: [OnceLock<Counter>; GrpcStatus::RETRYABLE.len()],
+    route: Arc<str>,
     skipped: [Counter; SkipReason::ALL.len()],
     backoff: Histogram,
     pub budget_available: Gauge,
@@ -380,6 +384,8 @@ impl RouteMetrics {
             attempts,
             retries,
             retries_by_status: ByStatus::new(registry, RETRIES_TOTAL, &name, "reason", None),
+            retries_by_grpc: Default::default(),
+            route: name.clone(),
             skipped,
             backoff: registry.histogram(BACKOFF_SECONDS, &[("route", route)]),
             budget_available: registry.gauge(RETRY_BUDGET_AVAILABLE, &[("route", route)]),
@@ -418,6 +424,18 @@ impl RouteMetrics {
     pub fn retry(&self, cause: Outcome, delay: Duration) {
         match cause {
             Outcome::Response(status) => self.retries_by_status.increment(status),
+            Outcome::Grpc(status) => {
+                let i = GrpcStatus::RETRYABLE.iter().position(|s| *s == status);
+                if let Some(cell) = i.and_then(|i| self.retries_by_grpc.get(i)) {
+                    let register = || {
+                        self._scope.counter(
+                            RETRIES_TOTAL,
+                            &[("route", &self.route), ("reason", status.cause())],
+                        )
+                    };
+                    cell.get_or_init(register).increment(1);
+                }
+            }
             Outcome::Upstream(fault) => {
                 let i = UpstreamFault::ALL.iter().position(|f| *f == fault);
                 if let Some(counter) = i.and_then(|i| self.retries.get(i)) {

@@ -13,6 +13,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::units::{duration, size};
+use crate::policy::GrpcStatus;
 
 /// The whole configuration, defaults merged into every route.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -302,6 +303,9 @@ pub struct RetryConfig {
     pub methods: Vec<String>,
     /// A request carrying this header may be retried whatever its method.
     pub idempotency_header: String,
+    /// Every request on the route is safe to repeat, whatever its method:
+    /// for gRPC and POST-based APIs whose calls are idempotent.
+    pub idempotent: bool,
     /// Bodies up to this size are kept for replay; larger ones are sent once.
     #[serde(with = "size")]
     pub max_replay_body: u64,
@@ -326,11 +330,13 @@ impl Default for RetryConfig {
                 RetryOn::Status(502),
                 RetryOn::Status(503),
                 RetryOn::Status(504),
+                RetryOn::Grpc(GrpcStatus::UNAVAILABLE),
             ],
             methods: ["GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"]
                 .map(String::from)
                 .to_vec(),
             idempotency_header: "idempotency-key".to_owned(),
+            idempotent: false,
             max_replay_body: 64 * 1024,
             respect_retry_after: true,
             max_retry_after: Duration::from_secs(30),
@@ -356,6 +362,8 @@ pub enum RetryOn {
     Status5xx,
     /// This exact status code.
     Status(u16),
+    /// This gRPC status, in a trailers-only answer to a gRPC call.
+    Grpc(GrpcStatus),
 }
 
 impl TryFrom<String> for RetryOn {
@@ -368,12 +376,16 @@ impl TryFrom<String> for RetryOn {
             "timeout" => Self::Timeout,
             "refused-stream" => Self::RefusedStream,
             "5xx" => Self::Status5xx,
+            name if GrpcStatus::retryable_named(name).is_some() => {
+                Self::Grpc(GrpcStatus::retryable_named(name).unwrap_or(GrpcStatus::UNAVAILABLE))
+            }
             code => match code.parse::<u16>() {
                 Ok(code) if (100..=599).contains(&code) => Self::Status(code),
                 _ => {
                     return Err(format!(
                         "{text:?} is not a retry condition (use connect-failure, reset, timeout, \
-                         refused-stream, 5xx or a status code such as \"503\")"
+                         refused-stream, 5xx, a status code such as \"503\", or a gRPC status: \
+                         cancelled, deadline-exceeded, internal, resource-exhausted, unavailable)"
                     ))
                 }
             },
@@ -390,6 +402,7 @@ impl fmt::Display for RetryOn {
             Self::RefusedStream => f.write_str("refused-stream"),
             Self::Status5xx => f.write_str("5xx"),
             Self::Status(code) => write!(f, "{code}"),
+            Self::Grpc(status) => f.write_str(status.name()),
         }
     }
 }

@@ -365,12 +365,31 @@ pub(super) fn warnings(config: &Config, report: &mut Report<'_>) {
         &root.key("defaults").key("retry"),
         &config.defaults.retry,
     );
+    if config.defaults.retry.idempotent {
+        report(
+            root.key("defaults").key("retry").key("idempotent"),
+            "true for every route: every POST on every route would be repeated on failure; \
+             set it on the routes whose calls are idempotent"
+                .into(),
+        );
+    }
     for (i, route) in config.routes.iter().enumerate() {
         retry_warnings(
             report,
             &root.key("routes").index(i).key("retry"),
             &route.retry,
         );
+        let m = &route.matcher;
+        let narrow = m.methods.is_some() || m.path.is_some() || m.path_prefix.is_some();
+        if route.retry.idempotent && !config.defaults.retry.idempotent && !narrow {
+            report(
+                root.key("routes").index(i).key("retry").key("idempotent"),
+                "true on a route that matches no method or path: every request it takes, \
+                 any POST included, would be repeated on failure; narrow its match to the \
+                 idempotent calls"
+                    .into(),
+            );
+        }
     }
 }
 

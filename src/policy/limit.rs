@@ -87,7 +87,7 @@ impl Sample {
     /// the limit. Neither do connection failures, which the breaker counts.
     pub fn of(outcome: Outcome, elapsed: Duration) -> Option<Sample> {
         match outcome {
-            Outcome::Response(_) => Some(Sample::Latency(elapsed)),
+            Outcome::Response(_) | Outcome::Grpc(_) => Some(Sample::Latency(elapsed)),
             Outcome::Upstream(UpstreamFault::Timeout) => Some(Sample::Dropped),
             _ => None,
         }

@@ -18,5 +18,5 @@ pub mod route;
 pub use backoff::{Backoff, BackoffState};
 pub use budget::Budget;
 pub use decide::{decide, Decision, Ended, Stop};
-pub use outcome::{CallerFault, Fault, Outcome, Refusal, SkipReason, UpstreamFault};
+pub use outcome::{CallerFault, Fault, GrpcStatus, Outcome, Refusal, SkipReason, UpstreamFault};
 pub use retry::{Policy, RequestFacts};

@@ -18,6 +18,10 @@ use http::StatusCode;
 pub enum Outcome {
     /// The upstream answered. A 5xx is its fault; anything below is an answer.
     Response(StatusCode),
+    /// A gRPC call answered "trailers-only" (its status in the response
+    /// headers, no message) with a status other than OK: the HTTP status is
+    /// 200, the verdict is the gRPC status's.
+    Grpc(GrpcStatus),
     /// The upstream failed without answering.
     Upstream(UpstreamFault),
     /// The caller failed the attempt: it went away, or its body was
@@ -28,6 +32,115 @@ pub enum Outcome {
     Deadline,
     /// The proxy did not send the attempt at all.
     Refused(Refusal),
+}
+
+/// A gRPC status code (`grpc-status`, 0 to 16).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GrpcStatus(u8);
+
+impl GrpcStatus {
+    pub const OK: GrpcStatus = GrpcStatus(0);
+    pub const CANCELLED: GrpcStatus = GrpcStatus(1);
+    pub const UNKNOWN: GrpcStatus = GrpcStatus(2);
+    pub const INVALID_ARGUMENT: GrpcStatus = GrpcStatus(3);
+    pub const DEADLINE_EXCEEDED: GrpcStatus = GrpcStatus(4);
+    pub const RESOURCE_EXHAUSTED: GrpcStatus = GrpcStatus(8);
+    pub const UNIMPLEMENTED: GrpcStatus = GrpcStatus(12);
+    pub const INTERNAL: GrpcStatus = GrpcStatus(13);
+    pub const UNAVAILABLE: GrpcStatus = GrpcStatus(14);
+
+    /// Names as Envoy's `retry_on` spells them (and `grpc-` + name is the
+    /// `reason` of `herdguard_retries_total`), by code.
+    const NAMES: [&'static str; 17] = [
+        "ok",
+        "cancelled",
+        "unknown",
+        "invalid-argument",
+        "deadline-exceeded",
+        "not-found",
+        "already-exists",
+        "permission-denied",
+        "resource-exhausted",
+        "failed-precondition",
+        "aborted",
+        "out-of-range",
+        "unimplemented",
+        "internal",
+        "unavailable",
+        "data-loss",
+        "unauthenticated",
+    ];
+    const CAUSES: [&'static str; 17] = [
+        "grpc-ok",
+        "grpc-cancelled",
+        "grpc-unknown",
+        "grpc-invalid-argument",
+        "grpc-deadline-exceeded",
+        "grpc-not-found",
+        "grpc-already-exists",
+        "grpc-permission-denied",
+        "grpc-resource-exhausted",
+        "grpc-failed-precondition",
+        "grpc-aborted",
+        "grpc-out-of-range",
+        "grpc-unimplemented",
+        "grpc-internal",
+        "grpc-unavailable",
+        "grpc-data-loss",
+        "grpc-unauthenticated",
+    ];
+
+    /// The codes `retry_on` may name: those a retry can help.
+    pub const RETRYABLE: [GrpcStatus; 5] = [
+        GrpcStatus::CANCELLED,
+        GrpcStatus::DEADLINE_EXCEEDED,
+        GrpcStatus::INTERNAL,
+        GrpcStatus::RESOURCE_EXHAUSTED,
+        GrpcStatus::UNAVAILABLE,
+    ];
+
+    /// A `grpc-status` value: a decimal code. A code past 16 is UNKNOWN, as
+    /// gRPC clients read it; anything else is no status.
+    pub fn parse(value: &[u8]) -> Option<GrpcStatus> {
+        if value.is_empty() || value.len() > 3 || !value.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        let code = value.iter().fold(0u16, |n, d| n * 10 + u16::from(d - b'0'));
+        Some(match u8::try_from(code) {
+            Ok(code) if code <= 16 => GrpcStatus(code),
+            _ => GrpcStatus::UNKNOWN,
+        })
+    }
+
+    /// The code named `name` in `retry_on`'s spelling, among [`RETRYABLE`](Self::RETRYABLE).
+    pub fn retryable_named(name: &str) -> Option<GrpcStatus> {
+        Self::RETRYABLE.into_iter().find(|s| s.name() == name)
+    }
+
+    pub fn code(self) -> u8 {
+        self.0
+    }
+
+    pub fn name(self) -> &'static str {
+        Self::NAMES
+            .get(usize::from(self.0))
+            .copied()
+            .unwrap_or("unknown")
+    }
+
+    /// `grpc-unavailable`: the `reason` of a retry after this status.
+    pub fn cause(self) -> &'static str {
+        Self::CAUSES
+            .get(usize::from(self.0))
+            .copied()
+            .unwrap_or("grpc-unknown")
+    }
+
+    /// The server failed, as a 5xx says: the upstream's fault. The others
+    /// (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, ...) are answers.
+    pub fn is_server_error(self) -> bool {
+        matches!(self.0, 2 | 4 | 13 | 14 | 15)
+    }
 }
 
 /// The upstream's failures, as `retry_on` names them.
@@ -90,6 +203,8 @@ impl Outcome {
         match self {
             Outcome::Response(status) if status.is_server_error() => Fault::Upstream,
             Outcome::Response(_) => Fault::None,
+            Outcome::Grpc(status) if status.is_server_error() => Fault::Upstream,
+            Outcome::Grpc(_) => Fault::None,
             Outcome::Upstream(_) => Fault::Upstream,
             Outcome::Caller(_) => Fault::Caller,
             Outcome::Deadline => Fault::Deadline,
@@ -113,6 +228,8 @@ impl Outcome {
         match self {
             Outcome::Response(status) if status.is_server_error() => "5xx",
             Outcome::Response(_) => "ok",
+            Outcome::Grpc(status) if status.is_server_error() => "grpc-error",
+            Outcome::Grpc(_) => "ok",
             Outcome::Upstream(f) => f.label(),
             Outcome::Caller(CallerFault::Gone) => "cancelled",
             Outcome::Caller(CallerFault::MalformedBody) => "caller-malformed",
@@ -128,12 +245,13 @@ impl Outcome {
     pub fn cause(&self) -> &str {
         match self {
             Outcome::Response(status) => status.as_str(),
+            Outcome::Grpc(status) => status.cause(),
             other => other.label(),
         }
     }
 
     /// Every label of an attempt that was sent (refusals are not attempts).
-    pub const SENT: [Outcome; 12] = [
+    pub const SENT: [Outcome; 13] = [
         Outcome::Response(StatusCode::OK),
         Outcome::Response(StatusCode::INTERNAL_SERVER_ERROR),
         Outcome::Upstream(UpstreamFault::ConnectFailure),
@@ -146,6 +264,7 @@ impl Outcome {
         Outcome::Caller(CallerFault::MalformedBody),
         Outcome::Caller(CallerFault::StalledBody),
         Outcome::Deadline,
+        Outcome::Grpc(GrpcStatus::UNAVAILABLE),
     ];
 
     /// The position of this outcome's label in [`Outcome::SENT`], for
@@ -154,6 +273,8 @@ impl Outcome {
         Some(match self {
             Outcome::Response(status) if status.is_server_error() => 1,
             Outcome::Response(_) => 0,
+            Outcome::Grpc(status) if status.is_server_error() => 12,
+            Outcome::Grpc(_) => 0,
             Outcome::Upstream(UpstreamFault::ConnectFailure) => 2,
             Outcome::Upstream(UpstreamFault::RefusedStream) => 3,
             Outcome::Upstream(UpstreamFault::Reset) => 4,

@@ -10,7 +10,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use crate::config::schema::{RetryConfig, RetryOn};
 
 use super::backoff::{Backoff, InvalidBackoff};
-use super::outcome::{Outcome, SkipReason, UpstreamFault};
+use super::outcome::{GrpcStatus, Outcome, SkipReason, UpstreamFault};
 
 /// What the policy needs to know about the request, computed once, from
 /// the headers as they go upstream (after hop-by-hop fields are dropped).
@@ -31,6 +31,8 @@ pub struct Policy {
     pub max_replay_body: u64,
     conditions: Conditions,
     methods: Vec<Method>,
+    /// `idempotent`: every request on the route is safe to repeat.
+    all_idempotent: bool,
     idempotency_header: HeaderName,
     respect_retry_after: bool,
     max_retry_after: Duration,
@@ -45,6 +47,7 @@ struct Conditions {
     timeout: bool,
     any_5xx: bool,
     codes: Vec<StatusCode>,
+    grpc: Vec<GrpcStatus>,
 }
 
 /// Why a `[retry]` table could not be compiled; [`key`](InvalidPolicy::key)
@@ -105,6 +108,7 @@ impl Policy {
                     StatusCode::from_u16(*code)
                         .map_err(|_| InvalidPolicy::Status { index, code: *code })?,
                 ),
+                RetryOn::Grpc(status) => conditions.grpc.push(*status),
             }
         }
         let methods = c
@@ -127,6 +131,7 @@ impl Policy {
             max_replay_body: c.max_replay_body,
             conditions,
             methods,
+            all_idempotent: c.idempotent,
             idempotency_header,
             respect_retry_after: c.respect_retry_after,
             max_retry_after: c.max_retry_after,
@@ -152,7 +157,7 @@ impl Policy {
             _ => false,
         };
         RequestFacts {
-            idempotent: self.methods.contains(method) || keyed,
+            idempotent: self.all_idempotent || self.methods.contains(method) || keyed,
             inner_hop,
         }
     }
@@ -171,6 +176,7 @@ impl Policy {
             Outcome::Response(status) => {
                 (c.any_5xx && status.is_server_error()) || c.codes.contains(&status)
             }
+            Outcome::Grpc(status) => c.grpc.contains(&status),
             Outcome::Upstream(UpstreamFault::ConnectFailure) => c.connect_failure,
             Outcome::Upstream(UpstreamFault::RefusedStream) => c.refused_stream,
             Outcome::Upstream(UpstreamFault::Reset | UpstreamFault::StaleConnection) => c.reset,

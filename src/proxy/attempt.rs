@@ -20,6 +20,7 @@ use tokio::time::Instant;
 use crate::access_log::Entry;
 use crate::policy::outlier::Verdict;
 use crate::policy::retry::retry_after;
+use crate::policy::GrpcStatus;
 use crate::policy::{CallerFault, Outcome, UpstreamFault};
 use crate::retry::{self, Attempt};
 
@@ -58,6 +59,8 @@ pub struct Forward<'a> {
     host: Option<HeaderValue>,
     /// The access log line, when the log is on.
     log: Option<&'a mut Entry>,
+    /// A gRPC call: judged by its `grpc-status`, told its time left.
+    grpc: bool,
 }
 
 enum AttemptBody {
@@ -105,7 +108,15 @@ impl<'a> Forward<'a> {
             upgrade,
             host: None,
             log: None,
+            grpc: false,
         }
+    }
+
+    /// Treats the request as a gRPC call: a trailers-only answer is judged
+    /// by its `grpc-status`, its pushback honoured, and each attempt sends
+    /// upstream the time really left as `grpc-timeout`.
+    pub fn grpc(&mut self, on: bool) {
+        self.grpc = on;
     }
 
     /// Keeps `entry` (the request's access log line) told of each attempt
@@ -163,6 +174,7 @@ impl<'a> Forward<'a> {
         &mut self,
         n: u32,
         host: &HeaderValue,
+        grpc_left: Option<Duration>,
     ) -> (Request<RequestBody>, Option<Arc<Progress>>) {
         let (body, progress) = match &mut self.body {
             AttemptBody::Empty => (RequestBody::empty(), None),
@@ -192,6 +204,9 @@ impl<'a> Forward<'a> {
                     http::header::HOST,
                     self.host.as_ref().unwrap_or(host).clone(),
                 );
+                if let Some(left) = grpc_left {
+                    h.insert("grpc-timeout", super::headers::grpc_timeout_value(left));
+                }
                 if !self.inner_hop {
                     h.insert(&X_HERDGUARD_ATTEMPT, attempt_value(n));
                 }
@@ -255,7 +270,10 @@ impl retry::Attempts for Forward<'_> {
             log.attempts = n;
             log.endpoint = Some(target.label.clone());
         }
-        let (req, progress) = self.request(n, &target.host);
+        let grpc_left = self
+            .grpc
+            .then(|| per_try.min(deadline.saturating_duration_since(Instant::now())));
+        let (req, progress) = self.request(n, &target.host, grpc_left);
 
         let sent_at = Instant::now();
         let (timed, sent_whole) = timed(
@@ -299,7 +317,11 @@ impl retry::Attempts for Forward<'_> {
                     if let Some(conn) = conn {
                         slot.hold(index, conn);
                     }
-                    (Outcome::Response(resp.status()), Some((resp, slot)), String::new())
+                    let outcome = match self.grpc.then(|| trailers_only_status(&resp)).flatten() {
+                        Some(status) if status != GrpcStatus::OK => Outcome::Grpc(status),
+                        _ => Outcome::Response(resp.status()),
+                    };
+                    (outcome, Some((resp, slot)), String::new())
                 }
                 Timed::Done(Err(e)) => {
                     let fault = progress.as_deref().and_then(|p| {
@@ -363,9 +385,10 @@ impl retry::Attempts for Forward<'_> {
         if answer.is_none() {
             tracing::debug!(upstream = %name, outcome = outcome.label(), error = %detail, "upstream attempt failed");
         }
-        let retry_after = answer
-            .as_ref()
-            .and_then(|(resp, _)| retry_after(resp.headers()));
+        let retry_after = answer.as_ref().and_then(|(resp, _)| match self.grpc {
+            true => super::headers::grpc_pushback(resp.headers()),
+            false => retry_after(resp.headers()),
+        });
         Attempt {
             outcome,
             answer,
@@ -472,6 +495,16 @@ pub(crate) fn attempt_value(n: u32) -> http::HeaderValue {
         Some(s) => http::HeaderValue::from_static(s),
         None => http::HeaderValue::from(n),
     }
+}
+
+/// The gRPC status of a trailers-only answer (HTTP 200, `grpc-status` in
+/// the headers, nothing to follow); `None` for any other answer, whose
+/// status comes in trailers after messages and so can never be retried.
+fn trailers_only_status(resp: &Response<Incoming>) -> Option<GrpcStatus> {
+    if resp.status() != http::StatusCode::OK || !http_body::Body::is_end_stream(resp.body()) {
+        return None;
+    }
+    GrpcStatus::parse(resp.headers().get("grpc-status")?.as_bytes())
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ use crate::policy::{CallerFault, Outcome, Refusal, UpstreamFault};
 
 use super::body::ResponseBody;
 use super::headers::X_HERDGUARD_ERROR;
+use crate::policy::GrpcStatus;
 
 /// Why the proxy answered instead of the upstream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,7 +97,7 @@ impl LocalError {
             Outcome::Refused(Refusal::CircuitOpen) => LocalError::CircuitOpen,
             Outcome::Refused(Refusal::Overloaded) => LocalError::Overloaded,
             // Not an end without a response; the nearest honest answer.
-            Outcome::Response(_) => LocalError::Reset,
+            Outcome::Response(_) | Outcome::Grpc(_) => LocalError::Reset,
         }
     }
 
@@ -148,4 +149,39 @@ pub fn fault_response(status: u16) -> Response<ResponseBody> {
         HeaderValue::from_static("text/plain; charset=utf-8"),
     );
     resp
+}
+
+/// A proxy-made answer to a gRPC call, as a gRPC client reads one: HTTP 200,
+/// trailers-only, its `grpc-status` and `grpc-message` in the headers
+/// (`x-herdguard-error` and `retry-after` kept). An answer the upstream
+/// made is passed on as it is.
+pub fn grpc_shaped(resp: Response<ResponseBody>) -> Response<ResponseBody> {
+    let Some(kind) = resp.headers().get(&X_HERDGUARD_ERROR) else {
+        return resp;
+    };
+    let status = match kind.as_bytes() {
+        b"no-route" => GrpcStatus::UNIMPLEMENTED,
+        b"timeout" => GrpcStatus::DEADLINE_EXCEEDED,
+        b"body-too-large" => GrpcStatus::RESOURCE_EXHAUSTED,
+        b"bad-request" | b"request-timeout" => GrpcStatus::INTERNAL,
+        // circuit-open, overloaded, connect-failure, reset, bad-response:
+        // the call may be tried again later, or elsewhere.
+        _ => GrpcStatus::UNAVAILABLE,
+    };
+    let message = format!(
+        "herdguard: {} (HTTP {})",
+        kind.to_str().unwrap_or("error"),
+        resp.status().as_u16()
+    );
+    let (mut parts, _) = resp.into_parts();
+    parts.status = StatusCode::OK;
+    let h = &mut parts.headers;
+    h.remove(http::header::CONTENT_LENGTH);
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    h.insert("grpc-status", HeaderValue::from(u16::from(status.code())));
+    // Printable ASCII with no `%`: nothing to percent-encode.
+    if let Ok(message) = HeaderValue::from_str(&message) {
+        h.insert("grpc-message", message);
+    }
+    Response::from_parts(parts, ResponseBody::local(bytes::Bytes::new()))
 }

@@ -550,3 +550,107 @@ mod tests {
         assert_eq!(h["x-forwarded-for"], "127.0.0.2");
     }
 }
+
+// === gRPC ===
+
+/// Whether a request is a gRPC call: `content-type: application/grpc`, or
+/// `application/grpc+proto` and the like.
+pub fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .map(HeaderValue::as_bytes)
+        .and_then(|v| v.strip_prefix(b"application/grpc"))
+        .is_some_and(|rest| rest.is_empty() || rest[0] == b'+' || rest[0] == b';')
+}
+
+/// A `grpc-timeout` value: up to 8 digits and a unit (`H`, `M`, `S`, `m`,
+/// `u`, `n`). Anything else is no timeout, as gRPC servers read it.
+pub fn parse_grpc_timeout(value: &HeaderValue) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    let (digits, unit) = value.as_bytes().split_at(value.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let n = digits
+        .iter()
+        .fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+    Some(match unit {
+        b"H" => Duration::from_secs(n * 3600),
+        b"M" => Duration::from_secs(n * 60),
+        b"S" => Duration::from_secs(n),
+        b"m" => Duration::from_millis(n),
+        b"u" => Duration::from_micros(n),
+        b"n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// `left` as a `grpc-timeout` value: milliseconds (rounded up, at least
+/// one), or seconds when that many milliseconds need more than 8 digits.
+pub fn grpc_timeout_value(left: std::time::Duration) -> HeaderValue {
+    let ms = left.as_nanos().div_ceil(1_000_000).max(1);
+    let text = if ms <= 99_999_999 {
+        format!("{ms}m")
+    } else {
+        format!("{}S", left.as_secs().min(99_999_999))
+    };
+    HeaderValue::from_str(&text).unwrap_or(HeaderValue::from_static("99999999S"))
+}
+
+/// `grpc-retry-pushback-ms`, as the delay it asks for: `None` when absent;
+/// a negative or malformed value means "do not retry" (gRPC's retry
+/// design, A6), given as a delay longer than any `max_retry_after`.
+pub fn grpc_pushback(headers: &HeaderMap) -> Option<std::time::Duration> {
+    let value = headers.get("grpc-retry-pushback-ms")?.as_bytes();
+    let valid = !value.is_empty() && value.len() <= 10 && value.iter().all(u8::is_ascii_digit);
+    Some(match valid {
+        true => std::time::Duration::from_millis(
+            value.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')),
+        ),
+        false => std::time::Duration::MAX,
+    })
+}
+
+#[cfg(test)]
+mod grpc_tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn grpc_requests_and_timeouts() {
+        let mut h = HeaderMap::new();
+        for (ct, grpc) in [
+            ("application/grpc", true),
+            ("application/grpc+proto", true),
+            ("application/grpc;charset=utf-8", true),
+            ("application/grpc-web", false),
+            ("application/json", false),
+        ] {
+            h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ct));
+            assert_eq!(is_grpc(&h), grpc, "{ct}");
+        }
+        let t = |s: &str| parse_grpc_timeout(&HeaderValue::from_str(s).unwrap());
+        assert_eq!(t("100m"), Some(Duration::from_millis(100)));
+        assert_eq!(t("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(t("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(t("99999999n"), Some(Duration::from_nanos(99_999_999)));
+        for bad in ["", "m", "100", "123456789m", "-1m", "1x", "1.5S", "1 m"] {
+            assert_eq!(t(bad), None, "{bad:?}");
+        }
+        assert_eq!(grpc_timeout_value(Duration::from_micros(1)), "1m");
+        assert_eq!(grpc_timeout_value(Duration::from_millis(250)), "250m");
+        assert_eq!(grpc_timeout_value(Duration::from_secs(200_000)), "200000S");
+        assert_eq!(grpc_timeout_value(Duration::MAX), "99999999S");
+        let mut h = HeaderMap::new();
+        assert_eq!(grpc_pushback(&h), None);
+        h.insert("grpc-retry-pushback-ms", HeaderValue::from_static("250"));
+        assert_eq!(grpc_pushback(&h), Some(Duration::from_millis(250)));
+        for bad in ["-1", "soon", "", "99999999999"] {
+            h.insert(
+                "grpc-retry-pushback-ms",
+                HeaderValue::from_str(bad).unwrap(),
+            );
+            assert_eq!(grpc_pushback(&h), Some(Duration::MAX), "{bad:?}");
+        }
+    }
+}

@@ -294,7 +294,11 @@ impl Proxy {
         // Filled in as the request goes: should its caller leave before
         // the answer (this future dropped), the line says how far it got.
         let mut entry = log.map(|log| log.entry(req.method(), req.uri().path(), start));
-        let resp = self.answer(req, caller, start, &mut entry).await;
+        let grpc = headers::is_grpc(req.headers());
+        let mut resp = self.answer(req, caller, start, &mut entry).await;
+        if grpc {
+            resp = error::grpc_shaped(resp);
+        }
         if let Some(entry) = entry.as_mut() {
             entry.status = resp.status().as_u16();
             entry.error = resp.headers().get(&headers::X_HERDGUARD_ERROR).cloned();
@@ -487,6 +491,10 @@ async fn forward(
         true => policy.facts(&parts.method, &http::HeaderMap::new(), inner_hop),
         false => policy.facts(&parts.method, h, inner_hop),
     };
+    let grpc = headers::is_grpc(h);
+    let grpc_timeout = grpc
+        .then(|| h.get("grpc-timeout").and_then(headers::parse_grpc_timeout))
+        .flatten();
     headers::add_via(h, parts.version);
     headers::add_forwarded(h, &caller.ip, "http", original_host);
     let mut attempts = attempt::Forward::new(
@@ -504,7 +512,12 @@ async fn forward(
     );
     attempts.host_rewrite(route.host_rewrite.clone());
     attempts.log_into(log.as_deref_mut());
-    let deadline = retry::deadline(start, policy.timeout);
+    attempts.grpc(grpc);
+    // A gRPC caller's own deadline, when sooner than the route's.
+    let deadline = match grpc_timeout {
+        Some(t) => retry::deadline(start, policy.timeout.min(t)),
+        None => retry::deadline(start, policy.timeout),
+    };
     if let Err((fault, detail)) = attempts.prefetch(deadline).await {
         let outcome = crate::policy::Outcome::Caller(fault);
         let mut resp = LocalError::for_outcome(outcome).response(&detail);
@@ -512,7 +525,15 @@ async fn forward(
             .insert(&headers::X_HERDGUARD_ATTEMPTS, attempt::attempt_value(0));
         return resp;
     }
-    let sent = retry::run(&route.guards, facts, &mut attempts, start, explain).await;
+    let sent = retry::run_until(
+        &route.guards,
+        facts,
+        &mut attempts,
+        start,
+        deadline,
+        explain,
+    )
+    .await;
     drop(attempts);
     if let (Some(log), Some(skipped)) = (log, sent.skipped) {
         log.skip = Some(skipped.as_str());

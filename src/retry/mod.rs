@@ -129,8 +129,22 @@ pub async fn run<T: Attempts>(
     start: Instant,
     explain: bool,
 ) -> Sent<T::Answer> {
+    let end = deadline(start, guards.policy.timeout);
+    run_until(guards, facts, attempts, start, end, explain).await
+}
+
+/// [`run`], with the request over at `deadline` (which the caller may have
+/// brought forward from the route's `timeout`: a gRPC caller's own
+/// `grpc-timeout`, say).
+pub async fn run_until<T: Attempts>(
+    guards: &Guards,
+    facts: RequestFacts,
+    attempts: &mut T,
+    start: Instant,
+    deadline: Instant,
+    explain: bool,
+) -> Sent<T::Answer> {
     let policy = &guards.policy;
-    let deadline = deadline(start, policy.timeout);
     let mut trace = explain.then(String::new);
     let mut backoff = BackoffState::default();
     // The previous attempt's end, while a retry it paid for is tried, with

@@ -306,3 +306,54 @@ async fn endpoints_are_balanced_round_robin() {
     }
     assert_eq!((a.hits(), b.hits()), (5, 5));
 }
+
+/// HTTP/1.1 trailers reach a caller that asked for them (`TE: trailers`),
+/// byte for byte, with the `Trailer` field that declares them; the
+/// upstream is told the caller accepts trailers.
+#[tokio::test]
+async fn http1_trailers_reach_the_caller_byte_exact() {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (seen_tx, seen_rx) = tokio::sync::oneshot::channel::<String>();
+    tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = tokio::io::AsyncReadExt::read(&mut stream, &mut buf)
+                .await
+                .unwrap();
+            assert!(n > 0);
+            head.extend_from_slice(&buf[..n]);
+        }
+        let _ = seen_tx.send(String::from_utf8_lossy(&head).to_lowercase());
+        stream
+            .write_all(
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-checksum, x-count\r\n\r\n\
+                  5\r\nhello\r\n6\r\n world\r\n0\r\nx-checksum: sha256=abc123\r\nx-count: 2\r\n\r\n",
+            )
+            .await
+            .unwrap();
+        let _ = stream.shutdown().await;
+    });
+    let server = proxy_to(&format!("http://{addr}")).await;
+    let out = raw(
+        &server,
+        b"GET /t HTTP/1.1\r\nHost: a\r\nTE: trailers\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    let seen = seen_rx.await.unwrap();
+    assert!(seen.contains("\r\nte: trailers\r\n"), "{seen}");
+    let lower = out.to_lowercase();
+    assert!(
+        lower.contains("\r\ntrailer: x-checksum, x-count\r\n"),
+        "{out}"
+    );
+    assert!(
+        out.ends_with(
+            "5\r\nhello\r\n6\r\n world\r\n0\r\nx-checksum: sha256=abc123\r\nx-count: 2\r\n\r\n"
+        ),
+        "{out:?}"
+    );
+}

@@ -40,6 +40,8 @@ pub enum StartError {
     },
     #[error(transparent)]
     Build(#[from] BuildError),
+    #[error("listen.tls: {0}")]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 /// State shared by the proxy and admin listeners.
@@ -74,6 +76,14 @@ impl Server {
                 .await
                 .map_err(|source| StartError::Bind { what, addr, source })
         };
+        let tls = match &config.listen.tls {
+            Some(c) => Some(crate::tls::Tls::new(
+                &c.cert,
+                &c.key,
+                c.client_ca.as_deref(),
+            )?),
+            None => None,
+        };
         let listener = bind("listen", config.listen.address).await?;
         let admin_listener = bind("admin", config.admin.address).await?;
         let proxy_addr = local_addr(&listener);
@@ -90,9 +100,14 @@ impl Server {
         let (admin_stop, admin_stop_rx) = watch::channel(false);
         let drain_timeout = config.listen.drain_timeout;
 
+        if let Some(tls) = &tls {
+            tls.watch(Duration::from_secs(1), shutdown_rx.clone());
+        }
+        let tls_on = tls.is_some();
         let proxy_loop = {
             let proxy = shared.proxy.clone();
             let limits = Limits {
+                tls: tls.as_ref().map(|t| t.acceptor.clone()),
                 max_connections: config.listen.max_connections,
                 header_read_timeout: config.listen.header_read_timeout,
                 write_timeout: config.listen.write_timeout,
@@ -106,7 +121,7 @@ impl Server {
                 shutdown_rx,
                 move |peer, conduct| {
                     let proxy = proxy.clone();
-                    let caller = Arc::new(Caller::new(peer));
+                    let caller = Arc::new(Caller::new(peer, tls_on));
                     let conduct = conduct.clone();
                     service_fn(move |req: Request<Incoming>| {
                         let proxy = proxy.clone();
@@ -127,6 +142,7 @@ impl Server {
         let admin_loop = {
             let shared = shared.clone();
             let limits = Limits {
+                tls: None,
                 max_connections: 64,
                 header_read_timeout: Duration::from_secs(10),
                 write_timeout: Duration::from_secs(10),
@@ -335,6 +351,13 @@ impl Reloader {
                 warn!(key = what, running = %old, configured = %new, "a new listen address needs a restart; keeping the running one");
                 *new = old;
             }
+        }
+        if config.listen.tls != current.config.listen.tls {
+            warn!(
+                key = "listen.tls",
+                "a change to listen.tls needs a restart (the certificate files themselves are reloaded as they change); keeping the running one"
+            );
+            config.listen.tls = current.config.listen.tls.clone();
         }
         let built = if config.routes.is_empty() && !current.config.routes.is_empty() {
             Err(BuildError::NoRoutes)
@@ -566,6 +589,8 @@ fn local_addr(listener: &TcpListener) -> SocketAddr {
 }
 
 struct Limits {
+    /// Callers speak TLS first.
+    tls: Option<tokio_rustls::TlsAcceptor>,
     max_connections: usize,
     header_read_timeout: Duration,
     write_timeout: Duration,
@@ -632,6 +657,7 @@ async fn accept_loop<M, S, B>(
         let service = make_service(peer, &conduct);
         let (builder, drain) = (builder.clone(), drain.clone());
         let (wait, write_timeout) = (limits.header_read_timeout, limits.write_timeout);
+        let tls = limits.tls.clone();
         tokio::spawn(async move {
             // A connection that says nothing must not hold its slot: hyper's
             // header timer starts only once it knows the protocol, and it
@@ -650,9 +676,31 @@ async fn accept_loop<M, S, B>(
                     return;
                 }
             }
-            let io = TokioIo::new(crate::stall::WriteStall::new(stream, write_timeout));
-            let conn = builder.serve_connection_with_upgrades(io, service);
-            if let Err(e) = drain.watch(conn.into_owned(), &conduct).await {
+            let served = match tls {
+                None => {
+                    let io = TokioIo::new(crate::stall::WriteStall::new(stream, write_timeout));
+                    let conn = builder.serve_connection_with_upgrades(io, service);
+                    drain.watch(conn.into_owned(), &conduct).await
+                }
+                // The handshake must be done within the time the request
+                // head has: a caller that starts one and stalls holds nothing.
+                Some(acceptor) => match tokio::time::timeout(wait, acceptor.accept(stream)).await {
+                    Ok(Ok(stream)) => {
+                        let io = TokioIo::new(crate::stall::WriteStall::new(stream, write_timeout));
+                        let conn = builder.serve_connection_with_upgrades(io, service);
+                        drain.watch(conn.into_owned(), &conduct).await
+                    }
+                    Ok(Err(e)) => {
+                        debug!(listener = what, %peer, error = %e, "TLS handshake failed");
+                        Ok(())
+                    }
+                    Err(_) => {
+                        debug!(listener = what, %peer, "TLS handshake not done within header_read_timeout");
+                        Ok(())
+                    }
+                },
+            };
+            if let Err(e) = served {
                 debug!(listener = what, %peer, error = %e, "connection ended with an error");
             }
             drop(permit);

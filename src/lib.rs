@@ -18,3 +18,4 @@ pub mod retry;
 pub mod stall;
 pub mod stamp;
 pub mod telemetry;
+pub mod tls;

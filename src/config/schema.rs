@@ -62,6 +62,9 @@ pub struct ListenConfig {
     pub idle_timeout: Duration,
     /// Answer `x-herdguard-explain: 1` with the request's attempt trace.
     pub explain: bool,
+    /// Serve callers over TLS (off unless written).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsConfig>,
 }
 
 impl Default for ListenConfig {
@@ -75,6 +78,7 @@ impl Default for ListenConfig {
             write_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
             explain: false,
+            tls: None,
         }
     }
 }
@@ -433,6 +437,19 @@ impl Default for BackoffConfig {
             jitter: Jitter::Full,
         }
     }
+}
+
+/// `listen.tls`: serve callers over TLS.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM certificate chain, leaf first.
+    pub cert: std::path::PathBuf,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: std::path::PathBuf,
+    /// PEM CA certificates: callers must present a certificate they sign.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_ca: Option<std::path::PathBuf>,
 }
 
 /// `[access_log]`: one line per request on stdout, after it ends.

@@ -58,6 +58,12 @@ pub(super) fn validate(
         &listen.key("idle_timeout"),
         config.listen.idle_timeout,
     );
+    if let Some(tls) = &config.listen.tls {
+        // The files are read now: a `check` that passes starts.
+        if let Err(e) = crate::tls::Tls::new(&tls.cert, &tls.key, tls.client_ca.as_deref()) {
+            report(listen.key("tls"), e.to_string());
+        }
+    }
     if let Some(token) = &config.admin.token {
         if token.len() < 16 || !token.bytes().all(|b| b.is_ascii_graphic()) {
             report(

@@ -235,13 +235,16 @@ pub struct Caller {
     pub addr: SocketAddr,
     /// The caller's IP as a header value, for `X-Forwarded-For`.
     ip: HeaderValue,
+    /// `X-Forwarded-Proto`: `https` when the caller came over TLS.
+    proto: &'static str,
 }
 
 impl Caller {
-    pub fn new(addr: SocketAddr) -> Self {
+    pub fn new(addr: SocketAddr, tls: bool) -> Self {
         Self {
             addr,
             ip: headers::ip_value(addr.ip()),
+            proto: if tls { "https" } else { "http" },
         }
     }
 }
@@ -496,7 +499,7 @@ async fn forward(
         .then(|| h.get("grpc-timeout").and_then(headers::parse_grpc_timeout))
         .flatten();
     headers::add_via(h, parts.version);
-    headers::add_forwarded(h, &caller.ip, "http", original_host);
+    headers::add_forwarded(h, &caller.ip, caller.proto, original_host);
     let mut attempts = attempt::Forward::new(
         &route.upstream,
         parts.method,

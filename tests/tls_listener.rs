@@ -1,0 +1,295 @@
+//! TLS on the listener, through the binary: a client that verifies the
+//! certificate (a test CA from rcgen) negotiates h2 and http/1.1 by ALPN; a
+//! rotated certificate is served from the next handshake while open
+//! connections keep working; a broken file keeps the old one; mutual TLS
+//! refuses a caller without a certificate the client CA signed.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::process::Binary;
+use common::*;
+use http::Request;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use tokio_rustls::client::TlsStream;
+use tokio_rustls::TlsConnector;
+
+struct Pki {
+    dir: tempfile::TempDir,
+    ca: CertifiedIssuer<'static, KeyPair>,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "herdguard listener test CA");
+        let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("ca.pem"), ca.pem()).unwrap();
+        Pki { dir, ca }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// A certificate for `localhost` named `cn`, written as cert.pem and
+    /// key.pem; its DER, to tell which one a handshake presented.
+    fn issue_server(&self, cn: &str) -> CertificateDer<'static> {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+        params.distinguished_name.push(DnType::CommonName, cn);
+        let cert = params.signed_by(&key, &self.ca).unwrap();
+        // The key first: a watcher between the two writes sees a pair that
+        // does not match, and keeps the old one until the cert follows.
+        std::fs::write(self.path("key.pem"), key.serialize_pem()).unwrap();
+        std::fs::write(self.path("cert.pem"), cert.pem()).unwrap();
+        cert.der().clone()
+    }
+
+    /// A client certificate and its key, signed by the CA.
+    fn issue_client(&self) -> (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>) {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(vec!["client.test".to_owned()]).unwrap();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "client.test");
+        let cert = params.signed_by(&key, &self.ca).unwrap();
+        (
+            vec![cert.der().clone()],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+        )
+    }
+
+    fn roots(&self) -> rustls::RootCertStore {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(self.ca.der().clone()).unwrap();
+        roots
+    }
+}
+
+fn listen_tls(pki: &Pki, client_ca: Option<&Path>) -> String {
+    let ca = client_ca.map_or(String::new(), |p| {
+        format!(", client_ca = {:?}", p.display().to_string())
+    });
+    format!(
+        "tls = {{ cert = {:?}, key = {:?}{ca} }}",
+        pki.path("cert.pem").display().to_string(),
+        pki.path("key.pem").display().to_string()
+    )
+}
+
+/// A verifying TLS connection to `addr` offering `alpn`.
+async fn connect(
+    pki: &Pki,
+    addr: &str,
+    alpn: &[u8],
+    client: Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>,
+) -> std::io::Result<TlsStream<tokio::net::TcpStream>> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(pki.roots());
+    let mut config = match client {
+        Some((chain, key)) => builder.with_client_auth_cert(chain, key).unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![alpn.to_vec()];
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    TlsConnector::from(Arc::new(config))
+        .connect(ServerName::try_from("localhost").unwrap(), tcp)
+        .await
+}
+
+fn presented(stream: &TlsStream<tokio::net::TcpStream>) -> CertificateDer<'static> {
+    stream.get_ref().1.peer_certificates().unwrap()[0]
+        .clone()
+        .into_owned()
+}
+
+/// An HTTP/2 request (its authority in the URI).
+fn get(path: &str) -> Request<Body> {
+    Request::get(format!("https://localhost{path}"))
+        .body(empty())
+        .unwrap()
+}
+
+/// An HTTP/1.1 request: origin form, with Host.
+fn get1(path: &str) -> Request<Body> {
+    Request::get(path)
+        .header("host", "localhost")
+        .body(empty())
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_listener_negotiates_h2_and_http11_and_follows_a_rotation() {
+    let pki = Pki::new();
+    let first = pki.issue_server("first");
+    let up = ok_upstream("fine").await;
+    let hg = Binary::start_with(
+        &listen_tls(&pki, None),
+        &format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+            up.url()
+        ),
+    )
+    .await;
+
+    // h2 by ALPN.
+    let tls = connect(&pki, &hg.listen, b"h2", None)
+        .await
+        .expect("verified");
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    assert_eq!(presented(&tls), first);
+    let (mut h2, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let resp = h2.send_request(get("/a")).await.unwrap();
+    assert_eq!(resp.status(), http::StatusCode::OK);
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    assert_eq!(up.last().headers["x-forwarded-proto"], "https");
+
+    // http/1.1 by ALPN, kept open across the rotation.
+    let tls = connect(&pki, &hg.listen, b"http/1.1", None).await.unwrap();
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
+    let (mut h1, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    assert_eq!(
+        h1.send_request(get1("/b")).await.unwrap().status(),
+        http::StatusCode::OK
+    );
+
+    // cert-manager writes a new pair: the next handshakes present it.
+    let second = pki.issue_server("second");
+    let (pki_ref, listen, want) = (&pki, &hg.listen, &second);
+    eventually(
+        Duration::from_secs(10),
+        "the new certificate is served",
+        || async move {
+            let tls = connect(pki_ref, listen, b"h2", None).await.unwrap();
+            presented(&tls) == *want
+        },
+    )
+    .await;
+    // The connections made before go on.
+    assert_eq!(
+        h1.send_request(get1("/c")).await.unwrap().status(),
+        http::StatusCode::OK
+    );
+    assert_eq!(
+        h2.send_request(get("/d")).await.unwrap().status(),
+        http::StatusCode::OK
+    );
+
+    // A broken file (half written) changes nothing: the last good pair serves.
+    std::fs::write(
+        pki.path("cert.pem"),
+        "-----BEGIN CERTIFICATE-----\nnot base64\n",
+    )
+    .unwrap();
+    for _ in 0..3 {
+        let tls = connect(&pki, &hg.listen, b"h2", None).await.unwrap();
+        assert_eq!(presented(&tls), second);
+    }
+    hg.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_refuses_a_caller_without_a_certificate() {
+    let pki = Pki::new();
+    pki.issue_server("server");
+    let up = ok_upstream("fine").await;
+    let hg = Binary::start_with(
+        &listen_tls(&pki, Some(&pki.path("ca.pem"))),
+        &format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+            up.url()
+        ),
+    )
+    .await;
+    // TLS 1.3 reports a refused client certificate on the first read.
+    let refused = match connect(&pki, &hg.listen, b"http/1.1", None).await {
+        Err(_) => true,
+        Ok(tls) => {
+            let sent = async {
+                let (mut h1, conn) =
+                    hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
+                tokio::spawn(conn);
+                h1.send_request(get1("/x")).await
+            };
+            sent.await.is_err()
+        }
+    };
+    assert!(refused, "no client certificate, no service");
+    assert_eq!(up.hits(), 0);
+
+    let tls = connect(&pki, &hg.listen, b"http/1.1", Some(pki.issue_client()))
+        .await
+        .unwrap();
+    let (mut h1, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    assert_eq!(
+        h1.send_request(get1("/x")).await.unwrap().status(),
+        http::StatusCode::OK
+    );
+    hg.terminate().await;
+}
+
+/// Files that do not load are config errors naming `listen.tls`.
+#[test]
+fn bad_tls_files_are_config_errors() {
+    let pki = Pki::new();
+    pki.issue_server("server");
+    let body = "[upstreams.u]\nendpoints = [\"http://127.0.0.1:3000\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n";
+    let other = Pki::new();
+    other.issue_server("other");
+    for (tls, says) in [
+        (
+            "tls = { cert = \"/nonexistent/cert.pem\", key = \"/nonexistent/key.pem\" }".to_owned(),
+            "/nonexistent/cert.pem",
+        ),
+        (
+            // A key that is not the certificate's.
+            format!(
+                "tls = {{ cert = {:?}, key = {:?} }}",
+                pki.path("cert.pem").display().to_string(),
+                other.path("key.pem").display().to_string()
+            ),
+            "does not match",
+        ),
+        (
+            format!(
+                "tls = {{ cert = {:?}, key = {:?}, client_ca = {:?} }}",
+                pki.path("cert.pem").display().to_string(),
+                pki.path("key.pem").display().to_string(),
+                pki.path("key.pem").display().to_string()
+            ),
+            "holds no certificate",
+        ),
+    ] {
+        let src = format!("[listen]\n{tls}\n{body}");
+        let err = herdguard::config::Config::parse(&src)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("listen.tls (line 2)") && err.contains(says),
+            "{tls}: {err}"
+        );
+    }
+}

@@ -497,3 +497,22 @@ fn check_reports_what_a_first_error_would_hide() {
     }
     assert!(!stderr.contains("routes[1].upstream"), "{stderr}");
 }
+
+/// A replay limit is memory held per request in flight: a huge one is a
+/// config error, not an invitation to exhaust memory.
+#[test]
+fn a_huge_max_replay_body_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(
+        &dir,
+        "huge.toml",
+        "[upstreams.api]\nendpoints = [\"http://127.0.0.1:3000\"]\n[defaults.retry]\nmax_replay_body = \"1TiB\"\n[[routes]]\nname = \"a\"\nupstream = \"api\"\n",
+    );
+    let out = check(&path);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("defaults.retry.max_replay_body (line 4)") && err.contains("64MiB"),
+        "{err}"
+    );
+}

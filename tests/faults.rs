@@ -159,16 +159,33 @@ async fn request_framing_the_proxy_cannot_forward_faithfully_is_refused() {
 async fn an_h2c_upgrade_is_never_tunnelled() {
     let up = ok_upstream("plain").await;
     let hg = Binary::start(&config(&up.url())).await;
-    let answer = raw(
-        &hg,
-        b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: Upgrade, HTTP2-Settings, close\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n",
-    )
-    .await;
-    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    assert!(answer.ends_with("plain"), "{answer}");
-    let seen = up.last();
-    assert!(seen.headers.get("upgrade").is_none(), "{:?}", seen.headers);
-    assert!(seen.headers.get("http2-settings").is_none());
+    // Only WebSocket is tunnelled: h2c under any spelling, and any other
+    // protocol, goes as a plain request, its upgrade fields dropped (an
+    // HTTP2-Settings not named in Connection too).
+    for (upgrade, connection) in [
+        ("h2c", "Upgrade, HTTP2-Settings, close"),
+        ("h2c-14", "Upgrade, close"),
+        ("h2c-17", "Upgrade, close"),
+        ("HTTP/2.0", "Upgrade, close"),
+        ("h2", "Upgrade, close"),
+        ("h2c;q=1", "Upgrade, close"),
+        ("websocket, h2c", "Upgrade, close"),
+        ("TLS/1.2", "Upgrade, close"),
+    ] {
+        let request = format!(
+            "GET /x HTTP/1.1\r\nHost: a\r\nConnection: {connection}\r\nUpgrade: {upgrade}\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n"
+        );
+        let answer = raw(&hg, request.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{upgrade}: {answer}");
+        assert!(answer.ends_with("plain"), "{upgrade}: {answer}");
+        let seen = up.last();
+        assert!(
+            seen.headers.get("upgrade").is_none(),
+            "{upgrade}: {:?}",
+            seen.headers
+        );
+        assert!(seen.headers.get("http2-settings").is_none(), "{upgrade}");
+    }
     hg.terminate().await;
 }
 

@@ -66,7 +66,13 @@ pub enum InvalidPolicy {
     Status { index: usize, code: u16 },
     #[error(transparent)]
     Backoff(#[from] InvalidBackoff),
+    #[error("{0} bytes is more than {MAX_REPLAY_BODY} (64MiB): a body this size is held in memory per request, for every request at once")]
+    ReplayBody(u64),
 }
+
+/// The most `max_replay_body` may be: bodies up to it are held whole, once
+/// per request in flight, so a larger limit hands any caller the memory.
+pub const MAX_REPLAY_BODY: u64 = 64 * 1024 * 1024;
 
 impl InvalidPolicy {
     /// The key of the `[retry]` table at fault, and the position in its list
@@ -79,6 +85,7 @@ impl InvalidPolicy {
             InvalidPolicy::Header(_) => ("idempotency_header", None),
             InvalidPolicy::Status { index, .. } => ("retry_on", Some(*index)),
             InvalidPolicy::Backoff(_) => ("backoff", None),
+            InvalidPolicy::ReplayBody(_) => ("max_replay_body", None),
         }
     }
 }
@@ -95,6 +102,9 @@ impl Policy {
             if d.is_zero() {
                 return Err(InvalidPolicy::ZeroDuration(key));
             }
+        }
+        if c.max_replay_body > MAX_REPLAY_BODY {
+            return Err(InvalidPolicy::ReplayBody(c.max_replay_body));
         }
         let mut conditions = Conditions::default();
         for (index, r) in c.retry_on.iter().enumerate() {

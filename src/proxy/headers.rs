@@ -11,7 +11,7 @@ use http::Version;
 /// `Trailer` is not one (RFC 9110 drops it from RFC 2616's list): it says
 /// which trailer fields follow, and hyper sends to an HTTP/1.1 caller only
 /// the trailers it declares.
-const HOPS: usize = 6;
+const HOPS: usize = 7;
 /// Where `Connection` and `TE` are in [`HOP_BY_HOP`].
 const CONNECTION_AT: usize = 0;
 const PROXY_CONNECTION_AT: usize = 2;
@@ -24,6 +24,9 @@ const HOP_BY_HOP: [HeaderName; HOPS] = [
     header::TE,
     header::TRANSFER_ENCODING,
     header::UPGRADE,
+    // Belongs to an h2c upgrade, which is never passed on (RFC 9113 §3.2
+    // made it connection-specific).
+    HeaderName::from_static("http2-settings"),
 ];
 
 pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -123,9 +126,22 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
 /// header rule ("h2c smuggling"); it is forwarded as a plain request.
 pub fn requested_upgrade(version: Version, headers: &HeaderMap) -> bool {
     version == Version::HTTP_11
-        && !lists(headers, &header::UPGRADE, "h2c")
-        && headers.contains_key(header::UPGRADE)
+        && only_websocket(headers)
         && lists(headers, &header::CONNECTION, "upgrade")
+}
+
+/// Whether `Upgrade` asks for WebSocket and nothing else: the one upgrade
+/// tunnelled. Any other token (`h2c`, `h2c-14`, `HTTP/2.0`, `h2`) would let
+/// the caller speak a protocol the header rules never see.
+fn only_websocket(headers: &HeaderMap) -> bool {
+    let mut tokens = headers
+        .get_all(header::UPGRADE)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty())
+        .peekable();
+    tokens.peek().is_some() && tokens.all(|t| t.eq_ignore_ascii_case(b"websocket"))
 }
 
 /// Appends this hop to `Via`, as `1.1 herdguard` (or `2 herdguard`).

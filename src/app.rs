@@ -656,7 +656,7 @@ async fn accept_loop<M, S, B>(
             },
         };
         let _ = stream.set_nodelay(true);
-        let conduct = Arc::new(Conduct::new(limits.idle_timeout));
+        let conduct = Arc::new(Conduct::new(limits.idle_timeout, limits.write_timeout));
         let service = make_service(peer, &conduct);
         let (builder, drain) = (builder.clone(), drain.clone());
         let (wait, write_timeout) = (limits.header_read_timeout, limits.write_timeout);
@@ -681,7 +681,12 @@ async fn accept_loop<M, S, B>(
             }
             let served = match tls {
                 None => {
-                    let io = TokioIo::new(crate::stall::WriteStall::new(stream, write_timeout));
+                    let written = conduct.written.clone();
+                    let io = TokioIo::new(crate::stall::WriteStall::new(
+                        stream,
+                        write_timeout,
+                        written,
+                    ));
                     let conn = builder.serve_connection_with_upgrades(io, service);
                     drain.watch(conn.into_owned(), &conduct).await
                 }
@@ -689,22 +694,35 @@ async fn accept_loop<M, S, B>(
                 // head has: a caller that starts one and stalls holds nothing.
                 Some(acceptor) => match tokio::time::timeout(wait, acceptor.accept(stream)).await {
                     Ok(Ok(stream)) => {
-                        let io = TokioIo::new(crate::stall::WriteStall::new(stream, write_timeout));
+                        let written = conduct.written.clone();
+                        let io = TokioIo::new(crate::stall::WriteStall::new(
+                            stream,
+                            write_timeout,
+                            written,
+                        ));
                         let conn = builder.serve_connection_with_upgrades(io, service);
                         drain.watch(conn.into_owned(), &conduct).await
                     }
                     Ok(Err(e)) => {
                         debug!(listener = what, %peer, error = %e, "TLS handshake failed");
-                        Ok(())
+                        Some(Ok(()))
                     }
                     Err(_) => {
                         debug!(listener = what, %peer, "TLS handshake not done within header_read_timeout");
-                        Ok(())
+                        Some(Ok(()))
                     }
                 },
             };
-            if let Err(e) = served {
-                debug!(listener = what, %peer, error = %e, "connection ended with an error");
+            match served {
+                Some(Ok(())) => {}
+                Some(Err(e)) => {
+                    debug!(listener = what, %peer, error = %e, "connection ended with an error")
+                }
+                None => debug!(
+                    listener = what,
+                    %peer,
+                    "connection closed: asked to close, it sent nothing for write_timeout"
+                ),
             }
             drop(permit);
         });

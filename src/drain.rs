@@ -54,6 +54,8 @@ impl Drain {
             conduct: conduct.clone(),
             expel: conduct.expel.clone().notified_owned(),
             idle: tokio::time::sleep(conduct.idle_timeout),
+            linger: tokio::time::sleep(conduct.write_timeout),
+            lingering: false,
         }
     }
 }
@@ -79,12 +81,17 @@ pub struct Conduct {
     last: Stamp,
     /// The connection closes after this long with no request open.
     pub idle_timeout: Duration,
+    /// When bytes last went out to the caller (kept by the write side).
+    pub written: Arc<Stamp>,
+    /// Once asked to close, the connection is closed outright after this
+    /// long with no byte going out.
+    write_timeout: Duration,
 }
 
 impl Conduct {
     pub const TOLERATED: u32 = 100;
 
-    pub fn new(idle_timeout: Duration) -> Self {
+    pub fn new(idle_timeout: Duration, write_timeout: Duration) -> Self {
         Self {
             abandoned: Default::default(),
             answered: Default::default(),
@@ -93,6 +100,8 @@ impl Conduct {
             open: Default::default(),
             last: Stamp::new(),
             idle_timeout,
+            written: Arc::new(Stamp::new()),
+            write_timeout,
         }
     }
 
@@ -160,11 +169,20 @@ pin_project! {
         // Fires when the connection may have been idle for `idle_timeout`.
         #[pin]
         idle: tokio::time::Sleep,
+        // Once asked to close: fires when nothing may have gone out for
+        // `write_timeout`. A graceful close waits for every stream, and an
+        // HTTP/2 stream whose caller gives it no window never ends.
+        #[pin]
+        linger: tokio::time::Sleep,
+        // Asked to close as idle or expelled (not by a drain).
+        lingering: bool,
     }
 }
 
 impl<C: GracefulConnection> Future for Watched<C> {
-    type Output = C::Output;
+    /// `None` when the connection was closed outright: asked to close, it
+    /// sent nothing for `write_timeout`.
+    type Output = Option<C::Output>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
@@ -197,9 +215,26 @@ impl<C: GracefulConnection> Future for Watched<C> {
             if started || expelled || idle {
                 *this.asked = true;
                 this.conn.as_mut().graceful_shutdown();
+                // A drain has its own time (drain_timeout), in which a slow
+                // answer may rightly send nothing for a while.
+                *this.lingering = !started;
+                let at = Instant::now() + this.conduct.write_timeout;
+                this.linger.as_mut().reset(at);
             }
         }
-        this.conn.poll(cx)
+        if let Poll::Ready(out) = this.conn.as_mut().poll(cx) {
+            return Poll::Ready(Some(out));
+        }
+        if *this.lingering {
+            while this.linger.as_mut().poll(cx).is_ready() {
+                let at = this.conduct.written.last() + this.conduct.write_timeout;
+                if at <= Instant::now() {
+                    return Poll::Ready(None);
+                }
+                this.linger.as_mut().reset(at);
+            }
+        }
+        Poll::Pending
     }
 }
 
@@ -227,7 +262,7 @@ mod tests {
     fn idle_connection(
         drain: &Drain,
     ) -> (
-        Pin<Box<impl Future<Output = Result<(), hyper::Error>>>>,
+        Pin<Box<impl Future<Output = Option<Result<(), hyper::Error>>>>>,
         tokio::io::DuplexStream,
     ) {
         let (ours, theirs) = tokio::io::duplex(1024);
@@ -242,7 +277,10 @@ mod tests {
         (
             Box::pin(drain.watch(
                 conn,
-                &Arc::new(Conduct::new(std::time::Duration::from_secs(3600))),
+                &Arc::new(Conduct::new(
+                    std::time::Duration::from_secs(3600),
+                    std::time::Duration::from_secs(3600),
+                )),
             )),
             theirs,
         )
@@ -273,7 +311,7 @@ mod tests {
         assert_eq!(b.0.load(Ordering::SeqCst), 1, "the latest waker is woken");
         let done = conn.as_mut().poll(&mut Context::from_waker(&wb));
         assert!(
-            matches!(done, Poll::Ready(Ok(()))),
+            matches!(done, Poll::Ready(Some(Ok(())))),
             "an idle connection closes"
         );
     }

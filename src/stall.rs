@@ -10,6 +10,7 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -17,10 +18,15 @@ use pin_project_lite::pin_project;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
+use crate::stamp::Stamp;
+
 pin_project! {
     pub struct WriteStall<T> {
         #[pin]
         inner: T,
+        // When bytes last went out: a connection asked to close that sends
+        // nothing is not waited for (see drain::Watched).
+        written: Arc<Stamp>,
         timeout: Duration,
         // Armed while a write is pending; made on the first stall only.
         timer: Option<Pin<Box<Sleep>>>,
@@ -29,9 +35,10 @@ pin_project! {
 }
 
 impl<T> WriteStall<T> {
-    pub fn new(inner: T, timeout: Duration) -> Self {
+    pub fn new(inner: T, timeout: Duration, written: Arc<Stamp>) -> Self {
         Self {
             inner,
+            written,
             timeout,
             timer: None,
             stalled: false,
@@ -86,6 +93,9 @@ impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
     ) -> Poll<io::Result<usize>> {
         let this = self.project();
         let polled = this.inner.poll_write(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            this.written.touch();
+        }
         watch(polled, *this.timeout, this.timer, this.stalled, cx)
     }
 
@@ -96,6 +106,9 @@ impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
     ) -> Poll<io::Result<usize>> {
         let this = self.project();
         let polled = this.inner.poll_write_vectored(cx, bufs);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            this.written.touch();
+        }
         watch(polled, *this.timeout, this.timer, this.stalled, cx)
     }
 
@@ -123,7 +136,7 @@ mod tests {
     async fn a_write_pending_for_the_whole_timeout_fails_and_a_slow_one_does_not() {
         // A pipe with room for 64 bytes that nobody reads.
         let (ours, mut theirs) = tokio::io::duplex(64);
-        let mut w = WriteStall::new(ours, Duration::from_secs(1));
+        let mut w = WriteStall::new(ours, Duration::from_secs(1), Arc::new(Stamp::new()));
         w.write_all(&[0u8; 64]).await.unwrap();
         let started = Instant::now();
         let err = w.write_all(&[0u8; 64]).await.unwrap_err();
@@ -142,7 +155,7 @@ mod tests {
                 total += theirs2.read(&mut buf).await.unwrap();
             }
         });
-        let mut w = WriteStall::new(ours, Duration::from_secs(1));
+        let mut w = WriteStall::new(ours, Duration::from_secs(1), Arc::new(Stamp::new()));
         w.write_all(&[0u8; 640]).await.unwrap();
         reader.await.unwrap();
     }

@@ -803,3 +803,46 @@ async fn an_upstream_that_stalls_mid_body_for_an_h2_caller_is_blamed() {
     .await;
     hg.terminate().await;
 }
+
+/// An HTTP/2 connection whose streams get no flow-control window would
+/// keep its connection slot for ever: closing it gracefully waits for
+/// every stream. Asked to close (idle), it is closed outright once nothing
+/// went out for write_timeout, and its slot serves another caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_gives_no_window_does_not_keep_its_slot() {
+    let up = upstream(|_| async { http::Response::new(full(vec![b'x'; 64 << 10])) }).await;
+    let hg = Binary::start_with(
+        "write_timeout = \"300ms\"\nidle_timeout = \"300ms\"\nmax_connections = 2",
+        &config(&up.url()),
+    )
+    .await;
+    let mut closed = Vec::new();
+    for _ in 0..2 {
+        let tcp = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+        let (mut client, conn) = h2::client::Builder::new()
+            .initial_window_size(0)
+            .handshake::<_, bytes::Bytes>(tcp)
+            .await
+            .unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let _ = conn.await;
+            let _ = tx.send(());
+        });
+        let req = http::Request::get("http://a/stuck").body(()).unwrap();
+        client = client.ready().await.unwrap();
+        let (resp, _) = client.send_request(req, true).unwrap();
+        assert_eq!(resp.await.unwrap().status(), StatusCode::OK);
+        closed.push((client, rx));
+    }
+    // Both slots taken; each connection is closed by the proxy.
+    for (_client, rx) in closed {
+        tokio::time::timeout(std::time::Duration::from_secs(10), rx)
+            .await
+            .expect("the proxy closed the connection")
+            .unwrap();
+    }
+    let (status, _, body) = get(&hg, "/next").await;
+    assert_eq!((status, body.len()), (StatusCode::OK, 64 << 10));
+    hg.terminate().await;
+}

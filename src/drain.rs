@@ -258,11 +258,14 @@ mod tests {
         }
     }
 
+    /// How a watched connection ended: `None` if closed outright.
+    type Ended = Option<Result<(), hyper::Error>>;
+
     /// An idle HTTP/1.1 server connection over an in-memory pipe.
     fn idle_connection(
         drain: &Drain,
     ) -> (
-        Pin<Box<impl Future<Output = Option<Result<(), hyper::Error>>>>>,
+        Pin<Box<impl Future<Output = Ended>>>,
         tokio::io::DuplexStream,
     ) {
         let (ours, theirs) = tokio::io::duplex(1024);
@@ -321,6 +324,6 @@ mod tests {
         let drain = Drain::new();
         drain.start();
         let (conn, _peer) = idle_connection(&drain);
-        conn.await.unwrap();
+        conn.await.expect("ended by itself").unwrap();
     }
 }

@@ -132,7 +132,7 @@ impl Server {
                             conduct.begun();
                             let pending = Abandoned(Some(conduct));
                             let resp = proxy.handle(req, &caller).await;
-                            pending.answered();
+                            pending.answered(&resp);
                             Ok::<_, Infallible>(resp)
                         }
                     })
@@ -512,9 +512,21 @@ impl std::fmt::Display for Names {
 struct Abandoned(Option<Arc<Conduct>>);
 
 impl Abandoned {
-    fn answered(mut self) {
+    /// The request got its answer. One the proxy shed at once (its limits
+    /// or its breaker) does not count as answered: a connection that opens
+    /// and resets streams faster than the upstream can take them would
+    /// otherwise earn, from its own shed streams, the credit that keeps it
+    /// from being expelled.
+    fn answered<B>(mut self, resp: &http::Response<B>) {
         if let Some(conduct) = self.0.take() {
-            conduct.answered();
+            let shed = resp
+                .headers()
+                .get(&crate::proxy::headers::X_HERDGUARD_ERROR)
+                .is_some_and(|e| e == "overloaded" || e == "circuit-open");
+            match shed {
+                true => conduct.shed(),
+                false => conduct.answered(),
+            }
         }
     }
 }

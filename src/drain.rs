@@ -116,6 +116,12 @@ impl Conduct {
         self.ended();
     }
 
+    /// A request the proxy refused at once (shed): neither answered nor
+    /// abandoned.
+    pub fn shed(&self) {
+        self.ended();
+    }
+
     pub fn abandoned(&self) {
         self.ended();
         let abandoned = self

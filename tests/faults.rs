@@ -846,3 +846,54 @@ async fn a_connection_that_gives_no_window_does_not_keep_its_slot() {
     assert_eq!((status, body.len()), (StatusCode::OK, 64 << 10));
     hg.terminate().await;
 }
+
+/// Rapid reset against a full upstream: the streams the proxy sheds at once
+/// (503 overloaded) are not "answered" credit for a connection that resets
+/// every stream that did reach the upstream; it is still closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shed_streams_do_not_shield_a_rapid_reset() {
+    let held = held_upstream("never sent").await;
+    let hg = Binary::start(&format!(
+        "[upstreams.u]\nendpoints = [\"{}\"]\nmax_in_flight = 4\nadaptive_concurrency = {{ enabled = false }}\n\
+         [[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+        held.upstream.url()
+    ))
+    .await;
+    let tcp = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let mut batches = 0;
+    'attack: for batch in 0..100 {
+        // Fifty streams at once: four reach the upstream, the rest are shed.
+        let mut streams = Vec::new();
+        for i in 0..50 {
+            let Ok(mut ready) = client.clone().ready().await else {
+                break 'attack;
+            };
+            let req = http::Request::get(format!("http://a/r/{batch}/{i}"))
+                .body(())
+                .unwrap();
+            let Ok(pair) = ready.send_request(req, true) else {
+                break 'attack;
+            };
+            streams.push(pair);
+        }
+        // Those answered at once are the shed ones; the rest are reset.
+        for (resp, mut stream) in streams {
+            let quick = tokio::time::timeout(std::time::Duration::from_millis(20), resp).await;
+            if quick.is_err() {
+                stream.send_reset(h2::Reason::CANCEL);
+            }
+        }
+        batches += 1;
+    }
+    assert!(batches < 100, "the connection was never closed");
+    assert!(
+        held.upstream.hits() <= 100 + 8,
+        "{} requests reached the upstream",
+        held.upstream.hits()
+    );
+    hg.terminate().await;
+}

@@ -361,3 +361,77 @@ async fn a_caller_that_leaves_mid_upload_costs_the_upstream_nothing() {
     assert_eq!(breaker(&hg).await, (0, 0));
     hg.terminate().await;
 }
+
+/// Many callers at once against an upstream that closes after every answer
+/// (without saying so): its connections cross requests on the wire, but
+/// none of that is the upstream failing. The breaker never opens, every
+/// answered POST arrived once, a cut one never arrived, and a cut is booked
+/// as a stale connection, not as the upstream resetting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closing_upstream_under_concurrency_never_trips_the_breaker() {
+    let (url, seen) = raw_upstream(Then::AnswerThenClose(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    ))
+    .await;
+    let hg = Binary::start(&config(&url)).await;
+    let callers = (0..10u32).map(|c| {
+        let listen = hg.listen.clone();
+        tokio::spawn(async move {
+            let client = client();
+            let mut answered = Vec::new();
+            let mut statuses = Vec::new();
+            for i in 0..30u32 {
+                let body = payload(c * 1000 + i);
+                let digest = <[u8; 32]>::from(Sha256::digest(&body));
+                let req = http::Request::post(format!("http://{listen}/orders"))
+                    .header("host", "a")
+                    .body(full(body))
+                    .unwrap();
+                let resp = client.request(req).await.expect("an answer");
+                let (status, headers) = (resp.status(), resp.headers().clone());
+                let _ = resp.into_body().collect().await;
+                if status == 200 {
+                    answered.push(digest);
+                }
+                statuses.push((status, headers.get("x-herdguard-error").cloned()));
+            }
+            (answered, statuses)
+        })
+    });
+    let mut answered = Vec::new();
+    for caller in futures_util::future::join_all(callers).await {
+        let (mine, statuses) = caller.unwrap();
+        answered.extend(mine);
+        for (status, error) in statuses {
+            assert!(
+                status == 200 || (status == 502 && error.as_ref().is_some_and(|e| e == "reset")),
+                "{status} {error:?}: only a crossed close may cut a POST"
+            );
+        }
+    }
+    let mut delivered = seen.bodies();
+    delivered.sort();
+    answered.sort();
+    assert_eq!(
+        delivered, answered,
+        "each answered POST arrived once; no cut one arrived"
+    );
+    let metrics = hg.metrics().await;
+    assert_eq!(
+        metric(
+            &metrics,
+            "herdguard_breaker_transitions_total{route=\"r\",to=\"open\"}"
+        ),
+        Some(0.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "herdguard_upstream_attempts_total{route=\"r\",upstream=\"u\",outcome=\"reset\"}"
+        ),
+        Some(0.0),
+        "a crossed close is a stale connection: {metrics}"
+    );
+    hg.terminate().await;
+}

@@ -29,7 +29,7 @@ use tokio::time::Instant;
 
 use crate::config::schema::BreakerConfig;
 
-use super::outcome::{Fault, Outcome as AttemptOutcome};
+use super::outcome::{Fault, Outcome as AttemptOutcome, UpstreamFault};
 
 const SLOTS: usize = 10;
 
@@ -114,6 +114,12 @@ impl Outcome {
     /// failures; the caller's faults, the deadline's cut and the proxy's
     /// refusals count for nothing (but free a probe slot).
     pub fn of(outcome: AttemptOutcome) -> Self {
+        // An upstream closing its keep-alive connections is within HTTP:
+        // a request caught by one says nothing of the upstream's health
+        // (the outlier state reads it the same way).
+        if outcome == AttemptOutcome::Upstream(UpstreamFault::StaleConnection) {
+            return Outcome::Unknown;
+        }
         match outcome.fault() {
             Fault::None => Outcome::Success,
             Fault::Upstream => Outcome::Failure,

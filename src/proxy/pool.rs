@@ -176,8 +176,10 @@ impl H1Pool {
         match unsent {
             true => PoolError::Unsent { authority, source },
             // Closed with nothing of an answer, on a connection that had
-            // served before: the upstream closed it as the request went out.
-            false if reused && source.is_incomplete_message() => {
+            // served before: the upstream closed it as the request went out
+            // (an end of stream; or a reset, when our bytes reached a
+            // socket it had already closed).
+            false if reused && (source.is_incomplete_message() || reset_by_peer(&source)) => {
                 PoolError::Stale { authority, source }
             }
             false => PoolError::Request { authority, source },
@@ -294,4 +296,21 @@ pub fn origin_form(path_and_query: Option<&PathAndQuery>) -> http::Uri {
         Some(pq) => http::Uri::from(pq.clone()),
         None => http::Uri::from_static("/"),
     }
+}
+
+/// Whether the connection was reset (or its pipe broken) under `e`.
+fn reset_by_peer(e: &hyper::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::ConnectionAborted
+            );
+        }
+        source = s.source();
+    }
+    false
 }

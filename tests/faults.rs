@@ -308,6 +308,27 @@ async fn max_forwards_zero_is_answered_here_and_counted_down_otherwise() {
     .await;
     assert!(on.starts_with("HTTP/1.1 200"), "{on}");
     assert_eq!(up.last().headers.get("max-forwards").unwrap(), "2");
+
+    // Two fields: the fewer hops count, so `5` and `0` is answered here.
+    let hits = up.hits();
+    let two = raw(
+        &hg,
+        b"OPTIONS /x HTTP/1.1\r\nHost: a\r\nMax-Forwards: 5\r\nMax-Forwards: 0\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(two.starts_with("HTTP/1.1 200"), "{two}");
+    assert_eq!(up.hits(), hits, "answered by this hop");
+    // Too many to count is still counted down.
+    let huge = raw(
+        &hg,
+        b"OPTIONS /x HTTP/1.1\r\nHost: a\r\nMax-Forwards: 99999999999999999999999\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(huge.starts_with("HTTP/1.1 200"), "{huge}");
+    assert_eq!(
+        up.last().headers.get("max-forwards").unwrap(),
+        (u64::MAX - 1).to_string().as_str()
+    );
     hg.terminate().await;
 }
 

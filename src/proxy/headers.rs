@@ -279,13 +279,22 @@ fn max_forwards(method: &http::Method, headers: &HeaderMap) -> Option<u64> {
     if method != http::Method::OPTIONS && method != http::Method::TRACE {
         return None;
     }
+    // One value is allowed; of several (fields or a list), the fewest hops
+    // count. Digits only; too many to count is as many as there can be.
     headers
-        .get(header::MAX_FORWARDS)?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
+        .get_all(header::MAX_FORWARDS)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|v| !v.is_empty() && v.iter().all(u8::is_ascii_digit))
+        .map(|v| {
+            v.iter()
+                .try_fold(0u64, |n, d| {
+                    n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+                })
+                .unwrap_or(u64::MAX)
+        })
+        .min()
 }
 
 /// The answer to an `OPTIONS` or `TRACE` with `Max-Forwards: 0`: this hop is
@@ -512,6 +521,27 @@ mod tests {
             strip_hop_by_hop(&mut h, false);
             assert_eq!(h, map(after), "{what}");
         }
+    }
+
+    #[test]
+    fn max_forwards_reads_the_fewest_hops_and_never_overflows() {
+        let trace = http::Method::TRACE;
+        let mut h = map(&[("max-forwards", "5"), ("max-forwards", "0")]);
+        assert_eq!(max_forwards(&trace, &h), Some(0), "two fields: the fewer");
+        h = map(&[("max-forwards", "3, 7")]);
+        assert_eq!(max_forwards(&trace, &h), Some(3));
+        h = map(&[("max-forwards", "99999999999999999999999")]);
+        assert_eq!(max_forwards(&trace, &h), Some(u64::MAX));
+        decrement_max_forwards(&trace, &mut h);
+        assert_eq!(h["max-forwards"], (u64::MAX - 1).to_string().as_str());
+        for bad in ["-1", "x", "", "+3", "1.5"] {
+            h = map(&[("max-forwards", bad)]);
+            assert_eq!(max_forwards(&trace, &h), None, "{bad:?}");
+        }
+        h = map(&[("max-forwards", "5"), ("max-forwards", "2")]);
+        decrement_max_forwards(&trace, &mut h);
+        assert_eq!(h.get_all("max-forwards").iter().count(), 1);
+        assert_eq!(h["max-forwards"], "1");
     }
 
     #[test]

@@ -603,6 +603,47 @@ fn local_addr(listener: &TcpListener) -> SocketAddr {
         .expect("a bound listener has an address")
 }
 
+/// What serves one accepted connection, plain or TLS.
+struct Serve<'a> {
+    builder: &'a auto::Builder<TokioExecutor>,
+    drain: &'a Drain,
+    conduct: &'a Arc<Conduct>,
+    write_timeout: Duration,
+}
+
+impl Serve<'_> {
+    /// HTTP/1.1 or HTTP/2 over `stream`, its writes watched for stalls, the
+    /// connection watched for the drain, idleness and expulsion. `None`:
+    /// closed outright (see [`crate::drain::Watched`]).
+    async fn connection<I, S, B>(
+        &self,
+        stream: I,
+        service: S,
+    ) -> Option<Result<(), Box<dyn std::error::Error + Send + Sync>>>
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+        S: hyper::service::Service<
+                Request<Incoming>,
+                Response = http::Response<B>,
+                Error = Infallible,
+            > + Send
+            + 'static,
+        S::Future: Send + 'static,
+        B: http_body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let written = self.conduct.written.clone();
+        let io = TokioIo::new(crate::stall::WriteStall::new(
+            stream,
+            self.write_timeout,
+            written,
+        ));
+        let conn = self.builder.serve_connection_with_upgrades(io, service);
+        self.drain.watch(conn.into_owned(), self.conduct).await
+    }
+}
+
 struct Limits {
     /// Callers speak TLS first.
     tls: Option<tokio_rustls::TlsAcceptor>,
@@ -691,30 +732,18 @@ async fn accept_loop<M, S, B>(
                     return;
                 }
             }
+            let serve = Serve {
+                builder: &builder,
+                drain: &drain,
+                conduct: &conduct,
+                write_timeout,
+            };
             let served = match tls {
-                None => {
-                    let written = conduct.written.clone();
-                    let io = TokioIo::new(crate::stall::WriteStall::new(
-                        stream,
-                        write_timeout,
-                        written,
-                    ));
-                    let conn = builder.serve_connection_with_upgrades(io, service);
-                    drain.watch(conn.into_owned(), &conduct).await
-                }
+                None => serve.connection(stream, service).await,
                 // The handshake must be done within the time the request
                 // head has: a caller that starts one and stalls holds nothing.
                 Some(acceptor) => match tokio::time::timeout(wait, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => {
-                        let written = conduct.written.clone();
-                        let io = TokioIo::new(crate::stall::WriteStall::new(
-                            stream,
-                            write_timeout,
-                            written,
-                        ));
-                        let conn = builder.serve_connection_with_upgrades(io, service);
-                        drain.watch(conn.into_owned(), &conduct).await
-                    }
+                    Ok(Ok(stream)) => serve.connection(stream, service).await,
                     Ok(Err(e)) => {
                         debug!(listener = what, %peer, error = %e, "TLS handshake failed");
                         Some(Ok(()))

@@ -374,15 +374,15 @@ impl TryFrom<String> for RetryOn {
     type Error = String;
 
     fn try_from(text: String) -> Result<Self, String> {
+        if let Some(status) = GrpcStatus::retryable_named(&text) {
+            return Ok(Self::Grpc(status));
+        }
         Ok(match text.as_str() {
             "connect-failure" => Self::ConnectFailure,
             "reset" => Self::Reset,
             "timeout" => Self::Timeout,
             "refused-stream" => Self::RefusedStream,
             "5xx" => Self::Status5xx,
-            name if GrpcStatus::retryable_named(name).is_some() => {
-                Self::Grpc(GrpcStatus::retryable_named(name).unwrap_or(GrpcStatus::UNAVAILABLE))
-            }
             code => match code.parse::<u16>() {
                 Ok(code) if (100..=599).contains(&code) => Self::Status(code),
                 _ => {

@@ -89,6 +89,8 @@ async fn grpc_server(calls: Calls) -> Upstream {
                 "Flaky" => with_message(b"hello", 0),
                 "Unavailable" => trailers_only(14, &[]),
                 "Invalid" => trailers_only(3, &[]),
+                // A server passing the caller's deadline on to its own backends.
+                "Deadline" => trailers_only(4, &[]),
                 // A message went out, then the call failed.
                 "Streamed" => with_message(b"partial", 14),
                 "NoPushback" => trailers_only(14, &[("grpc-retry-pushback-ms", "-1")]),
@@ -207,6 +209,10 @@ async fn grpc_calls_are_judged_by_their_grpc_status() {
     assert!(waits.iter().all(|w| (300..1000).contains(w)), "{trace}");
     assert!(trace.starts_with("1=grpc-error"), "{trace}");
 
+    // No caller deadline: none is invented for the upstream (it would end
+    // a long stream there; per_try_timeout bounds only the wait for headers).
+    assert!(calls.timeouts.lock().unwrap().is_empty());
+
     // Retries are counted by the gRPC status.
     let metrics = hg.metrics().await;
     assert_eq!(
@@ -237,7 +243,7 @@ async fn grpc_timeout_bounds_the_call_and_proxy_errors_are_grpc_statuses() {
     );
     assert_eq!(a.headers["x-herdguard-error"], "timeout");
     assert!(a.headers.contains_key("grpc-message"));
-    let told = calls.timeouts.lock().unwrap().clone();
+    let told = std::mem::take(&mut *calls.timeouts.lock().unwrap());
     assert!(!told.is_empty());
     for t in &told {
         let ms: u64 = t
@@ -247,6 +253,22 @@ async fn grpc_timeout_bounds_the_call_and_proxy_errors_are_grpc_statuses() {
             .unwrap();
         assert!((1..=300).contains(&ms), "{t}");
     }
+    // A long deadline is passed on as it is, not cut to per_try_timeout.
+    let a = call(&hg, "/safe.Svc/Invalid", &[("grpc-timeout", "30S")]).await;
+    assert_eq!(a.status.as_deref(), Some("3"));
+    let told = std::mem::take(&mut *calls.timeouts.lock().unwrap());
+    let ms: u64 = told[0].strip_suffix('m').unwrap().parse().unwrap();
+    assert!((25_000..=30_000).contains(&ms), "{told:?}");
+
+    // The caller's short deadline, passed on, runs out upstream: that is
+    // the caller's doing, and never opens the breaker for the others.
+    for _ in 0..8 {
+        let a = call(&hg, "/safe.Svc/Deadline", &[("grpc-timeout", "100m")]).await;
+        assert_eq!(a.status.as_deref(), Some("4"));
+    }
+    let a = call(&hg, "/safe.Svc/Invalid", &[]).await;
+    assert_eq!(a.status.as_deref(), Some("3"), "served, not circuit-open");
+    assert!(!a.headers.contains_key("x-herdguard-error"));
 
     // No route: UNIMPLEMENTED.
     let a = call(&hg, "/other.Svc/Call", &[]).await;

@@ -59,8 +59,12 @@ pub struct Forward<'a> {
     host: Option<HeaderValue>,
     /// The access log line, when the log is on.
     log: Option<&'a mut Entry>,
-    /// A gRPC call: judged by its `grpc-status`, told its time left.
+    /// A gRPC call: judged by its `grpc-status`.
     grpc: bool,
+    /// The gRPC caller's own deadline (its `grpc-timeout`): each attempt
+    /// passes on the time left to it. None: no deadline is invented (the
+    /// upstream would end a long stream at it).
+    grpc_deadline: Option<Instant>,
 }
 
 enum AttemptBody {
@@ -109,14 +113,18 @@ impl<'a> Forward<'a> {
             host: None,
             log: None,
             grpc: false,
+            grpc_deadline: None,
         }
     }
 
     /// Treats the request as a gRPC call: a trailers-only answer is judged
-    /// by its `grpc-status`, its pushback honoured, and each attempt sends
-    /// upstream the time really left as `grpc-timeout`.
-    pub fn grpc(&mut self, on: bool) {
+    /// by its `grpc-status` and its pushback honoured; with the caller's own
+    /// `deadline`, each attempt sends upstream the time left to it as
+    /// `grpc-timeout` (never `per_try_timeout`, which bounds only the wait
+    /// for response headers: a stream goes on long after).
+    pub fn grpc(&mut self, on: bool, deadline: Option<Instant>) {
         self.grpc = on;
+        self.grpc_deadline = deadline.filter(|_| on);
     }
 
     /// Keeps `entry` (the request's access log line) told of each attempt
@@ -271,8 +279,8 @@ impl retry::Attempts for Forward<'_> {
             log.endpoint = Some(target.label.clone());
         }
         let grpc_left = self
-            .grpc
-            .then(|| per_try.min(deadline.saturating_duration_since(Instant::now())));
+            .grpc_deadline
+            .map(|d| d.saturating_duration_since(Instant::now()));
         let (req, progress) = self.request(n, &target.host, grpc_left);
 
         let sent_at = Instant::now();
@@ -318,6 +326,11 @@ impl retry::Attempts for Forward<'_> {
                         slot.hold(index, conn);
                     }
                     let outcome = match self.grpc.then(|| trailers_only_status(&resp)).flatten() {
+                        // The caller's own deadline, passed on, ran out: the
+                        // caller set it, the upstream is not to blame.
+                        Some(GrpcStatus::DEADLINE_EXCEEDED) if self.grpc_deadline.is_some() => {
+                            Outcome::Deadline
+                        }
                         Some(status) if status != GrpcStatus::OK => Outcome::Grpc(status),
                         _ => Outcome::Response(resp.status()),
                     };

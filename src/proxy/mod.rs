@@ -515,7 +515,7 @@ async fn forward(
     );
     attempts.host_rewrite(route.host_rewrite.clone());
     attempts.log_into(log.as_deref_mut());
-    attempts.grpc(grpc);
+    attempts.grpc(grpc, grpc_timeout.and_then(|t| start.checked_add(t)));
     // A gRPC caller's own deadline, when sooner than the route's.
     let deadline = match grpc_timeout {
         Some(t) => retry::deadline(start, policy.timeout.min(t)),

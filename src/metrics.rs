@@ -35,6 +35,8 @@ pub const ENDPOINT_EJECTED: &str = "herdguard_endpoint_ejected";
 pub const TUNNELS_OPEN: &str = "herdguard_tunnels_open";
 pub const ATTEMPT_DURATION: &str = "herdguard_upstream_attempt_duration_seconds";
 pub const BUILD_INFO: &str = "herdguard_build_info";
+pub const HEDGES_TOTAL: &str = "herdguard_hedges_total";
+pub const HEDGES_SKIPPED: &str = "herdguard_hedges_skipped_total";
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -337,6 +339,11 @@ pub struct RouteMetrics {
     /// `herdguard_retries_total` after the gRPC statuses `retry_on` may
     /// name, registered on first use (most routes carry no gRPC).
     retries_by_grpc: [OnceLock<Counter>; GrpcStatus::RETRYABLE.len()],
+    /// `herdguard_hedges_total` won and lost, registered on first use
+    /// (most routes do not hedge).
+    hedges: OnceLock<[Counter; 2]>,
+    /// `herdguard_hedges_skipped_total` by reason, registered on first use.
+    hedges_skipped: [OnceLock<Counter>; SkipReason::ALL.len()],
     route: Arc<str>,
     skipped: [Counter; SkipReason::ALL.len()],
     backoff: Histogram,
@@ -385,6 +392,8 @@ impl RouteMetrics {
             retries,
             retries_by_status: ByStatus::new(registry, RETRIES_TOTAL, &name, "reason", None),
             retries_by_grpc: Default::default(),
+            hedges: OnceLock::new(),
+            hedges_skipped: Default::default(),
             route: name.clone(),
             skipped,
             backoff: registry.histogram(BACKOFF_SECONDS, &[("route", route)]),
@@ -442,9 +451,37 @@ impl RouteMetrics {
                     counter.increment(1);
                 }
             }
-            Outcome::Caller(_) | Outcome::Deadline | Outcome::Refused(_) => return,
+            Outcome::Caller(_) | Outcome::Deadline | Outcome::Refused(_) | Outcome::Superseded => {
+                return
+            }
         }
         self.backoff.record(delay.as_secs_f64());
+    }
+
+    /// Counts a hedge race that ended: `won` when the hedge's answer went
+    /// to the caller, `lost` when the attempt it raced answered.
+    pub fn hedge(&self, won: bool) {
+        let counters = self.hedges.get_or_init(|| {
+            ["won", "lost"].map(|result| {
+                self._scope
+                    .counter(HEDGES_TOTAL, &[("route", &self.route), ("result", result)])
+            })
+        });
+        counters[usize::from(!won)].increment(1);
+    }
+
+    /// Counts a hedge that was due and not sent, and why.
+    pub fn hedge_skipped(&self, reason: SkipReason) {
+        let i = SkipReason::ALL.iter().position(|r| *r == reason);
+        if let Some(cell) = i.and_then(|i| self.hedges_skipped.get(i)) {
+            let register = || {
+                self._scope.counter(
+                    HEDGES_SKIPPED,
+                    &[("route", &self.route), ("reason", reason.as_str())],
+                )
+            };
+            cell.get_or_init(register).increment(1);
+        }
     }
 
     /// Counts a breaker state change and sets the state gauge.

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::units::{duration, size};
+use super::units::{duration, duration_opt, size};
 use crate::policy::GrpcStatus;
 
 /// The whole configuration, defaults merged into every route.
@@ -317,6 +317,11 @@ pub struct RetryConfig {
     /// A longer Retry-After is not waited for: the response is passed on.
     #[serde(with = "duration")]
     pub max_retry_after: Duration,
+    /// When an attempt has no response headers after this long, a second
+    /// one goes to another endpoint (idempotent requests only, paid for by
+    /// the budget); the first answer wins. Off unless set.
+    #[serde(with = "duration_opt", skip_serializing_if = "Option::is_none")]
+    pub hedge_after: Option<Duration>,
     pub backoff: BackoffConfig,
     pub budget: BudgetConfig,
 }
@@ -344,6 +349,7 @@ impl Default for RetryConfig {
             max_replay_body: 64 * 1024,
             respect_retry_after: true,
             max_retry_after: Duration::from_secs(30),
+            hedge_after: None,
             backoff: BackoffConfig::default(),
             budget: BudgetConfig::default(),
         }

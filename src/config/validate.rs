@@ -463,6 +463,22 @@ fn retry_warnings(report: &mut Report<'_>, path: &KeyPath, r: &RetryConfig) {
             }
         }
     }
+    if let Some(after) = r.hedge_after {
+        let why = if r.attempts < 2 {
+            Some("attempts = 1 leaves no attempt for a hedge: it is never sent".to_owned())
+        } else if after >= r.per_try_timeout {
+            Some(format!(
+                "{} is not less than per_try_timeout {}: an attempt times out before a hedge is due, so none is ever sent",
+                super::units::format_duration(after),
+                super::units::format_duration(r.per_try_timeout),
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            report(path.key("hedge_after"), why);
+        }
+    }
     if r.attempts > 1 {
         if let Ok(backoff) = crate::policy::Backoff::from_config(&r.backoff) {
             let waits: Duration = (1..r.attempts).map(|n| backoff.ceiling(n)).sum();

@@ -135,6 +135,51 @@ pub fn decide<R: Rng + ?Sized>(
     Decision::Retry { delay }
 }
 
+/// What is known when an attempt has had no answer for `hedge_after`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slow {
+    /// Attempts sent so far, the slow one included.
+    pub sent: u32,
+    /// The slow attempt is a breaker probe.
+    pub probe: bool,
+    /// The request body is empty or held whole, so a second attempt can
+    /// send it while the first still runs.
+    pub body_whole: bool,
+}
+
+/// Whether a hedge may be sent now, or why not. Only for requests where
+/// hedging is on and that are safe to repeat (idempotent, first hop):
+/// `None` for others, which are never hedged and never counted as skipped.
+/// The gates, in order: `attempts` (a hedge is an attempt), the body, the
+/// breaker (closed: a probe is never raced, and a failing upstream gets no
+/// extra load), and last the budget, which a hedge pays like a retry: its
+/// token is taken here.
+pub fn hedge(
+    policy: &Policy,
+    request: &RequestFacts,
+    slow: &Slow,
+    now: Instant,
+    deadline: Instant,
+    guards: Guards<'_>,
+) -> Option<Result<(), SkipReason>> {
+    if policy.hedge_after.is_none() || !request.idempotent || !policy.may_retry(request) {
+        return None;
+    }
+    Some(if slow.sent >= policy.attempts {
+        Err(SkipReason::AttemptsExhausted)
+    } else if !slow.body_whole {
+        Err(SkipReason::BodyTooLarge)
+    } else if deadline.saturating_duration_since(now) < policy.min_retry_time() {
+        Err(SkipReason::Deadline)
+    } else if guards.breaker_open || slow.probe {
+        Err(SkipReason::BreakerOpen)
+    } else if !guards.budget.withdraw(now) {
+        Err(SkipReason::Budget)
+    } else {
+        Ok(())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -32,6 +32,10 @@ pub enum Outcome {
     Deadline,
     /// The proxy did not send the attempt at all.
     Refused(Refusal),
+    /// A hedge race's other attempt answered first, and the proxy
+    /// cancelled this one: nobody's failure, heard by no breaker, limit or
+    /// endpoint health.
+    Superseded,
 }
 
 /// A gRPC status code (`grpc-status`, 0 to 16).
@@ -208,7 +212,7 @@ impl Outcome {
             Outcome::Upstream(_) => Fault::Upstream,
             Outcome::Caller(_) => Fault::Caller,
             Outcome::Deadline => Fault::Deadline,
-            Outcome::Refused(_) => Fault::Proxy,
+            Outcome::Refused(_) | Outcome::Superseded => Fault::Proxy,
         }
     }
 
@@ -237,6 +241,7 @@ impl Outcome {
             Outcome::Deadline => "deadline",
             Outcome::Refused(Refusal::CircuitOpen) => "circuit-open",
             Outcome::Refused(Refusal::Overloaded) => "overloaded",
+            Outcome::Superseded => "superseded",
         }
     }
 
@@ -251,7 +256,7 @@ impl Outcome {
     }
 
     /// Every label of an attempt that was sent (refusals are not attempts).
-    pub const SENT: [Outcome; 13] = [
+    pub const SENT: [Outcome; 14] = [
         Outcome::Response(StatusCode::OK),
         Outcome::Response(StatusCode::INTERNAL_SERVER_ERROR),
         Outcome::Upstream(UpstreamFault::ConnectFailure),
@@ -265,6 +270,7 @@ impl Outcome {
         Outcome::Caller(CallerFault::StalledBody),
         Outcome::Deadline,
         Outcome::Grpc(GrpcStatus::UNAVAILABLE),
+        Outcome::Superseded,
     ];
 
     /// The position of this outcome's label in [`Outcome::SENT`], for
@@ -285,6 +291,7 @@ impl Outcome {
             Outcome::Caller(CallerFault::MalformedBody) => 9,
             Outcome::Caller(CallerFault::StalledBody) => 10,
             Outcome::Deadline => 11,
+            Outcome::Superseded => 13,
             Outcome::Refused(_) => return None,
         })
     }

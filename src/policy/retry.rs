@@ -29,6 +29,8 @@ pub struct Policy {
     pub per_try_timeout: Duration,
     pub timeout: Duration,
     pub max_replay_body: u64,
+    /// `hedge_after`: when a second attempt races a slow first one.
+    pub hedge_after: Option<Duration>,
     conditions: Conditions,
     methods: Vec<Method>,
     /// `idempotent`: every request on the route is safe to repeat.
@@ -103,6 +105,9 @@ impl Policy {
                 return Err(InvalidPolicy::ZeroDuration(key));
             }
         }
+        if c.hedge_after.is_some_and(|d| d.is_zero()) {
+            return Err(InvalidPolicy::ZeroDuration("hedge_after"));
+        }
         if c.max_replay_body > MAX_REPLAY_BODY {
             return Err(InvalidPolicy::ReplayBody(c.max_replay_body));
         }
@@ -139,6 +144,7 @@ impl Policy {
             per_try_timeout: c.per_try_timeout,
             timeout: c.timeout,
             max_replay_body: c.max_replay_body,
+            hedge_after: c.hedge_after,
             conditions,
             methods,
             all_idempotent: c.idempotent,
@@ -192,7 +198,9 @@ impl Policy {
             Outcome::Upstream(UpstreamFault::Reset | UpstreamFault::StaleConnection) => c.reset,
             Outcome::Upstream(UpstreamFault::Timeout) => c.timeout,
             Outcome::Upstream(UpstreamFault::BadResponse) => false,
-            Outcome::Caller(_) | Outcome::Deadline | Outcome::Refused(_) => false,
+            Outcome::Caller(_) | Outcome::Deadline | Outcome::Refused(_) | Outcome::Superseded => {
+                false
+            }
         }
     }
 

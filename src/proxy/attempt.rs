@@ -28,7 +28,7 @@ use super::body::{Progress, RequestBody};
 use super::error_chain;
 use super::headers::X_HERDGUARD_ATTEMPT;
 use super::replay::ReplayBody;
-use super::upstream::{InFlight, Upstream};
+use super::upstream::{InFlight, Picked, Upstream};
 
 /// The upstream's response, with the slot it holds until its body is done.
 pub type Answer = (Response<Incoming>, InFlight);
@@ -37,7 +37,7 @@ pub type Answer = (Response<Incoming>, InFlight);
 pub struct Forward<'a> {
     upstream: &'a Arc<Upstream>,
     method: Method,
-    path_and_query: Option<PathAndQuery>,
+    path_and_query: Option<&'a PathAndQuery>,
     /// Taken whole by the last attempt; copied for the others.
     headers: Option<HeaderMap>,
     /// Whether more than one attempt may be made.
@@ -79,7 +79,7 @@ impl<'a> Forward<'a> {
     pub fn new(
         upstream: &'a Arc<Upstream>,
         method: Method,
-        path_and_query: Option<PathAndQuery>,
+        path_and_query: Option<&'a PathAndQuery>,
         headers: HeaderMap,
         body: Incoming,
         retrying: bool,
@@ -233,7 +233,7 @@ impl<'a> Forward<'a> {
     }
 }
 
-impl retry::Attempts for Forward<'_> {
+impl<'a> retry::Attempts for Forward<'a> {
     type Answer = Answer;
 
     fn reserve(&mut self) -> Result<(), String> {
@@ -249,43 +249,134 @@ impl retry::Attempts for Forward<'_> {
         Ok(())
     }
 
-    async fn send(
+    fn send(
         &mut self,
         n: u32,
         per_try: Duration,
         deadline: Instant,
         probe: bool,
-    ) -> Attempt<Answer> {
-        let upstream = self.upstream;
+    ) -> impl Future<Output = Attempt<Answer>> + use<'a> {
+        // What needs `self` is done here, before anything is sent: the
+        // attempt that goes then borrows nothing of it, so a hedge can be
+        // sent while it runs.
+        let upstream: &'a Arc<Upstream> = self.upstream;
         let slot = match self.slot.take() {
             Some(slot) => Some(slot),
             None => upstream.try_acquire(),
         };
-        let Some(mut slot) = slot else {
-            return Attempt {
-                outcome: Outcome::Refused(crate::policy::Refusal::Overloaded),
-                answer: None,
-                retry_after: None,
-                detail: format!("upstream {} is at its in-flight limit", upstream.name),
-                elapsed: Duration::ZERO,
-                note: None,
-            };
+        let ready = slot.map(|slot| {
+            let picked = upstream.pick(self.endpoint, self.repeatable, probe);
+            self.endpoint = Some(picked.index);
+            if let Some(log) = self.log.as_deref_mut() {
+                log.attempts = n;
+                log.endpoint = Some(picked.endpoint().label.clone());
+            }
+            let grpc_left = self
+                .grpc_deadline
+                .map(|d| d.saturating_duration_since(Instant::now()));
+            let (req, progress) = self.request(n, &picked.endpoint().host, grpc_left);
+            (slot, picked, req, progress)
+        });
+        let judge = Judge {
+            upgrade: self.upgrade,
+            grpc: self.grpc,
+            grpc_deadline: self.grpc_deadline.is_some(),
+            timeout: self.timeout,
         };
-        let picked = upstream.pick(self.endpoint, self.repeatable, probe);
-        let (index, target) = (picked.index, picked.endpoint());
-        self.endpoint = Some(index);
-        if let Some(log) = self.log.as_deref_mut() {
-            log.attempts = n;
-            log.endpoint = Some(target.label.clone());
+        let path_and_query = self.path_and_query;
+        async move {
+            let Some((slot, picked, req, progress)) = ready else {
+                return Attempt {
+                    outcome: Outcome::Refused(crate::policy::Refusal::Overloaded),
+                    answer: None,
+                    retry_after: None,
+                    detail: format!("upstream {} is at its in-flight limit", upstream.name),
+                    elapsed: Duration::ZERO,
+                    note: None,
+                };
+            };
+            judge
+                .go(
+                    upstream,
+                    slot,
+                    picked,
+                    path_and_query,
+                    req,
+                    progress,
+                    per_try,
+                    deadline,
+                )
+                .await
         }
-        let grpc_left = self
-            .grpc_deadline
-            .map(|d| d.saturating_duration_since(Instant::now()));
-        let (req, progress) = self.request(n, &target.host, grpc_left);
+    }
 
+    fn body_whole(&self) -> bool {
+        match &self.body {
+            AttemptBody::Empty => true,
+            AttemptBody::Once(_) => false,
+            AttemptBody::Replay(replay) => replay.whole(),
+        }
+    }
+
+    async fn replayable(&mut self, deadline: Instant) -> bool {
+        let replay = match &self.body {
+            AttemptBody::Empty => return true,
+            AttemptBody::Once(once) => return once.is_some(),
+            AttemptBody::Replay(replay) => replay,
+        };
+        loop {
+            if let Some(known) = replay.replayable() {
+                return known;
+            }
+            // An earlier attempt's connection still holds the body: wait
+            // for it to let go, but not past the deadline.
+            let released = std::future::poll_fn(|cx| replay.poll_released(cx));
+            if tokio::time::timeout_at(deadline, released).await.is_err() {
+                return false;
+            }
+        }
+    }
+
+    fn park(&self, answer: &mut Answer) {
+        answer.1.park();
+    }
+
+    fn body_pending(&self, answer: &Answer) -> bool {
+        !http_body::Body::is_end_stream(answer.0.body())
+    }
+}
+
+/// What an attempt needs to know, past the moment it is sent, to judge
+/// its end: copied out of the [`Forward`], so that the attempt borrows none of it.
+#[derive(Clone, Copy)]
+struct Judge {
+    /// The caller asked to upgrade: only then is a 101 an answer.
+    upgrade: bool,
+    /// A gRPC call: judged by its `grpc-status`.
+    grpc: bool,
+    /// The gRPC caller set its own deadline, passed on upstream.
+    grpc_deadline: bool,
+    /// The request's `timeout`, for the messages.
+    timeout: Duration,
+}
+
+impl Judge {
+    #[allow(clippy::too_many_arguments)]
+    async fn go(
+        self,
+        upstream: &Arc<Upstream>,
+        mut slot: InFlight,
+        picked: Picked<'_>,
+        path_and_query: Option<&PathAndQuery>,
+        req: Request<RequestBody>,
+        progress: Option<Arc<Progress>>,
+        per_try: Duration,
+        deadline: Instant,
+    ) -> Attempt<Answer> {
+        let (index, target) = (picked.index, picked.endpoint());
         let sent_at = Instant::now();
         let (timed, sent_whole) = timed(
-            target.send(self.path_and_query.as_ref(), req),
+            target.send(path_and_query, req),
             progress.as_deref(),
             per_try,
             deadline,
@@ -328,7 +419,7 @@ impl retry::Attempts for Forward<'_> {
                     let outcome = match self.grpc.then(|| trailers_only_status(&resp)).flatten() {
                         // The caller's own deadline, passed on, ran out: the
                         // caller set it, the upstream is not to blame.
-                        Some(GrpcStatus::DEADLINE_EXCEEDED) if self.grpc_deadline.is_some() => {
+                        Some(GrpcStatus::DEADLINE_EXCEEDED) if self.grpc_deadline => {
                             Outcome::Deadline
                         }
                         Some(status) if status != GrpcStatus::OK => Outcome::Grpc(status),
@@ -410,33 +501,6 @@ impl retry::Attempts for Forward<'_> {
             elapsed,
             note,
         }
-    }
-
-    async fn replayable(&mut self, deadline: Instant) -> bool {
-        let replay = match &self.body {
-            AttemptBody::Empty => return true,
-            AttemptBody::Once(once) => return once.is_some(),
-            AttemptBody::Replay(replay) => replay,
-        };
-        loop {
-            if let Some(known) = replay.replayable() {
-                return known;
-            }
-            // An earlier attempt's connection still holds the body: wait
-            // for it to let go, but not past the deadline.
-            let released = std::future::poll_fn(|cx| replay.poll_released(cx));
-            if tokio::time::timeout_at(deadline, released).await.is_err() {
-                return false;
-            }
-        }
-    }
-
-    fn park(&self, answer: &mut Answer) {
-        answer.1.park();
-    }
-
-    fn body_pending(&self, answer: &Answer) -> bool {
-        !http_body::Body::is_end_stream(answer.0.body())
     }
 }
 

@@ -97,7 +97,7 @@ impl LocalError {
             Outcome::Refused(Refusal::CircuitOpen) => LocalError::CircuitOpen,
             Outcome::Refused(Refusal::Overloaded) => LocalError::Overloaded,
             // Not an end without a response; the nearest honest answer.
-            Outcome::Response(_) | Outcome::Grpc(_) => LocalError::Reset,
+            Outcome::Response(_) | Outcome::Grpc(_) | Outcome::Superseded => LocalError::Reset,
         }
     }
 

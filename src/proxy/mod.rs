@@ -503,7 +503,7 @@ async fn forward(
     let mut attempts = attempt::Forward::new(
         &route.upstream,
         parts.method,
-        parts.uri.path_and_query().cloned(),
+        parts.uri.path_and_query(),
         parts.headers,
         body,
         policy.may_retry(&facts),

@@ -131,6 +131,23 @@ impl<B> ReplayBody<B> {
         }
     }
 
+    /// Whether the whole body has been read and is held: a new clone can
+    /// send it at once, beside another attempt. `false` while another
+    /// clone holds the state.
+    pub fn whole(&self) -> bool {
+        if self.shared.capped.load(Ordering::Acquire) {
+            return false;
+        }
+        // A declared length read whole ends the body even if the caller's
+        // end of stream was never polled.
+        let read = |s: &State<B>| s.rest.is_none() || self.exact_len == Some(s.buffered);
+        let whole = |s: &State<B>| s.buffering && s.replayable() && read(s);
+        match &self.state {
+            Some(state) => whole(state),
+            None => self.shared.lock().state.as_ref().is_some_and(whole),
+        }
+    }
+
     /// Ready once no clone holds the state (or the body is capped, which is
     /// final): then [`replayable`](Self::replayable) answers.
     pub fn poll_released(&self, cx: &mut Context<'_>) -> Poll<()> {

@@ -49,14 +49,21 @@ pub trait Attempts {
     /// Sends attempt `n` (1-based) on the slot [`reserve`](Self::reserve)
     /// took. Its per-try time starts once the request is sent whole; the
     /// attempt never outlives `deadline`. `probe`: the breaker let it
-    /// through as a probe of an upstream it holds failing.
+    /// through as a probe of an upstream it holds failing. The attempt
+    /// borrows nothing of `self` while it runs: a hedge may be sent beside it.
     fn send(
         &mut self,
         n: u32,
         per_try: Duration,
         deadline: Instant,
         probe: bool,
-    ) -> impl Future<Output = Attempt<Self::Answer>>;
+    ) -> impl Future<Output = Attempt<Self::Answer>> + use<Self>;
+
+    /// Whether the request body is empty or held whole, so that a second
+    /// attempt can send it while the first still runs (a hedge).
+    fn body_whole(&self) -> bool {
+        false
+    }
 
     /// Whether the request body can be sent whole again. May wait, until
     /// `deadline` at most, for an earlier attempt to let go of it.
@@ -145,7 +152,6 @@ pub async fn run_until<T: Attempts>(
     explain: bool,
 ) -> Sent<T::Answer> {
     let policy = &guards.policy;
-    let mut trace = explain.then(String::new);
     let mut backoff = BackoffState::default();
     // The previous attempt's end, while a retry it paid for is tried, with
     // the retry's cause and delay, counted once the retry is sent.
@@ -159,7 +165,13 @@ pub async fn run_until<T: Attempts>(
     // by an upstream that stopped answering is counted as failed at its
     // first per-try timeout, since waiting for its last one (or for its
     // caller to give up, which counts for nothing) lets a pile-up grow.
-    let mut counted = false;
+    let mut books = Books {
+        guards,
+        start,
+        counted: false,
+        deposited: false,
+        trace: explain.then(String::new),
+    };
     let settle = |counted: bool, outcome: Outcome| {
         if !counted {
             guards.record(false, BreakerOutcome::of(outcome));
@@ -172,7 +184,7 @@ pub async fn run_until<T: Attempts>(
         let probe = match guards.admit() {
             Admit::Yes { probe } => probe,
             Admit::No { retry_after } => {
-                note(&mut trace, format_args!("{n}=circuit-open"));
+                note(&mut books.trace, format_args!("{n}=circuit-open"));
                 let refused = End::Failed {
                     outcome: Outcome::Refused(Refusal::CircuitOpen),
                     detail: format!("the circuit breaker of route {} is open", guards.route),
@@ -180,9 +192,9 @@ pub async fn run_until<T: Attempts>(
                 };
                 spend(&mut token);
                 if let Some((_, previous, _)) = &kept {
-                    settle(counted, *previous);
+                    settle(books.counted, *previous);
                 }
-                return refuse(guards, n, kept, refused, trace);
+                return refuse(guards, n, kept, refused, books.trace);
             }
         };
         if let Err(detail) = attempts.reserve() {
@@ -191,15 +203,15 @@ pub async fn run_until<T: Attempts>(
                 guards.record(true, BreakerOutcome::Unknown);
             }
             if let Some((_, previous, _)) = &kept {
-                settle(counted, *previous);
+                settle(books.counted, *previous);
             }
-            note(&mut trace, format_args!("{n}=overloaded"));
+            note(&mut books.trace, format_args!("{n}=overloaded"));
             let refused = End::Failed {
                 outcome: Outcome::Refused(Refusal::Overloaded),
                 detail,
                 retry_after: None,
             };
-            return refuse(guards, n, kept, refused, trace);
+            return refuse(guards, n, kept, refused, books.trace);
         }
         // The retry goes: count it, keep its token, and let go of the
         // answer kept in case it could not.
@@ -211,39 +223,27 @@ pub async fn run_until<T: Attempts>(
         // Should the caller go away mid-attempt, this whole future is
         // dropped, and the guard tells the breaker and the metrics.
         let unanswered = Unanswered { guards, probe };
-        let attempt = attempts
-            .send(n, policy.per_try_timeout, deadline, probe)
-            .await;
-        std::mem::forget(unanswered);
+        let first = attempts.send(n, policy.per_try_timeout, deadline, probe);
+        let raced = race(
+            guards,
+            &facts,
+            attempts,
+            (first, unanswered),
+            n,
+            deadline,
+            &mut books,
+        )
+        .await;
+        n = raced.sent;
+        let attempt = raced.attempt;
         let outcome = attempt.outcome;
-        // A request earns its share of retries once it was sent and the
-        // caller did its part: one the breaker or the limits refused never
-        // reached the upstream, and a caller's bad or stalled body must not
-        // pay for retries against it.
-        if n == 1 && outcome.fault() != Fault::Caller {
-            guards.budget.deposit(start);
-        }
-        guards.metrics.attempt(outcome, Some(attempt.elapsed));
-        if probe {
-            guards.record(true, BreakerOutcome::of(outcome));
-            counted = true;
-        } else if outcome == Outcome::Upstream(UpstreamFault::Timeout) && !counted {
-            guards.record(false, BreakerOutcome::Failure);
-            counted = true;
-        }
-        if trace.is_some() {
-            let ms = attempt.elapsed.as_millis();
-            let how = attempt.note.map_or(String::new(), |n| format!("({n})"));
-            match outcome {
-                Outcome::Response(status) => note(
-                    &mut trace,
-                    format_args!("{n}={}@{ms}ms{how}", status.as_u16()),
-                ),
-                other => note(
-                    &mut trace,
-                    format_args!("{n}={}@{ms}ms{how}", other.label()),
-                ),
-            }
+        books.ended(&attempt, raced.number, probe);
+        if let Some(loser) = raced.superseded {
+            guards.metrics.attempt(Outcome::Superseded, None);
+            note(
+                &mut books.trace,
+                format_args!("{loser}={}", Outcome::Superseded.label()),
+            );
         }
 
         // Only a retry that could be made needs to know about the body.
@@ -279,23 +279,23 @@ pub async fn run_until<T: Attempts>(
                 match stop {
                     Stop::Skip(reason) => {
                         skip(guards, n, reason);
-                        note(&mut trace, format_args!("skip={}", reason.as_str()));
+                        note(&mut books.trace, format_args!("skip={}", reason.as_str()));
                     }
                     Stop::Caller => {
                         debug!(route = %guards.route, attempt = n, outcome = outcome.label(), "the caller failed the request")
                     }
                     Stop::Answer | Stop::Refused => {}
                 }
-                let deferred = !counted
+                let deferred = !books.counted
                     && BreakerOutcome::of(outcome) == BreakerOutcome::Success
                     && attempt
                         .answer
                         .as_ref()
                         .is_some_and(|a| attempts.body_pending(a));
                 if !deferred {
-                    settle(counted, outcome);
+                    settle(books.counted, outcome);
                 }
-                let mut sent = done(n, end(attempt), trace);
+                let mut sent = done(n, end(attempt), books.trace);
                 sent.settle_on_body = deferred;
                 if let Stop::Skip(reason) = stop {
                     sent.skipped = Some(reason);
@@ -310,7 +310,10 @@ pub async fn run_until<T: Attempts>(
             cause = outcome.cause(),
             "retrying"
         );
-        note(&mut trace, format_args!("backoff={}ms", delay.as_millis()));
+        note(
+            &mut books.trace,
+            format_args!("backoff={}ms", delay.as_millis()),
+        );
         let mut last = end(attempt);
         if let End::Answer(answer) = &mut last {
             attempts.park(answer);
@@ -319,6 +322,194 @@ pub async fn run_until<T: Attempts>(
         // Should the caller go away during the wait, the token goes back.
         token = Some(Token(&guards.budget));
         tokio::time::sleep(delay).await;
+    }
+}
+
+/// What the loop keeps of the attempts that ended: whether the breaker
+/// heard of the request yet, whether it paid into the budget, the trace.
+struct Books<'g> {
+    guards: &'g Guards,
+    start: Instant,
+    /// The breaker heard of this request already (a probe's end, a timeout).
+    counted: bool,
+    /// The request paid its share into the budget.
+    deposited: bool,
+    trace: Option<String>,
+}
+
+impl Books<'_> {
+    /// Attempt `number` ended: count it, tell the breaker what it must hear
+    /// at once, and note it in the trace.
+    fn ended<A>(&mut self, attempt: &Attempt<A>, number: u32, probe: bool) {
+        let guards = self.guards;
+        let outcome = attempt.outcome;
+        // A request earns its share of retries once it was sent and the
+        // caller did its part: one the breaker or the limits refused never
+        // reached the upstream, and a caller's bad or stalled body must not
+        // pay for retries against it.
+        if !std::mem::replace(&mut self.deposited, true) && outcome.fault() != Fault::Caller {
+            guards.budget.deposit(self.start);
+        }
+        guards.metrics.attempt(outcome, Some(attempt.elapsed));
+        if probe {
+            guards.record(true, BreakerOutcome::of(outcome));
+            self.counted = true;
+        } else if outcome == Outcome::Upstream(UpstreamFault::Timeout) && !self.counted {
+            guards.record(false, BreakerOutcome::Failure);
+            self.counted = true;
+        }
+        if self.trace.is_some() {
+            let ms = attempt.elapsed.as_millis();
+            let how = attempt.note.map_or(String::new(), |n| format!("({n})"));
+            match outcome {
+                Outcome::Response(status) => note(
+                    &mut self.trace,
+                    format_args!("{number}={}@{ms}ms{how}", status.as_u16()),
+                ),
+                other => note(
+                    &mut self.trace,
+                    format_args!("{number}={}@{ms}ms{how}", other.label()),
+                ),
+            }
+        }
+    }
+}
+
+/// How an attempt, raced or not, ended.
+struct Raced<A> {
+    attempt: Attempt<A>,
+    /// The number of the attempt whose end this is.
+    number: u32,
+    /// Attempts sent so far: one more than before when a hedge went.
+    sent: u32,
+    /// The attempt the winner's answer cancelled.
+    superseded: Option<u32>,
+}
+
+/// Waits for attempt `n`, and races a hedge against it if the route hedges
+/// and it has no answer after `hedge_after`. [`decide::hedge`] says whether
+/// a hedge may go (it takes the budget's token); it passes the in-flight
+/// limit like any attempt, and goes to another endpoint.
+///
+/// The first attempt to end with an answer or a failure no retry could fix
+/// wins: the other is cancelled (its future dropped, which closes its
+/// connection) and counted as `superseded`. One that ends with a failure
+/// `retry_on` names is counted, and the other is waited for: its end is
+/// the one the loop decides on.
+async fn race<T: Attempts, F>(
+    guards: &Guards,
+    facts: &RequestFacts,
+    attempts: &mut T,
+    (first, unanswered): (F, Unanswered<'_>),
+    n: u32,
+    deadline: Instant,
+    books: &mut Books<'_>,
+) -> Raced<T::Answer>
+where
+    F: Future<Output = Attempt<T::Answer>>,
+{
+    let policy = &guards.policy;
+    let alone = |attempt, unanswered| {
+        std::mem::forget(unanswered);
+        Raced {
+            attempt,
+            number: n,
+            sent: n,
+            superseded: None,
+        }
+    };
+    let Some(after) = policy.hedge_after else {
+        return alone(first.await, unanswered);
+    };
+    tokio::pin!(first);
+    tokio::select! {
+        biased;
+        attempt = &mut first => return alone(attempt, unanswered),
+        () = tokio::time::sleep(after) => {}
+    }
+    let slow = decide::Slow {
+        sent: n,
+        probe: unanswered.probe,
+        body_whole: attempts.body_whole(),
+    };
+    let gates = Gates {
+        breaker_open: !guards.breaker.is_closed(),
+        budget: &guards.budget,
+    };
+    let skipped = match decide::hedge(policy, facts, &slow, Instant::now(), deadline, gates) {
+        None => return alone(first.await, unanswered),
+        Some(Ok(())) => match attempts.reserve() {
+            Ok(()) => None,
+            Err(_) => {
+                guards.budget.refund(Instant::now());
+                Some(SkipReason::Overloaded)
+            }
+        },
+        Some(Err(reason)) => Some(reason),
+    };
+    if let Some(reason) = skipped {
+        guards.metrics.hedge_skipped(reason);
+        note(
+            &mut books.trace,
+            format_args!("hedge-skip={}", reason.as_str()),
+        );
+        debug!(route = %guards.route, attempt = n, reason = reason.as_str(), "hedge skipped");
+        return alone(first.await, unanswered);
+    }
+    let m = n + 1;
+    debug!(route = %guards.route, attempt = m, after_ms = after.as_millis() as u64, "hedging");
+    note(
+        &mut books.trace,
+        format_args!("hedge@{}ms", after.as_millis()),
+    );
+    let hedged = Unanswered {
+        guards,
+        probe: false,
+    };
+    let second = attempts.send(m, policy.per_try_timeout, deadline, false);
+    tokio::pin!(second);
+    let (first_ended, early) = tokio::select! {
+        attempt = &mut first => (true, attempt),
+        attempt = &mut second => (false, attempt),
+    };
+    let (early_number, late_number) = if first_ended { (n, m) } else { (m, n) };
+    if !policy.names(early.outcome) {
+        // It ends the request; the other is cancelled on return.
+        std::mem::forget(unanswered);
+        std::mem::forget(hedged);
+        guards.metrics.hedge(!first_ended);
+        return Raced {
+            attempt: early,
+            number: early_number,
+            sent: m,
+            superseded: Some(late_number),
+        };
+    }
+    // A failure a retry could fix: the other attempt may yet answer. The
+    // guard of the one that ended goes; the other's stays, should the
+    // caller leave while it runs.
+    books.ended(&early, early_number, false);
+    drop(early);
+    let late = match first_ended {
+        true => {
+            std::mem::forget(unanswered);
+            let late = second.await;
+            std::mem::forget(hedged);
+            late
+        }
+        false => {
+            std::mem::forget(hedged);
+            let late = first.await;
+            std::mem::forget(unanswered);
+            late
+        }
+    };
+    guards.metrics.hedge(first_ended);
+    Raced {
+        attempt: late,
+        number: late_number,
+        sent: m,
+        superseded: None,
     }
 }
 
@@ -498,9 +689,12 @@ mod tests {
     use crate::metrics::Metrics;
     use crate::policy::UpstreamFault;
 
-    /// Attempts that end as scripted, answering with their number.
+    /// Attempts that end as scripted, answering with their number: each
+    /// after its delay (none: at once, said to take 1 ms).
     struct Script {
-        outcomes: VecDeque<Outcome>,
+        outcomes: VecDeque<(Outcome, Duration)>,
+        /// What `body_whole` says.
+        whole: bool,
         /// `reserve` refuses the attempt with this number.
         full_at: Option<u32>,
         reserved: u32,
@@ -518,17 +712,30 @@ mod tests {
             }
         }
 
-        async fn send(&mut self, n: u32, _: Duration, _: Instant, _: bool) -> Attempt<u32> {
+        fn send(
+            &mut self,
+            n: u32,
+            _: Duration,
+            _: Instant,
+            _: bool,
+        ) -> impl Future<Output = Attempt<u32>> + use<> {
             self.sent += 1;
-            let outcome = self.outcomes.pop_front().expect("scripted");
-            Attempt {
-                outcome,
-                answer: matches!(outcome, Outcome::Response(_)).then_some(n),
-                retry_after: None,
-                detail: outcome.label().to_owned(),
-                elapsed: Duration::from_millis(1),
-                note: None,
+            let (outcome, delay) = self.outcomes.pop_front().expect("scripted");
+            async move {
+                tokio::time::sleep(delay).await;
+                Attempt {
+                    outcome,
+                    answer: matches!(outcome, Outcome::Response(_)).then_some(n),
+                    retry_after: None,
+                    detail: outcome.label().to_owned(),
+                    elapsed: delay.max(Duration::from_millis(1)),
+                    note: None,
+                }
             }
+        }
+
+        fn body_whole(&self) -> bool {
+            self.whole
         }
 
         async fn replayable(&mut self, _: Instant) -> bool {
@@ -540,7 +747,8 @@ mod tests {
 
     fn script(outcomes: &[Outcome]) -> Script {
         Script {
-            outcomes: outcomes.iter().copied().collect(),
+            outcomes: outcomes.iter().map(|o| (*o, Duration::ZERO)).collect(),
+            whole: true,
             full_at: None,
             reserved: 0,
             sent: 0,
@@ -728,8 +936,14 @@ mod tests {
             fn reserve(&mut self) -> Result<(), String> {
                 Ok(())
             }
-            async fn send(&mut self, _: u32, _: Duration, _: Instant, _: bool) -> Attempt<()> {
-                std::future::pending().await
+            fn send(
+                &mut self,
+                _: u32,
+                _: Duration,
+                _: Instant,
+                _: bool,
+            ) -> impl Future<Output = Attempt<()>> + use<> {
+                std::future::pending()
             }
             async fn replayable(&mut self, _: Instant) -> bool {
                 true
@@ -749,5 +963,167 @@ mod tests {
         let cancelled =
             r#"herdguard_upstream_attempts_total{route="r",upstream="u",outcome="cancelled"}"#;
         assert_eq!(series(&registry, cancelled), 5.0);
+    }
+
+    /// Guards of a route that hedges after 50 ms.
+    fn hedging(registry: &Arc<Metrics>) -> Guards {
+        let mut g = guards(registry);
+        g.policy.hedge_after = Some(Duration::from_millis(50));
+        g
+    }
+
+    fn timed(outcomes: &[(Outcome, u64)]) -> Script {
+        Script {
+            outcomes: outcomes
+                .iter()
+                .map(|(o, ms)| (*o, Duration::from_millis(*ms)))
+                .collect(),
+            ..script(&[])
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hedge_answers_for_a_slow_first_attempt_which_is_cancelled() {
+        let registry = Metrics::new();
+        let g = hedging(&registry);
+        let before = g.budget.available(Instant::now());
+        // The first attempt would answer after 400 ms; the hedge, sent at 50, after 10.
+        let mut attempts = timed(&[(S200, 400), (S200, 10)]);
+        let start = Instant::now();
+        let sent = run(&g, facts(), &mut attempts, start, true).await;
+        assert_eq!(start.elapsed(), Duration::from_millis(60));
+        assert_eq!(sent.attempts, 2);
+        assert!(matches!(sent.end, End::Answer(2)), "the hedge's answer");
+        assert_eq!(
+            sent.trace.as_deref(),
+            Some("hedge@50ms;2=200@10ms;1=superseded")
+        );
+        let won = r#"herdguard_hedges_total{route="r",result="won"}"#;
+        assert_eq!(series(&registry, won), 1.0);
+        let superseded =
+            r#"herdguard_upstream_attempts_total{route="r",upstream="u",outcome="superseded"}"#;
+        assert_eq!(series(&registry, superseded), 1.0);
+        // The hedge took a token; the request deposited its share.
+        assert_eq!(g.budget.available(Instant::now()), before + 0.2 - 1.0);
+        assert!(g.breaker.is_closed());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_first_attempt_that_answers_before_its_hedge_wins() {
+        let registry = Metrics::new();
+        let g = hedging(&registry);
+        let mut attempts = timed(&[(S200, 70), (S200, 100)]);
+        let sent = run(&g, facts(), &mut attempts, Instant::now(), true).await;
+        assert!(matches!(sent.end, End::Answer(1)));
+        assert_eq!(sent.attempts, 2);
+        assert_eq!(
+            sent.trace.as_deref(),
+            Some("hedge@50ms;1=200@70ms;2=superseded")
+        );
+        let lost = r#"herdguard_hedges_total{route="r",result="lost"}"#;
+        assert_eq!(series(&registry, lost), 1.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hedge_that_fails_retryably_leaves_the_first_attempt_running() {
+        let registry = Metrics::new();
+        let g = hedging(&registry);
+        // The hedge gets a 503 at once; the first attempt's 200 comes later.
+        let mut attempts = timed(&[(S200, 300), (S503, 5)]);
+        let sent = run(&g, facts(), &mut attempts, Instant::now(), true).await;
+        assert!(matches!(sent.end, End::Answer(1)), "the first's answer");
+        assert_eq!(
+            sent.trace.as_deref(),
+            Some("hedge@50ms;2=503@5ms;1=200@300ms")
+        );
+        let lost = r#"herdguard_hedges_total{route="r",result="lost"}"#;
+        assert_eq!(series(&registry, lost), 1.0);
+        let superseded =
+            r#"herdguard_upstream_attempts_total{route="r",upstream="u",outcome="superseded"}"#;
+        assert_eq!(series(&registry, superseded), 0.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_hedge_without_budget_safety_a_whole_body_or_a_free_slot() {
+        let skipped = |reason: &str| {
+            format!(r#"herdguard_hedges_skipped_total{{route="r",reason="{reason}"}}"#)
+        };
+        // An empty budget: the slow attempt is waited for, alone.
+        let registry = Metrics::new();
+        let g = hedging(&registry);
+        let now = Instant::now();
+        while g.budget.withdraw(now) {}
+        let mut attempts = timed(&[(S200, 400)]);
+        let sent = run(&g, facts(), &mut attempts, now, true).await;
+        assert_eq!((sent.attempts, attempts.sent), (1, 1));
+        assert_eq!(sent.trace.as_deref(), Some("hedge-skip=budget;1=200@400ms"));
+        assert_eq!(series(&registry, &skipped("budget")), 1.0);
+
+        // A request that is not safe to repeat is never hedged, nor counted.
+        let registry = Metrics::new();
+        let g = hedging(&registry);
+        let mut attempts = timed(&[(S200, 400)]);
+        let unsafe_facts = RequestFacts {
+            idempotent: false,
+            inner_hop: false,
+        };
+        let sent = run(&g, unsafe_facts, &mut attempts, Instant::now(), true).await;
+        assert_eq!(attempts.sent, 1);
+        assert_eq!(sent.trace.as_deref(), Some("1=200@400ms"));
+
+        // A body still streaming cannot be sent twice at once.
+        let registry = Metrics::new();
+        let g = hedging(&registry);
+        let mut attempts = Script {
+            whole: false,
+            ..timed(&[(S200, 400)])
+        };
+        run(&g, facts(), &mut attempts, Instant::now(), false).await;
+        assert_eq!(attempts.sent, 1);
+        assert_eq!(series(&registry, &skipped("body_too_large")), 1.0);
+
+        // The upstream at its limit: the token goes back.
+        let registry = Metrics::new();
+        let g = hedging(&registry);
+        let before = g.budget.available(Instant::now());
+        let mut attempts = Script {
+            full_at: Some(2),
+            ..timed(&[(S200, 400)])
+        };
+        run(&g, facts(), &mut attempts, Instant::now(), false).await;
+        assert_eq!(attempts.sent, 1);
+        assert_eq!(series(&registry, &skipped("overloaded")), 1.0);
+        assert_eq!(g.budget.available(Instant::now()), before + 0.2);
+
+        // A breaker not closed: nothing extra for a failing upstream, and
+        // a probe is never raced. Two failed requests open it; once it lets
+        // a probe through, the probe is slow.
+        let registry = Metrics::new();
+        let g = hedging(&registry);
+        let timeout = Outcome::Upstream(UpstreamFault::Timeout);
+        for _ in 0..2 {
+            let mut failing = timed(&[(timeout, 0), (timeout, 0), (timeout, 0)]);
+            run(&g, facts(), &mut failing, Instant::now(), false).await;
+        }
+        assert!(g.breaker_open());
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        let mut attempts = timed(&[(S200, 400)]);
+        run(&g, facts(), &mut attempts, Instant::now(), false).await;
+        assert_eq!(attempts.sent, 1);
+        assert_eq!(series(&registry, &skipped("breaker_open")), 1.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_caller_gone_mid_race_cancels_both_attempts() {
+        let registry = Metrics::new();
+        let g = hedging(&registry);
+        let mut attempts = timed(&[(S200, 400), (S200, 400)]);
+        let run = run(&g, facts(), &mut attempts, Instant::now(), false);
+        let gave_up = tokio::time::timeout(Duration::from_millis(100), run).await;
+        assert!(gave_up.is_err());
+        let cancelled =
+            r#"herdguard_upstream_attempts_total{route="r",upstream="u",outcome="cancelled"}"#;
+        assert_eq!(series(&registry, cancelled), 2.0);
+        assert!(g.breaker.is_closed());
     }
 }

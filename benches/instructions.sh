@@ -14,6 +14,7 @@
 #   N2=42000 benches/instructions.sh
 #   PROXIES=herdguard benches/instructions.sh   # only herdguard, while iterating
 #   PROXIES="herdguard herdguard-access-log" benches/instructions.sh   # the access log's cost
+#   PROXIES="herdguard herdguard-hedge" benches/instructions.sh   # hedging on, never triggered
 #
 # Installs valgrind, nginx and HAProxy from Debian, and oha with cargo, when missing.
 set -euo pipefail
@@ -50,6 +51,10 @@ haproxy_conf $HAPROXY_PORT $UP_PORT
 herdguard_conf herdguard $HG_PORT $HG_ADMIN $UP_PORT 3
 # The same with the access log on (its lines go to the run's log file).
 { cat "$WORK/herdguard.toml"; printf '[access_log]\nenabled = true\n'; } > "$WORK/herdguard-access-log.toml"
+# The same with hedging on: the upstream answers in well under hedge_after,
+# so no hedge is sent; what is measured is the timer each attempt arms.
+sed 's/^retry = { attempts = 3 }$/retry = { attempts = 3, hedge_after = "50ms" }/' "$WORK/herdguard.toml" > "$WORK/herdguard-hedge.toml"
+grep -q hedge_after "$WORK/herdguard-hedge.toml"
 
 wait_port $UP_PORT
 
@@ -74,7 +79,8 @@ export RUST_LOG=warn
         haproxy) echo "haproxy $n $(count haproxy $HAPROXY_PORT TERM "$n" haproxy -db -f "$WORK/haproxy.cfg")" ;;
         herdguard) echo "herdguard $n $(count herdguard $HG_PORT INT "$n" ./target/release/herdguard --config "$WORK/herdguard.toml" --threads 1)" ;;
         herdguard-access-log) echo "herdguard-access-log $n $(count herdguard-access-log $HG_PORT INT "$n" ./target/release/herdguard --config "$WORK/herdguard-access-log.toml" --threads 1)" ;;
-        *) echo "unknown proxy $proxy (nginx, haproxy, herdguard, herdguard-access-log)" >&2; exit 2 ;;
+        herdguard-hedge) echo "herdguard-hedge $n $(count herdguard-hedge $HG_PORT INT "$n" ./target/release/herdguard --config "$WORK/herdguard-hedge.toml" --threads 1)" ;;
+        *) echo "unknown proxy $proxy (nginx, haproxy, herdguard, herdguard-access-log, herdguard-hedge)" >&2; exit 2 ;;
       esac
     done
   done
@@ -85,11 +91,11 @@ awk -v n1="$N1" -v n2="$N2" '
   { v[$1, $2] = $3; if (!($1 in seen)) { seen[$1]=1; order[++k]=$1 } }
   END {
     printf "user-space instructions per request (callgrind), (I(%d) - I(%d)) / %d\n", n2, n1, n2 - n1
-    printf "%-12s %14s %10s %12s\n", "proxy", "instr/request", "vs nginx", "vs haproxy"
+    printf "%-20s %14s %10s %12s %14s\n", "proxy", "instr/request", "vs nginx", "vs haproxy", "vs herdguard"
     for (i = 1; i <= k; i++) per[order[i]] = (v[order[i], n2] - v[order[i], n1]) / (n2 - n1)
     for (i = 1; i <= k; i++) {
       p = order[i]
-      printf "%-12s %14.0f %10s %12s\n", p, per[p], ratio(per[p], per["nginx"]), ratio(per[p], per["haproxy"])
+      printf "%-20s %14.0f %10s %12s %14s\n", p, per[p], ratio(per[p], per["nginx"]), ratio(per[p], per["haproxy"]), ratio(per[p], per["herdguard"])
     }
   }
 ' "$OUT/instructions.txt" | tee "$OUT/instructions-table.txt"

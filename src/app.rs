@@ -406,7 +406,7 @@ impl Reloader {
     /// Reads, checks and applies a config file. A file with errors changes
     /// nothing: the running config keeps serving; the error is logged and counted.
     pub fn reload_file(&self, path: &Path) -> Result<(), String> {
-        match Config::check_file(path) {
+        match Config::check_file_for_reload(path) {
             Ok(checked) => {
                 for w in &checked.warnings {
                     warn!(warning = %w, "config");
@@ -742,8 +742,31 @@ async fn accept_loop<M, S, B>(
                 None => serve.connection(stream, service).await,
                 // The handshake must be done within the time the request
                 // head has: a caller that starts one and stalls holds nothing.
+                // And the first bytes inside it too, or it could sit silent
+                // after its handshake for as long as it liked.
                 Some(acceptor) => match tokio::time::timeout(wait, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => serve.connection(stream, service).await,
+                    Ok(Ok(stream)) => {
+                        // The protocol the handshake agreed is the one spoken:
+                        // an HTTP/2 preface after `http/1.1` is refused.
+                        let agreed = match stream.get_ref().1.alpn_protocol() {
+                            Some(b"h2") => Some(builder.clone().http2_only()),
+                            Some(b"http/1.1") => Some(builder.clone().http1_only()),
+                            _ => None,
+                        };
+                        let serve = Serve {
+                            builder: agreed.as_ref().unwrap_or(&builder),
+                            ..serve
+                        };
+                        match crate::tls::first_bytes(stream, tokio::time::Instant::now() + wait)
+                            .await
+                        {
+                            Some(stream) => serve.connection(stream, service).await,
+                            None => {
+                                debug!(listener = what, %peer, "connection closed: nothing sent after the TLS handshake within header_read_timeout");
+                                Some(Ok(()))
+                            }
+                        }
+                    }
                     Ok(Err(e)) => {
                         debug!(listener = what, %peer, error = %e, "TLS handshake failed");
                         Some(Ok(()))

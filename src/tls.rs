@@ -35,16 +35,40 @@ fn file_error(path: &Path, message: impl std::fmt::Display) -> TlsError {
     }
 }
 
+/// The largest PEM file read: a long chain is a few tens of KiB. A larger
+/// "file" (`/dev/zero`, a log named by mistake) is refused before it fills
+/// memory.
+const MAX_PEM_BYTES: u64 = 1024 * 1024;
+
+/// The whole of a PEM file, if it is no larger than [`MAX_PEM_BYTES`].
+fn read_pem(path: &Path) -> Result<Vec<u8>, TlsError> {
+    use std::io::Read as _;
+    let file = std::fs::File::open(path).map_err(|e| file_error(path, e))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_PEM_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| file_error(path, e))?;
+    if bytes.len() as u64 > MAX_PEM_BYTES {
+        return Err(file_error(path, "is larger than 1MiB: not a PEM file"));
+    }
+    Ok(bytes)
+}
+
+/// The certificates of a PEM file.
+fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let pem = read_pem(path)?;
+    CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| file_error(path, e))
+}
+
 /// The certificate chain and key of `cert` and `key`, checked to match.
 fn load_pair(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
-        .map_err(|e| file_error(cert, e))?
-        .collect::<Result<_, _>>()
-        .map_err(|e| file_error(cert, e))?;
+    let chain = read_certs(cert)?;
     if chain.is_empty() {
         return Err(file_error(cert, "holds no certificate"));
     }
-    let key_der = PrivateKeyDer::from_pem_file(key).map_err(|e| file_error(key, e))?;
+    let key_der = PrivateKeyDer::from_pem_slice(&read_pem(key)?).map_err(|e| file_error(key, e))?;
     let provider = rustls::crypto::ring::default_provider();
     let signing = provider
         .key_provider
@@ -92,10 +116,8 @@ impl Tls {
         let builder = match client_ca {
             Some(ca) => {
                 let mut roots = rustls::RootCertStore::empty();
-                for cert in CertificateDer::pem_file_iter(ca).map_err(|e| file_error(ca, e))? {
-                    roots
-                        .add(cert.map_err(|e| file_error(ca, e))?)
-                        .map_err(|e| file_error(ca, e))?;
+                for cert in read_certs(ca)? {
+                    roots.add(cert).map_err(|e| file_error(ca, e))?;
                 }
                 if roots.is_empty() {
                     return Err(file_error(ca, "holds no certificate"));
@@ -121,12 +143,8 @@ impl Tls {
     pub fn watch(&self, every: Duration, mut stop: tokio::sync::watch::Receiver<bool>) {
         let current = self.current.clone();
         tokio::spawn(async move {
-            let read = |current: &Current| {
-                (
-                    std::fs::read(&current.cert).ok(),
-                    std::fs::read(&current.key).ok(),
-                )
-            };
+            let read =
+                |current: &Current| (read_pem(&current.cert).ok(), read_pem(&current.key).ok());
             let mut loaded = read(&current);
             // A pair that did not load is reported once, not every tick.
             let mut failed = None;
@@ -161,5 +179,90 @@ impl Tls {
                 }
             }
         });
+    }
+}
+
+/// A decrypted stream whose first bytes were read ahead, to see that the
+/// caller speaks after its handshake: they are read again first.
+pub struct Prefixed<S> {
+    first: Option<Box<[u8]>>,
+    at: usize,
+    inner: S,
+}
+
+/// The caller's first bytes after the handshake, read by `deadline`: a
+/// caller that completes a handshake and then says nothing must not hold
+/// its connection slot any longer than one that says nothing at all.
+/// `None`: silent until the deadline, or closed.
+pub async fn first_bytes<S>(mut stream: S, deadline: tokio::time::Instant) -> Option<Prefixed<S>>
+where
+    S: tokio::io::AsyncRead + Unpin,
+{
+    use tokio::io::AsyncReadExt as _;
+    let mut buf = [0u8; 64];
+    match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+        Ok(Ok(n)) if n > 0 => Some(Prefixed {
+            first: Some(buf[..n].into()),
+            at: 0,
+            inner: stream,
+        }),
+        _ => None,
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Prefixed<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        out: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = &mut *self;
+        if let Some(first) = &this.first {
+            let rest = first.get(this.at..).unwrap_or_default();
+            let n = rest.len().min(out.remaining());
+            out.put_slice(&rest[..n]);
+            this.at += n;
+            if this.at >= first.len() {
+                this.first = None;
+            }
+            return std::task::Poll::Ready(Ok(()));
+        }
+        std::pin::Pin::new(&mut this.inner).poll_read(cx, out)
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Prefixed<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }

@@ -359,3 +359,52 @@ async fn http1_trailers_reach_the_caller_byte_exact() {
         "{out:?}"
     );
 }
+
+/// An HTTP/1 upstream's trailer section may carry what HTTP/2 forbids
+/// (connection-specific fields) and what no trailer may (framing, routing,
+/// the proxy's own error): passed on to an HTTP/2 caller, the first reset
+/// its stream. They are dropped; the rest arrives.
+#[tokio::test]
+async fn trailers_lose_what_no_trailer_may_carry() {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = tokio::io::AsyncReadExt::read(&mut stream, &mut buf)
+                .await
+                .unwrap();
+            assert!(n > 0);
+            head.extend_from_slice(&buf[..n]);
+        }
+        stream
+            .write_all(
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\
+                  trailer: x-checksum, connection, keep-alive, transfer-encoding, content-length, host, x-herdguard-error\r\n\r\n\
+                  5\r\nhello\r\n0\r\nx-checksum: abc\r\nconnection: close\r\nkeep-alive: 5\r\n\
+                  transfer-encoding: chunked\r\ncontent-length: 5\r\nhost: elsewhere\r\nx-herdguard-error: forged\r\n\r\n",
+            )
+            .await
+            .unwrap();
+        let _ = stream.shutdown().await;
+    });
+    let server = proxy_to(&format!("http://{addr}")).await;
+    let req = Request::get(format!("http://{}/t", server.proxy_addr()))
+        .header("te", "trailers")
+        .body(empty())
+        .unwrap();
+    let resp = h2c_client().request(req).await.expect("an answer");
+    let collected = resp
+        .into_body()
+        .collect()
+        .await
+        .expect("the stream ends whole, not reset");
+    let trailers = collected.trailers().cloned().expect("trailers");
+    assert_eq!(trailers["x-checksum"], "abc");
+    let names: Vec<_> = trailers.keys().map(|k| k.as_str()).collect();
+    assert_eq!(names, ["x-checksum"], "{trailers:?}");
+    assert_eq!(collected.to_bytes(), "hello");
+}

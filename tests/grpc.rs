@@ -364,3 +364,26 @@ fn check_warns_about_idempotent_on_a_broad_route() {
         "{default:?}"
     );
 }
+
+/// An HTTP/1.1 caller that accepts trailers gets a gRPC call's status,
+/// which an HTTP/2 upstream sends in trailers it never declares (HTTP/1.1
+/// passes on only declared trailers): the proxy declares gRPC's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http1_caller_gets_the_grpc_status_trailers() {
+    let calls = Calls::default();
+    let up = grpc_server(calls.clone()).await;
+    let hg = Binary::start(&config(&up.url())).await;
+    let mut request = b"POST /safe.Svc/Streamed HTTP/1.1\r\nHost: x\r\nTE: trailers\r\n\
+        content-type: application/grpc\r\ncontent-length: 12\r\nConnection: close\r\n\r\n"
+        .to_vec();
+    request.extend_from_slice(&message(b"request"));
+    let out = raw_exchange(hg.listen.as_str(), &request).await;
+    let lower = out.to_lowercase();
+    assert!(lower.starts_with("http/1.1 200"), "{out}");
+    assert!(
+        lower.contains("\r\ntrailer: grpc-status, grpc-message, grpc-status-details-bin\r\n"),
+        "{out}"
+    );
+    assert!(lower.ends_with("0\r\ngrpc-status: 14\r\n\r\n"), "{out:?}");
+    hg.terminate().await;
+}

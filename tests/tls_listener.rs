@@ -282,6 +282,11 @@ fn bad_tls_files_are_config_errors() {
             ),
             "holds no certificate",
         ),
+        (
+            // Not a file to read whole: refused, not read into memory.
+            "tls = { cert = \"/dev/zero\", key = \"/dev/zero\" }".to_owned(),
+            "larger than 1MiB",
+        ),
     ] {
         let src = format!("[listen]\n{tls}\n{body}");
         let err = herdguard::config::Config::parse(&src)
@@ -292,4 +297,88 @@ fn bad_tls_files_are_config_errors() {
             "{tls}: {err}"
         );
     }
+}
+
+/// A caller that completes the handshake and then says nothing holds its
+/// connection slot no longer than `header_read_timeout`, as a caller that
+/// says nothing at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_silent_after_its_handshake_is_closed() {
+    use tokio::io::AsyncReadExt as _;
+    let pki = Pki::new();
+    pki.issue_server("localhost");
+    let up = ok_upstream("ok").await;
+    let hg = Binary::start_with(
+        &format!("{}\nheader_read_timeout = \"1s\"", listen_tls(&pki, None)),
+        &format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+            up.url()
+        ),
+    )
+    .await;
+    let mut stream = connect(&pki, &hg.listen, b"http/1.1", None)
+        .await
+        .expect("a handshake");
+    let mut buf = [0u8; 16];
+    let closed = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf))
+        .await
+        .expect("closed by the proxy, not left open");
+    assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
+    // A caller that speaks is served as before.
+    let mut stream = connect(&pki, &hg.listen, b"http/1.1", None).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(
+        &mut stream,
+        b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut out = Vec::new();
+    let _ = stream.read_to_end(&mut out).await;
+    assert!(
+        out.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    hg.terminate().await;
+}
+
+/// A reload in the middle of a certificate rotation (the new certificate
+/// written, its key not yet) applies the rest of the config: the files are
+/// the watcher's to follow, not the reload's to refuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_mid_rotation_is_applied() {
+    let pki = Pki::new();
+    pki.issue_server("localhost");
+    let up = ok_upstream("ok").await;
+    let route = |name: &str| {
+        format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"{name}\"\nupstream = \"u\"\n",
+            up.url()
+        )
+    };
+    let tls = listen_tls(&pki, None);
+    let hg = Binary::start_with(&tls, &route("before")).await;
+    // Half a rotation: another pair's key beside the running certificate.
+    let other = Pki::new();
+    other.issue_server("localhost");
+    std::fs::copy(other.path("key.pem"), pki.path("key.pem")).unwrap();
+    hg.reload_with(&tls, &route("after"));
+    let reloaded = r#"herdguard_config_reloads_total{result="ok"}"#;
+    eventually(Duration::from_secs(10), "the reload applied", || async {
+        hg.metric(reloaded).await == 1.0
+    })
+    .await;
+    let metrics = hg.metrics().await;
+    assert!(metrics.contains(r#"route="after""#));
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"herdguard_config_reloads_total{result="error"}"#
+        )
+        .unwrap_or(0.0),
+        0.0
+    );
+    // The running certificate still serves.
+    assert!(connect(&pki, &hg.listen, b"http/1.1", None).await.is_ok());
+    hg.terminate().await;
 }

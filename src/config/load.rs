@@ -174,13 +174,23 @@ impl Config {
 
     /// Reads and validates a config file, keeping the warnings.
     pub fn check_file(path: impl AsRef<Path>) -> Result<Checked, LoadError> {
-        let path = path.as_ref();
+        Config::check_file_with(path.as_ref(), true)
+    }
+
+    /// [`check_file`](Self::check_file) for a reload: the files
+    /// `listen.tls` names are not read (a reload keeps the running TLS
+    /// settings, and follows the files on its own).
+    pub fn check_file_for_reload(path: impl AsRef<Path>) -> Result<Checked, LoadError> {
+        Config::check_file_with(path.as_ref(), false)
+    }
+
+    fn check_file_with(path: &Path, tls_files: bool) -> Result<Checked, LoadError> {
         let display = path.display().to_string();
         let src = read_bounded(path).map_err(|source| LoadError::Read {
             path: display.clone(),
             source,
         })?;
-        Config::check_str(&src).map_err(|errors| LoadError::Invalid {
+        Config::check_str_with(&src, tls_files).map_err(|errors| LoadError::Invalid {
             path: display,
             errors,
         })
@@ -193,6 +203,10 @@ impl Config {
 
     /// Parses and validates config text, keeping the warnings.
     pub fn check_str(src: &str) -> Result<Checked, ConfigErrors> {
+        Config::check_str_with(src, true)
+    }
+
+    fn check_str_with(src: &str, tls_files: bool) -> Result<Checked, ConfigErrors> {
         let mut root = DeTable::parse(src).map_err(|e| {
             ConfigErrors(vec![ConfigError {
                 path: KeyPath::root(),
@@ -211,11 +225,15 @@ impl Config {
         };
         let config = loader.sections();
         let unparsed = std::mem::take(&mut loader.unparsed_upstreams);
-        validate::validate(&config, &unparsed, &mut |path, message| {
+        let mut report = |path: KeyPath, message| {
             // `routes[i]` counts the routes that parsed: name the file's.
             let path = path.route_in_file(&loader.route_index);
             loader.error(path, None, message)
-        });
+        };
+        validate::validate(&config, &unparsed, &mut report);
+        if tls_files {
+            validate::tls_files(&config, &mut report);
+        }
         let errors = loader.errors;
         if !errors.is_empty() {
             return Err(ConfigErrors(tidy(errors)));

@@ -50,13 +50,15 @@ impl Config {
     /// Runs the semantic checks on a config built in code.
     pub fn check(&self) -> Result<(), ConfigErrors> {
         let mut errors = Vec::new();
-        validate::validate(self, &Default::default(), &mut |path, message| {
+        let mut report = |path, message| {
             errors.push(ConfigError {
                 path,
                 line: None,
                 message,
             })
-        });
+        };
+        validate::validate(self, &Default::default(), &mut report);
+        validate::tls_files(self, &mut report);
         if errors.is_empty() {
             Ok(())
         } else {

@@ -21,6 +21,17 @@ use tokio::time::Instant;
 
 type Report<'a> = dyn FnMut(KeyPath, String) + 'a;
 
+/// Reads the files `listen.tls` names, so that a `check` that passes
+/// starts. Not on a reload: a change to `listen.tls` is not applied then,
+/// and the files, mid-rotation, may not match for a moment.
+pub(super) fn tls_files(config: &Config, report: &mut Report<'_>) {
+    if let Some(tls) = &config.listen.tls {
+        if let Err(e) = crate::tls::Tls::new(&tls.cert, &tls.key, tls.client_ca.as_deref()) {
+            report(KeyPath::root().key("listen").key("tls"), e.to_string());
+        }
+    }
+}
+
 /// `unparsed`: upstreams the file names but that did not parse (reported
 /// already): a route naming one is not told that no such upstream exists.
 pub(super) fn validate(
@@ -58,12 +69,6 @@ pub(super) fn validate(
         &listen.key("idle_timeout"),
         config.listen.idle_timeout,
     );
-    if let Some(tls) = &config.listen.tls {
-        // The files are read now: a `check` that passes starts.
-        if let Err(e) = crate::tls::Tls::new(&tls.cert, &tls.key, tls.client_ca.as_deref()) {
-            report(listen.key("tls"), e.to_string());
-        }
-    }
     if let Some(token) = &config.admin.token {
         if token.len() < 16 || !token.bytes().all(|b| b.is_ascii_graphic()) {
             report(

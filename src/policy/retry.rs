@@ -211,6 +211,8 @@ impl Policy {
         retry_after: Option<Duration>,
     ) -> Result<Option<Duration>, SkipReason> {
         match retry_after {
+            // Not a delay but a refusal, whatever `respect_retry_after` says.
+            Some(DO_NOT_RETRY) => Err(SkipReason::RetryAfterTooLong),
             _ if !self.respect_retry_after => Ok(None),
             Some(d) if d > self.max_retry_after => Err(SkipReason::RetryAfterTooLong),
             other => Ok(other),
@@ -224,6 +226,10 @@ impl Policy {
         self.per_try_timeout / 2
     }
 }
+
+/// A server's "do not retry" (gRPC's negative or malformed
+/// `grpc-retry-pushback-ms`), given where a delay would be.
+pub const DO_NOT_RETRY: Duration = Duration::MAX;
 
 /// A method as the config writes it: a valid token, in capitals (a
 /// lower-case `get` is a different, extension method, and surely a typo).
@@ -246,7 +252,10 @@ pub fn parse_retry_after(value: &HeaderValue, now: SystemTime) -> Option<Duratio
     let text = value.to_str().ok()?.trim();
     if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
         // Too many seconds to count is simply "a very long time".
-        return Some(text.parse().map_or(Duration::MAX, Duration::from_secs));
+        return Some(
+            text.parse()
+                .map_or(Duration::from_secs(u64::MAX), Duration::from_secs),
+        );
     }
     let at = httpdate::parse_http_date(text).ok()?;
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
@@ -343,7 +352,7 @@ mod tests {
         assert_eq!(v("soon"), None);
         assert_eq!(
             v("99999999999999999999999"),
-            Some(Duration::MAX),
+            Some(Duration::from_secs(u64::MAX)),
             "longer than any limit"
         );
         assert_eq!(v("-5"), None);
@@ -356,5 +365,15 @@ mod tests {
         assert_eq!(p.server_delay(secs(60)), Err(SkipReason::RetryAfterTooLong));
         let p = policy(|c| c.respect_retry_after = false);
         assert_eq!(p.server_delay(secs(60)), Ok(None));
+        assert_eq!(
+            p.server_delay(Some(Duration::from_secs(u64::MAX))),
+            Ok(None),
+            "an HTTP Retry-After, however long, is ignored"
+        );
+        // gRPC's "do not retry" is a refusal, not a delay to ignore.
+        assert_eq!(
+            p.server_delay(Some(DO_NOT_RETRY)),
+            Err(SkipReason::RetryAfterTooLong)
+        );
     }
 }

@@ -28,7 +28,7 @@ use super::body::{Progress, RequestBody};
 use super::error_chain;
 use super::headers::X_HERDGUARD_ATTEMPT;
 use super::replay::ReplayBody;
-use super::upstream::{InFlight, Picked, Upstream};
+use super::upstream::{InFlight, Upstream};
 
 /// The upstream's response, with the slot it holds until its body is done.
 pub type Answer = (Response<Incoming>, InFlight);
@@ -285,7 +285,7 @@ impl<'a> retry::Attempts for Forward<'a> {
         };
         let path_and_query = self.path_and_query;
         async move {
-            let Some((slot, picked, req, progress)) = ready else {
+            let Some((mut slot, picked, req, progress)) = ready else {
                 return Attempt {
                     outcome: Outcome::Refused(crate::policy::Refusal::Overloaded),
                     answer: None,
@@ -295,18 +295,134 @@ impl<'a> retry::Attempts for Forward<'a> {
                     note: None,
                 };
             };
-            judge
-                .go(
-                    upstream,
-                    slot,
-                    picked,
-                    path_and_query,
-                    req,
-                    progress,
-                    per_try,
-                    deadline,
-                )
-                .await
+            let (index, target) = (picked.index, picked.endpoint());
+            let sent_at = Instant::now();
+            let (timed, sent_whole) = timed(
+                target.send(path_and_query, req),
+                progress.as_deref(),
+                per_try,
+                deadline,
+            )
+            .await;
+            let elapsed = sent_at.elapsed();
+            let name = &upstream.name;
+            let (outcome, mut answer, detail) = match timed {
+                    // HTTP allows three digits; a status from 600 up means nothing.
+                    // A switch of protocols nobody asked for breaks the caller's connection.
+                    Timed::Done(Ok((resp, _)))
+                        if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS && !judge.upgrade =>
+                    {
+                        (
+                            Outcome::Upstream(UpstreamFault::BadResponse),
+                            None,
+                            format!("upstream {name} switched protocols unasked (101)"),
+                        )
+                    }
+                    // A transfer coding other than chunked (gzip, say): hyper
+                    // took the chunks off, and the caller would get coded bytes
+                    // with nothing saying so.
+                    Timed::Done(Ok((resp, _))) if super::headers::check_framing(resp.headers()).is_err() => (
+                        Outcome::Upstream(UpstreamFault::BadResponse),
+                        None,
+                        format!("upstream {name} answered with a transfer coding other than chunked"),
+                    ),
+                    Timed::Done(Ok((resp, _))) if resp.status().as_u16() > 599 => (
+                        Outcome::Upstream(UpstreamFault::BadResponse),
+                        None,
+                        format!(
+                            "upstream {name} answered with status {}, outside 100-599",
+                            resp.status().as_u16()
+                        ),
+                    ),
+                    Timed::Done(Ok((resp, conn))) => {
+                        if let Some(conn) = conn {
+                            slot.hold(index, conn);
+                        }
+                        let outcome = match judge.grpc.then(|| trailers_only_status(&resp)).flatten() {
+                            // The caller's own deadline, passed on, ran out: the
+                            // caller set it, the upstream is not to blame.
+                            Some(GrpcStatus::DEADLINE_EXCEEDED) if judge.grpc_deadline => {
+                                Outcome::Deadline
+                            }
+                            Some(status) if status != GrpcStatus::OK => Outcome::Grpc(status),
+                            _ => Outcome::Response(resp.status()),
+                        };
+                        (outcome, Some((resp, slot)), String::new())
+                    }
+                    Timed::Done(Err(e)) => {
+                        let fault = progress.as_deref().and_then(|p| {
+                            // An upstream that gives up on a body that stopped
+                            // coming (its read timeout) is right to: the stall is
+                            // the caller's.
+                            p.caller_fault()
+                                .or(p.waiting_on_caller().then_some(CallerFault::StalledBody))
+                        });
+                        let outcome = match fault {
+                            Some(fault) => Outcome::Caller(fault),
+                            None => Outcome::Upstream(e.fault()),
+                        };
+                        let detail = match fault {
+                            Some(CallerFault::MalformedBody) => {
+                                format!("the request body is malformed: {}", error_chain(&e))
+                            }
+                            Some(CallerFault::StalledBody) => format!(
+                                "the request body stopped coming, and upstream {name} gave up on it: {}",
+                                error_chain(&e)
+                            ),
+                            Some(CallerFault::Gone) => {
+                                "the caller's request body ended before it was complete".to_owned()
+                            }
+                            None => format!("upstream {name} failed: {}", error_chain(&e)),
+                        };
+                        (outcome, None, detail)
+                    }
+                    Timed::PerTry => (
+                        Outcome::Upstream(UpstreamFault::Timeout),
+                        None,
+                        format!("upstream {name} sent no response headers within {per_try:?} of the request being sent"),
+                    ),
+                    Timed::Deadline => (
+                        Outcome::Deadline,
+                        None,
+                        format!("the request's timeout ({:?}) ran out before upstream {name} answered", judge.timeout),
+                    ),
+                    Timed::Stalled => (
+                        Outcome::Caller(CallerFault::StalledBody),
+                        None,
+                        format!("the request body stalled: it was not complete when the request's timeout ({:?}) ran out", judge.timeout),
+                    ),
+                };
+            // The upstream's latency runs from when it had the whole request:
+            // a slow upload is the caller's time, not the upstream's.
+            let latency = sent_whole.elapsed();
+            upstream.observe(outcome, latency);
+            let note = picked.kind.note();
+            // An answer whose body is still to come is the endpoint's success
+            // only once the body ends whole: that is settled by the body.
+            match &mut answer {
+                Some((resp, slot))
+                    if Verdict::of(outcome) == Verdict::Success
+                        && !http_body::Body::is_end_stream(resp.body()) =>
+                {
+                    slot.answered_by(picked, latency)
+                }
+                _ => picked.settle(outcome, latency),
+            }
+            if answer.is_none() {
+                tracing::debug!(upstream = %name, outcome = outcome.label(), error = %detail, "upstream attempt failed");
+            }
+            let retry_after = answer.as_ref().and_then(|(resp, _)| match judge.grpc {
+                true => super::headers::grpc_pushback(resp.headers()),
+                false => retry_after(resp.headers()),
+            });
+            Attempt {
+                outcome,
+                answer,
+                retry_after,
+                detail,
+                elapsed,
+                note,
+            }
         }
     }
 
@@ -358,150 +474,6 @@ struct Judge {
     grpc_deadline: bool,
     /// The request's `timeout`, for the messages.
     timeout: Duration,
-}
-
-impl Judge {
-    #[allow(clippy::too_many_arguments)]
-    async fn go(
-        self,
-        upstream: &Arc<Upstream>,
-        mut slot: InFlight,
-        picked: Picked<'_>,
-        path_and_query: Option<&PathAndQuery>,
-        req: Request<RequestBody>,
-        progress: Option<Arc<Progress>>,
-        per_try: Duration,
-        deadline: Instant,
-    ) -> Attempt<Answer> {
-        let (index, target) = (picked.index, picked.endpoint());
-        let sent_at = Instant::now();
-        let (timed, sent_whole) = timed(
-            target.send(path_and_query, req),
-            progress.as_deref(),
-            per_try,
-            deadline,
-        )
-        .await;
-        let elapsed = sent_at.elapsed();
-        let name = &upstream.name;
-        let (outcome, mut answer, detail) = match timed {
-                // HTTP allows three digits; a status from 600 up means nothing.
-                // A switch of protocols nobody asked for breaks the caller's connection.
-                Timed::Done(Ok((resp, _)))
-                    if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS && !self.upgrade =>
-                {
-                    (
-                        Outcome::Upstream(UpstreamFault::BadResponse),
-                        None,
-                        format!("upstream {name} switched protocols unasked (101)"),
-                    )
-                }
-                // A transfer coding other than chunked (gzip, say): hyper
-                // took the chunks off, and the caller would get coded bytes
-                // with nothing saying so.
-                Timed::Done(Ok((resp, _))) if super::headers::check_framing(resp.headers()).is_err() => (
-                    Outcome::Upstream(UpstreamFault::BadResponse),
-                    None,
-                    format!("upstream {name} answered with a transfer coding other than chunked"),
-                ),
-                Timed::Done(Ok((resp, _))) if resp.status().as_u16() > 599 => (
-                    Outcome::Upstream(UpstreamFault::BadResponse),
-                    None,
-                    format!(
-                        "upstream {name} answered with status {}, outside 100-599",
-                        resp.status().as_u16()
-                    ),
-                ),
-                Timed::Done(Ok((resp, conn))) => {
-                    if let Some(conn) = conn {
-                        slot.hold(index, conn);
-                    }
-                    let outcome = match self.grpc.then(|| trailers_only_status(&resp)).flatten() {
-                        // The caller's own deadline, passed on, ran out: the
-                        // caller set it, the upstream is not to blame.
-                        Some(GrpcStatus::DEADLINE_EXCEEDED) if self.grpc_deadline => {
-                            Outcome::Deadline
-                        }
-                        Some(status) if status != GrpcStatus::OK => Outcome::Grpc(status),
-                        _ => Outcome::Response(resp.status()),
-                    };
-                    (outcome, Some((resp, slot)), String::new())
-                }
-                Timed::Done(Err(e)) => {
-                    let fault = progress.as_deref().and_then(|p| {
-                        // An upstream that gives up on a body that stopped
-                        // coming (its read timeout) is right to: the stall is
-                        // the caller's.
-                        p.caller_fault()
-                            .or(p.waiting_on_caller().then_some(CallerFault::StalledBody))
-                    });
-                    let outcome = match fault {
-                        Some(fault) => Outcome::Caller(fault),
-                        None => Outcome::Upstream(e.fault()),
-                    };
-                    let detail = match fault {
-                        Some(CallerFault::MalformedBody) => {
-                            format!("the request body is malformed: {}", error_chain(&e))
-                        }
-                        Some(CallerFault::StalledBody) => format!(
-                            "the request body stopped coming, and upstream {name} gave up on it: {}",
-                            error_chain(&e)
-                        ),
-                        Some(CallerFault::Gone) => {
-                            "the caller's request body ended before it was complete".to_owned()
-                        }
-                        None => format!("upstream {name} failed: {}", error_chain(&e)),
-                    };
-                    (outcome, None, detail)
-                }
-                Timed::PerTry => (
-                    Outcome::Upstream(UpstreamFault::Timeout),
-                    None,
-                    format!("upstream {name} sent no response headers within {per_try:?} of the request being sent"),
-                ),
-                Timed::Deadline => (
-                    Outcome::Deadline,
-                    None,
-                    format!("the request's timeout ({:?}) ran out before upstream {name} answered", self.timeout),
-                ),
-                Timed::Stalled => (
-                    Outcome::Caller(CallerFault::StalledBody),
-                    None,
-                    format!("the request body stalled: it was not complete when the request's timeout ({:?}) ran out", self.timeout),
-                ),
-            };
-        // The upstream's latency runs from when it had the whole request:
-        // a slow upload is the caller's time, not the upstream's.
-        let latency = sent_whole.elapsed();
-        upstream.observe(outcome, latency);
-        let note = picked.kind.note();
-        // An answer whose body is still to come is the endpoint's success
-        // only once the body ends whole: that is settled by the body.
-        match &mut answer {
-            Some((resp, slot))
-                if Verdict::of(outcome) == Verdict::Success
-                    && !http_body::Body::is_end_stream(resp.body()) =>
-            {
-                slot.answered_by(picked, latency)
-            }
-            _ => picked.settle(outcome, latency),
-        }
-        if answer.is_none() {
-            tracing::debug!(upstream = %name, outcome = outcome.label(), error = %detail, "upstream attempt failed");
-        }
-        let retry_after = answer.as_ref().and_then(|(resp, _)| match self.grpc {
-            true => super::headers::grpc_pushback(resp.headers()),
-            false => retry_after(resp.headers()),
-        });
-        Attempt {
-            outcome,
-            answer,
-            retry_after,
-            detail,
-            elapsed,
-            note,
-        }
-    }
 }
 
 /// How the timers ended an attempt.
@@ -581,7 +553,13 @@ fn trailers_only_status(resp: &Response<Incoming>) -> Option<GrpcStatus> {
     if resp.status() != http::StatusCode::OK || !http_body::Body::is_end_stream(resp.body()) {
         return None;
     }
-    GrpcStatus::parse(resp.headers().get("grpc-status")?.as_bytes())
+    // Missing, twice, or not a status: a broken answer, as a gRPC client
+    // reads it (INTERNAL), never a success.
+    let mut values = resp.headers().get_all("grpc-status").iter();
+    Some(match (values.next(), values.next()) {
+        (Some(one), None) => GrpcStatus::parse(one.as_bytes()).unwrap_or(GrpcStatus::INTERNAL),
+        _ => GrpcStatus::INTERNAL,
+    })
 }
 
 #[cfg(test)]

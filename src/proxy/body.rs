@@ -94,6 +94,7 @@ impl Body for RequestBody {
             InnerProj::Stream { body } => body.poll_frame(cx).map_err(BoxError::from),
             InnerProj::Replay { body } => body.as_mut().poll_frame(cx),
         };
+        let polled = polled.map(|frame| frame.map(|f| f.map(clean)));
         if let Some(progress) = this.progress {
             match &polled {
                 Poll::Pending => progress.set(WAITING),
@@ -128,6 +129,15 @@ impl Body for RequestBody {
             Inner::Replay { body } => body.size_hint(),
         }
     }
+}
+
+/// A frame as it may be passed on: a trailer section cleaned of what may
+/// not be in one.
+fn clean(mut frame: Frame<Bytes>) -> Frame<Bytes> {
+    if let Some(trailers) = frame.trailers_mut() {
+        super::headers::clean_trailers(trailers);
+    }
+    frame
 }
 
 pub(super) const SENT: u8 = 1;
@@ -519,7 +529,9 @@ impl Body for ResponseBody {
                     }
                     None => slot.progress(),
                 }
-                polled.map_err(Into::into)
+                polled
+                    .map_err(Into::into)
+                    .map(|frame| frame.map(|f| f.map(clean)))
             }
             ResponseBodyProj::Local { body } => body.poll_frame(cx).map_err(|never| match never {}),
         }

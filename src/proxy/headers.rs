@@ -29,6 +29,31 @@ const HOP_BY_HOP: [HeaderName; HOPS] = [
     HeaderName::from_static("http2-settings"),
 ];
 
+/// Fields a trailer section must not carry (RFC 9110 §6.5.1: framing,
+/// routing, content metadata, the proxy's own), besides the hop-by-hop ones.
+/// HTTP/2 refuses connection-specific fields outright: passed on from an
+/// HTTP/1 peer, one would reset the stream.
+const NOT_IN_TRAILERS: [HeaderName; 9] = [
+    header::CONTENT_LENGTH,
+    header::CONTENT_TYPE,
+    header::CONTENT_ENCODING,
+    header::CONTENT_RANGE,
+    header::HOST,
+    header::TRAILER,
+    header::AUTHORIZATION,
+    HeaderName::from_static("x-herdguard-error"),
+    HeaderName::from_static("x-herdguard-attempts"),
+];
+
+/// Drops from a trailer section what may not be there, in either direction.
+pub fn clean_trailers(trailers: &mut HeaderMap) {
+    for name in HOP_BY_HOP.iter().chain(NOT_IN_TRAILERS.iter()) {
+        if trailers.contains_key(name) {
+            trailers.remove(name);
+        }
+    }
+}
+
 pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 pub static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 pub static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
@@ -604,11 +629,16 @@ mod tests {
 /// Whether a request is a gRPC call: `content-type: application/grpc`, or
 /// `application/grpc+proto` and the like.
 pub fn is_grpc(headers: &HeaderMap) -> bool {
+    const GRPC: &[u8] = b"application/grpc";
+    // A media type is case-insensitive (RFC 9110 §8.3.1).
     headers
         .get(http::header::CONTENT_TYPE)
         .map(HeaderValue::as_bytes)
-        .and_then(|v| v.strip_prefix(b"application/grpc"))
-        .is_some_and(|rest| rest.is_empty() || rest[0] == b'+' || rest[0] == b';')
+        .is_some_and(|v| {
+            v.get(..GRPC.len())
+                .is_some_and(|head| head.eq_ignore_ascii_case(GRPC))
+                && matches!(v.get(GRPC.len()), None | Some(b'+' | b';'))
+        })
 }
 
 /// A `grpc-timeout` value: up to 8 digits and a unit (`H`, `M`, `S`, `m`,
@@ -647,7 +677,7 @@ pub fn grpc_timeout_value(left: std::time::Duration) -> HeaderValue {
 
 /// `grpc-retry-pushback-ms`, as the delay it asks for: `None` when absent;
 /// a negative or malformed value means "do not retry" (gRPC's retry
-/// design, A6), given as a delay longer than any `max_retry_after`.
+/// design, A6), given as [`DO_NOT_RETRY`](crate::policy::retry::DO_NOT_RETRY).
 pub fn grpc_pushback(headers: &HeaderMap) -> Option<std::time::Duration> {
     let value = headers.get("grpc-retry-pushback-ms")?.as_bytes();
     let valid = !value.is_empty() && value.len() <= 10 && value.iter().all(u8::is_ascii_digit);
@@ -655,7 +685,7 @@ pub fn grpc_pushback(headers: &HeaderMap) -> Option<std::time::Duration> {
         true => std::time::Duration::from_millis(
             value.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')),
         ),
-        false => std::time::Duration::MAX,
+        false => crate::policy::retry::DO_NOT_RETRY,
     })
 }
 
@@ -671,7 +701,9 @@ mod grpc_tests {
             ("application/grpc", true),
             ("application/grpc+proto", true),
             ("application/grpc;charset=utf-8", true),
+            ("Application/GRPC+proto", true),
             ("application/grpc-web", false),
+            ("application/grp", false),
             ("application/json", false),
         ] {
             h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ct));

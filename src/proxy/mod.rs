@@ -484,6 +484,11 @@ async fn forward(
     // number): hyper's maps come with none, and growing once beats growing
     // on each insert.
     h.reserve(5);
+    // An HTTP/1.1 caller gets only the trailers a response declares in
+    // `Trailer`; gRPC over HTTP/2 never declares its status trailers.
+    let declare_grpc_trailers = parts.version != Version::HTTP_2
+        && headers::is_grpc(h)
+        && headers::lists(h, &http::header::TE, "trailers");
     headers::strip_hop_by_hop(h, upgrade);
     headers::decrement_max_forwards(&parts.method, h);
     // What makes a request safe to repeat is read from what the upstream
@@ -583,6 +588,15 @@ async fn forward(
     let (mut parts, body) = resp.into_parts();
     let settle = sent.settle_on_body.then(|| route.clone());
     finish_headers(&mut parts.headers, false, attempts);
+    if declare_grpc_trailers
+        && !parts.headers.contains_key(http::header::TRAILER)
+        && headers::is_grpc(&parts.headers)
+    {
+        parts.headers.insert(
+            http::header::TRAILER,
+            HeaderValue::from_static("grpc-status, grpc-message, grpc-status-details-bin"),
+        );
+    }
     notes(&mut parts.headers);
     Response::from_parts(
         parts,

@@ -179,6 +179,17 @@ pub async fn run_until<T: Attempts>(
     };
     let mut n = 0u32;
 
+    // A caller's own deadline may be over before anything is sent (a
+    // gRPC `grpc-timeout` of 0): nothing goes upstream.
+    if deadline <= Instant::now() {
+        note(&mut books.trace, format_args!("1=deadline"));
+        let over = End::Failed {
+            outcome: Outcome::Deadline,
+            detail: "the request's deadline had passed before an attempt could be sent".into(),
+            retry_after: None,
+        };
+        return done(0, over, books.trace);
+    }
     loop {
         n += 1;
         let probe = match guards.admit() {
@@ -223,17 +234,30 @@ pub async fn run_until<T: Attempts>(
         // Should the caller go away mid-attempt, this whole future is
         // dropped, and the guard tells the breaker and the metrics.
         let unanswered = Unanswered { guards, probe };
-        let first = attempts.send(n, policy.per_try_timeout, deadline, probe);
-        let raced = race(
-            guards,
-            &facts,
-            attempts,
-            (first, unanswered),
-            n,
-            deadline,
-            &mut books,
-        )
-        .await;
+        let raced = match policy.hedge_after {
+            // Awaited where it is made: an attempt's future is large, and
+            // each move of it is a copy.
+            None => {
+                let attempt = attempts
+                    .send(n, policy.per_try_timeout, deadline, probe)
+                    .await;
+                std::mem::forget(unanswered);
+                Raced {
+                    attempt,
+                    number: n,
+                    sent: n,
+                    superseded: None,
+                }
+            }
+            Some(after) => {
+                let first = attempts.send(n, policy.per_try_timeout, deadline, probe);
+                let first = (Box::pin(first), unanswered);
+                race(
+                    guards, &facts, attempts, first, n, after, deadline, &mut books,
+                )
+                .await
+            }
+        };
         n = raced.sent;
         let attempt = raced.attempt;
         let outcome = attempt.outcome;
@@ -396,17 +420,19 @@ struct Raced<A> {
 /// connection) and counted as `superseded`. One that ends with a failure
 /// `retry_on` names is counted, and the other is waited for: its end is
 /// the one the loop decides on.
+#[allow(clippy::too_many_arguments)]
 async fn race<T: Attempts, F>(
     guards: &Guards,
     facts: &RequestFacts,
     attempts: &mut T,
-    (first, unanswered): (F, Unanswered<'_>),
+    (mut first, unanswered): (F, Unanswered<'_>),
     n: u32,
+    after: Duration,
     deadline: Instant,
     books: &mut Books<'_>,
 ) -> Raced<T::Answer>
 where
-    F: Future<Output = Attempt<T::Answer>>,
+    F: Future<Output = Attempt<T::Answer>> + Unpin,
 {
     let policy = &guards.policy;
     let alone = |attempt, unanswered| {
@@ -418,10 +444,6 @@ where
             superseded: None,
         }
     };
-    let Some(after) = policy.hedge_after else {
-        return alone(first.await, unanswered);
-    };
-    tokio::pin!(first);
     tokio::select! {
         biased;
         attempt = &mut first => return alone(attempt, unanswered),
@@ -466,8 +488,7 @@ where
         guards,
         probe: false,
     };
-    let second = attempts.send(m, policy.per_try_timeout, deadline, false);
-    tokio::pin!(second);
+    let mut second = Box::pin(attempts.send(m, policy.per_try_timeout, deadline, false));
     let (first_ended, early) = tokio::select! {
         attempt = &mut first => (true, attempt),
         attempt = &mut second => (false, attempt),

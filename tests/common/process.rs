@@ -160,8 +160,13 @@ impl Binary {
     /// Writes `toml` as the config file (after the same `[listen]` and
     /// `[admin]` as at start) and sends SIGHUP.
     pub fn reload(&self, toml: &str) {
+        self.reload_with("", toml)
+    }
+
+    /// Like [`reload`](Self::reload), with more keys of `[listen]`.
+    pub fn reload_with(&self, listen: &str, toml: &str) {
         let text = format!(
-            "[listen]\naddress = \"127.0.0.1:0\"\n[admin]\naddress = \"127.0.0.1:0\"\n{toml}"
+            "[listen]\naddress = \"127.0.0.1:0\"\n{listen}\n[admin]\naddress = \"127.0.0.1:0\"\n{toml}"
         );
         std::fs::write(self._config.path(), text).unwrap();
         let sent = Command::new("kill")

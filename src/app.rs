@@ -747,19 +747,24 @@ async fn accept_loop<M, S, B>(
                 Some(acceptor) => match tokio::time::timeout(wait, acceptor.accept(stream)).await {
                     Ok(Ok(stream)) => {
                         // The protocol the handshake agreed is the one spoken:
-                        // an HTTP/2 preface after `http/1.1` is refused.
+                        // an HTTP/2 preface after `http/1.1`, or anything
+                        // else after `h2`, is refused.
                         let agreed = match stream.get_ref().1.alpn_protocol() {
-                            Some(b"h2") => Some(builder.clone().http2_only()),
-                            Some(b"http/1.1") => Some(builder.clone().http1_only()),
+                            Some(b"h2") => Some(true),
+                            Some(b"http/1.1") => Some(false),
                             _ => None,
-                        };
-                        let serve = Serve {
-                            builder: agreed.as_ref().unwrap_or(&builder),
-                            ..serve
                         };
                         match crate::tls::first_bytes(stream, tokio::time::Instant::now() + wait)
                             .await
                         {
+                            Some(stream)
+                                if agreed.is_some_and(|h2| {
+                                    stream.speaks_h2().is_some_and(|s| s != h2)
+                                }) =>
+                            {
+                                debug!(listener = what, %peer, "connection closed: the caller does not speak the protocol ALPN agreed");
+                                Some(Ok(()))
+                            }
                             Some(stream) => serve.connection(stream, service).await,
                             None => {
                                 debug!(listener = what, %peer, "connection closed: nothing sent after the TLS handshake within header_read_timeout");

@@ -210,6 +210,21 @@ where
     }
 }
 
+impl<S> Prefixed<S> {
+    /// Whether the caller speaks HTTP/2: its first bytes begin the
+    /// preface (`PRI ` is no HTTP/1 method anyone sends). `None` while
+    /// fewer than four bytes leave it open (`P` may begin `POST`).
+    pub fn speaks_h2(&self) -> Option<bool> {
+        const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+        let first = self.first.as_deref().unwrap_or_default();
+        let n = first.len().min(PREFACE.len());
+        match first.get(..n) == PREFACE.get(..n) {
+            true if n < 4 => None,
+            like => Some(like),
+        }
+    }
+}
+
 impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Prefixed<S> {
     fn poll_read(
         mut self: std::pin::Pin<&mut Self>,
@@ -264,5 +279,30 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Prefixed<S> {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
         std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Prefixed;
+
+    fn first(bytes: &[u8]) -> Option<bool> {
+        Prefixed {
+            first: Some(bytes.into()),
+            at: 0,
+            inner: (),
+        }
+        .speaks_h2()
+    }
+
+    #[test]
+    fn the_first_bytes_tell_the_protocol_once_there_are_four() {
+        assert_eq!(first(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"), Some(true));
+        assert_eq!(first(b"PRI "), Some(true));
+        assert_eq!(first(b"POST / HTTP/1.1\r\n"), Some(false));
+        assert_eq!(first(b"GET"), Some(false), "not a preface from the first byte");
+        assert_eq!(first(b"P"), None, "POST or PRI");
+        assert_eq!(first(b"PRI"), None);
+        assert_eq!(first(b""), None);
     }
 }

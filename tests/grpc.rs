@@ -253,6 +253,13 @@ async fn grpc_timeout_bounds_the_call_and_proxy_errors_are_grpc_statuses() {
             .unwrap();
         assert!((1..=300).contains(&ms), "{t}");
     }
+    // A deadline already over: nothing is sent upstream.
+    let before = calls.of("/safe.Svc/Slow");
+    let a = call(&hg, "/safe.Svc/Slow", &[("grpc-timeout", "0m")]).await;
+    assert_eq!(a.status.as_deref(), Some("4"));
+    assert_eq!(a.headers["x-herdguard-attempts"], "0");
+    assert_eq!(calls.of("/safe.Svc/Slow"), before, "never sent");
+
     // A long deadline is passed on as it is, not cut to per_try_timeout.
     let a = call(&hg, "/safe.Svc/Invalid", &[("grpc-timeout", "30S")]).await;
     assert_eq!(a.status.as_deref(), Some("3"));
@@ -303,8 +310,9 @@ async fn grpc_timeout_bounds_the_call_and_proxy_errors_are_grpc_statuses() {
 }
 
 /// Malformed gRPC headers from a caller or an upstream change nothing for
-/// the worse: a bad `grpc-timeout` is no timeout, a bad `grpc-status` no
-/// status (the answer passes on as it is).
+/// the worse: a bad `grpc-timeout` is no timeout; a bad `grpc-status` is
+/// passed on as it is, and counted as the broken answer it is (INTERNAL,
+/// the upstream's failure), never as a success.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_grpc_headers_are_ignored() {
     let up = upstream(|_req| async move {
@@ -326,6 +334,10 @@ async fn malformed_grpc_headers_are_ignored() {
         );
         assert_eq!(a.headers["x-herdguard-attempts"], "1", "not retried");
     }
+    let failed = hg
+        .metric(r#"herdguard_upstream_attempts_total{route="idempotent",upstream="grpc",outcome="grpc-error"}"#)
+        .await;
+    assert_eq!(failed, 5.0, "a broken status is no success");
     hg.terminate().await;
 }
 

@@ -382,3 +382,36 @@ async fn a_reload_mid_rotation_is_applied() {
     assert!(connect(&pki, &hg.listen, b"http/1.1", None).await.is_ok());
     hg.terminate().await;
 }
+
+/// The protocol the handshake agreed is the one spoken: a caller that
+/// agreed `http/1.1` and then sends the HTTP/2 preface is not served HTTP/2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alpn_http11_then_an_h2_preface_is_not_served_h2() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let pki = Pki::new();
+    pki.issue_server("localhost");
+    let up = ok_upstream("ok").await;
+    let hg = Binary::start_with(
+        &listen_tls(&pki, None),
+        &format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+            up.url()
+        ),
+    )
+    .await;
+    let mut stream = connect(&pki, &hg.listen, b"http/1.1", None).await.unwrap();
+    assert_eq!(stream.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
+    stream
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut out)).await;
+    // An HTTP/2 server's first frame is SETTINGS (type 4 at byte 3).
+    assert!(
+        out.is_empty() || out.starts_with(b"HTTP/1.1 4"),
+        "{:?}",
+        String::from_utf8_lossy(&out)
+    );
+    hg.terminate().await;
+}

@@ -300,7 +300,11 @@ mod tests {
         assert_eq!(first(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"), Some(true));
         assert_eq!(first(b"PRI "), Some(true));
         assert_eq!(first(b"POST / HTTP/1.1\r\n"), Some(false));
-        assert_eq!(first(b"GET"), Some(false), "not a preface from the first byte");
+        assert_eq!(
+            first(b"GET"),
+            Some(false),
+            "not a preface from the first byte"
+        );
         assert_eq!(first(b"P"), None, "POST or PRI");
         assert_eq!(first(b"PRI"), None);
         assert_eq!(first(b""), None);

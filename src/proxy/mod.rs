@@ -30,7 +30,7 @@ use crate::config::{Config, RouteConfig};
 use crate::metrics::{self, Metrics, RouteMetrics};
 use crate::policy::breaker::{Breaker, SharedBreaker};
 use crate::policy::route::{Matcher, RequestInfo};
-use crate::policy::{Budget, Policy};
+use crate::policy::{Budget, CallerFault, Policy};
 use crate::retry::{self, End, Guards};
 use rand::Rng;
 
@@ -526,8 +526,20 @@ async fn forward(
         Some(t) => retry::deadline(start, policy.timeout.min(t)),
         None => retry::deadline(start, policy.timeout),
     };
+    // The caller's own deadline (`grpc-timeout`) binds: when it runs out
+    // before the body is in, that is the deadline, not a stalled upload.
+    let callers_deadline = grpc_timeout.is_some_and(|t| t < policy.timeout);
     if let Err((fault, detail)) = attempts.prefetch(deadline).await {
-        let outcome = crate::policy::Outcome::Caller(fault);
+        let outcome = match fault {
+            CallerFault::StalledBody if callers_deadline => crate::policy::Outcome::Deadline,
+            fault => crate::policy::Outcome::Caller(fault),
+        };
+        let detail = match outcome {
+            crate::policy::Outcome::Deadline => {
+                "the caller's grpc-timeout ran out before its request body was in".to_owned()
+            }
+            _ => detail,
+        };
         let mut resp = LocalError::for_outcome(outcome).response(&detail);
         resp.headers_mut()
             .insert(&headers::X_HERDGUARD_ATTEMPTS, attempt::attempt_value(0));

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build and run choices, measured side by side in one run: the shipped
-# build (panic = "abort", mimalloc) against panic = "unwind", the system
-# allocator (glibc malloc), mimalloc's delayed purge, and the shipped build
+# build (panic = "abort", glibc's malloc trimmed) against panic = "unwind",
+# mimalloc (purging at once), mimalloc's delayed purge, and the shipped build
 # with the access log on (written to a file). For each: binary size, closed-loop
 # req/s and p99 through the proxy (wrk, 64 connections, CPU-pinned as in
 # proxy.sh), peak RSS under that load, and RSS after a reload from 10,000
@@ -21,21 +21,21 @@ UP_PORT=18281 HG_PORT=18283 HG_ADMIN=18284
 install_tools wrk:wrk nginx:nginx-light
 ports_free $UP_PORT $HG_PORT $HG_ADMIN
 
-VARIANTS=${VARIANTS:-shipped unwind system-alloc delayed-purge access-log}
+VARIANTS=${VARIANTS:-shipped unwind mimalloc delayed-purge access-log}
 echo "building the variants (release, fat LTO: a few minutes each)..." >&2
 [ "${SKIP_BUILD:-}" ] || cargo build --release --quiet
 case " $VARIANTS " in *" unwind "*)
   CARGO_PROFILE_RELEASE_PANIC=unwind cargo build --release --quiet --target-dir target/choice-unwind ;; esac
-case " $VARIANTS " in *" system-alloc "*)
-  cargo build --release --quiet --no-default-features --target-dir target/choice-system ;; esac
+case " $VARIANTS " in *" mimalloc "*|*" delayed-purge "*)
+  cargo build --release --quiet --features mimalloc --target-dir target/choice-mimalloc ;; esac
 declare -A BIN=(
   [shipped]=target/release/herdguard
   [unwind]=target/choice-unwind/release/herdguard
-  [system-alloc]=target/choice-system/release/herdguard
-  [delayed-purge]=target/release/herdguard
+  [mimalloc]=target/choice-mimalloc/release/herdguard
+  [delayed-purge]=target/choice-mimalloc/release/herdguard
   [access-log]=target/release/herdguard
 )
-# delayed-purge: the shipped binary with mimalloc's own purge delay (10 ms,
+# delayed-purge: the mimalloc build with mimalloc's own purge delay (10 ms,
 # then only when the owning thread allocates) instead of purging at once
 # (see purge_freed_memory_at_once in src/main.rs).
 declare -A ENVS=([delayed-purge]="MIMALLOC_PURGE_DELAY=10")

@@ -127,14 +127,17 @@ impl Server {
                         let proxy = proxy.clone();
                         let caller = caller.clone();
                         let conduct = conduct.clone();
-                        async move {
+                        // Boxed: hyper keeps room for one request's future
+                        // per connection for as long as the connection
+                        // lives, and an idle one needs none.
+                        Box::pin(async move {
                             // Dropped unanswered only when the caller abandoned the request.
                             conduct.begun();
                             let pending = Abandoned(Some(conduct));
                             let resp = proxy.handle(req, &caller).await;
                             pending.answered(&resp);
                             Ok::<_, Infallible>(resp)
-                        }
+                        })
                     })
                 },
             )

@@ -113,6 +113,42 @@ fn trim_freed_memory() {
         .ok();
 }
 
+/// Raises the soft limit on open files to the hard one: each caller
+/// connection is a descriptor (two, with its upstream side), and the usual
+/// soft limit of 1,024 would refuse callers long before `max_connections`
+/// (10,000 by default), as nginx's `worker_rlimit_nofile` does. Returns the
+/// limit in force.
+#[cfg(target_os = "linux")]
+fn raise_open_file_limit() -> Option<u64> {
+    #[repr(C)]
+    struct Rlimit {
+        cur: u64,
+        max: u64,
+    }
+    const RLIMIT_NOFILE: std::ffi::c_int = 7;
+    extern "C" {
+        fn getrlimit(resource: std::ffi::c_int, rlim: *mut Rlimit) -> std::ffi::c_int;
+        fn setrlimit(resource: std::ffi::c_int, rlim: *const Rlimit) -> std::ffi::c_int;
+    }
+    let mut limit = Rlimit { cur: 0, max: 0 };
+    // SAFETY: getrlimit writes the struct it is given, of the C layout.
+    if unsafe { getrlimit(RLIMIT_NOFILE, &mut limit) } != 0 {
+        return None;
+    }
+    let wanted = limit.max.min(1 << 20);
+    if wanted > limit.cur {
+        let raised = Rlimit {
+            cur: wanted,
+            max: limit.max,
+        };
+        // SAFETY: setrlimit reads the struct it is given.
+        if unsafe { setrlimit(RLIMIT_NOFILE, &raised) } == 0 {
+            return Some(wanted);
+        }
+    }
+    Some(limit.cur)
+}
+
 /// A sidecar retrying HTTP reverse proxy: budgeted, jittered retries behind a
 /// circuit breaker, at one layer.
 #[derive(Debug, Parser)]
@@ -574,6 +610,18 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
         error!("cannot install signal handlers");
         return ExitCode::FAILURE;
     };
+    #[cfg(target_os = "linux")]
+    if let Some(files) = raise_open_file_limit() {
+        // One descriptor per caller, and room for upstream connections.
+        let wanted = (config.listen.max_connections as u64).saturating_add(256);
+        if files < wanted {
+            warn!(
+                open_files = files,
+                max_connections = config.listen.max_connections,
+                "the open-file limit is below max_connections (and room for upstream connections): callers past it are refused"
+            );
+        }
+    }
     let server = match Server::start(config).await {
         Ok(s) => s,
         Err(e) => {

@@ -1,0 +1,104 @@
+//! Memory comes back: the real binary holds a few thousand idle keep-alive
+//! connections, they close, and its RSS returns near where it started. The
+//! exact figures, beside nginx, are in `benches/memory.sh`; the bound here
+//! is generous, so as not to flake.
+
+mod common;
+
+use std::time::Duration;
+
+use common::process::Binary;
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Raises this process's soft open-file limit to the hard one: the test
+/// holds one descriptor per connection it opens.
+fn raise_open_files() -> u64 {
+    #[repr(C)]
+    struct Rlimit {
+        cur: u64,
+        max: u64,
+    }
+    extern "C" {
+        fn getrlimit(resource: i32, rlim: *mut Rlimit) -> i32;
+        fn setrlimit(resource: i32, rlim: *const Rlimit) -> i32;
+    }
+    let mut limit = Rlimit { cur: 0, max: 0 };
+    // SAFETY: both read or write the struct given, of the C layout.
+    unsafe {
+        getrlimit(7, &mut limit);
+        let raised = Rlimit {
+            cur: limit.max,
+            max: limit.max,
+        };
+        if setrlimit(7, &raised) == 0 {
+            return limit.max;
+        }
+    }
+    limit.cur
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_memory_comes_back_once_they_close() {
+    let files = raise_open_files();
+    // Leave room for everything else the test and the proxy hold.
+    let n = 3000.min(files.saturating_sub(200) as usize);
+    assert!(n >= 500, "an open-file limit of {files} is too low to test");
+    let up = ok_upstream("ok").await;
+    let hg = Binary::start_with(
+        "max_connections = 5000",
+        &format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+            up.url()
+        ),
+    )
+    .await;
+    let start = hg.rss_kib();
+
+    let mut conns = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut s = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .unwrap();
+        conns.push(s);
+    }
+    for s in &mut conns {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            let read = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+                .await
+                .expect("an answer within 10 s")
+                .unwrap();
+            assert!(read > 0, "closed before its answer");
+            got.extend_from_slice(&buf[..read]);
+        }
+    }
+    let held = hg.rss_kib();
+    let growth = held.saturating_sub(start);
+    // hyper's buffers alone are 16 KiB per connection.
+    assert!(
+        growth >= n as u64 * 8,
+        "{n} idle connections took only {growth} KiB: nothing to give back"
+    );
+    drop(conns);
+
+    // Within 30 s, at least three quarters of it is back.
+    let mut now = held;
+    for _ in 0..300 {
+        now = hg.rss_kib();
+        if now.saturating_sub(start) * 4 <= growth {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "RSS {start} KiB at start, {held} with {n} idle connections, {now} after they closed"
+    );
+    assert!(
+        now.saturating_sub(start) * 4 <= growth,
+        "RSS {start} KiB at start, {held} with {n} idle connections, {now} after they closed"
+    );
+    hg.terminate().await;
+}

@@ -645,6 +645,65 @@ impl Serve<'_> {
         let conn = self.builder.serve_connection_with_upgrades(io, service);
         self.drain.watch(conn.into_owned(), self.conduct).await
     }
+
+    /// [`connection`](Self::connection) inside TLS: the handshake, and the
+    /// first bytes after it, each within `wait`.
+    async fn tls<S, B>(
+        &self,
+        acceptor: tokio_rustls::TlsAcceptor,
+        stream: tokio::net::TcpStream,
+        service: S,
+        wait: Duration,
+        what: &'static str,
+        peer: SocketAddr,
+    ) -> Option<Result<(), Box<dyn std::error::Error + Send + Sync>>>
+    where
+        S: hyper::service::Service<
+                Request<Incoming>,
+                Response = http::Response<B>,
+                Error = Infallible,
+            > + Send
+            + 'static,
+        S::Future: Send + 'static,
+        B: http_body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let serve = self;
+        match tokio::time::timeout(wait, acceptor.accept(stream)).await {
+            Ok(Ok(stream)) => {
+                // The protocol the handshake agreed is the one spoken:
+                // an HTTP/2 preface after `http/1.1`, or anything
+                // else after `h2`, is refused.
+                let agreed = match stream.get_ref().1.alpn_protocol() {
+                    Some(b"h2") => Some(true),
+                    Some(b"http/1.1") => Some(false),
+                    _ => None,
+                };
+                match crate::tls::first_bytes(stream, tokio::time::Instant::now() + wait).await {
+                    Some(stream)
+                        if agreed.is_some_and(|h2| stream.speaks_h2().is_some_and(|s| s != h2)) =>
+                    {
+                        debug!(listener = what, %peer, "connection closed: the caller does not speak the protocol ALPN agreed");
+                        Some(Ok(()))
+                    }
+                    Some(stream) => serve.connection(stream, service).await,
+                    None => {
+                        debug!(listener = what, %peer, "connection closed: nothing sent after the TLS handshake within header_read_timeout");
+                        Some(Ok(()))
+                    }
+                }
+            }
+            Ok(Err(e)) => {
+                debug!(listener = what, %peer, error = %e, "TLS handshake failed");
+                Some(Ok(()))
+            }
+            Err(_) => {
+                debug!(listener = what, %peer, "TLS handshake not done within header_read_timeout");
+                Some(Ok(()))
+            }
+        }
+    }
 }
 
 struct Limits {
@@ -747,43 +806,11 @@ async fn accept_loop<M, S, B>(
                 // head has: a caller that starts one and stalls holds nothing.
                 // And the first bytes inside it too, or it could sit silent
                 // after its handshake for as long as it liked.
-                Some(acceptor) => match tokio::time::timeout(wait, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => {
-                        // The protocol the handshake agreed is the one spoken:
-                        // an HTTP/2 preface after `http/1.1`, or anything
-                        // else after `h2`, is refused.
-                        let agreed = match stream.get_ref().1.alpn_protocol() {
-                            Some(b"h2") => Some(true),
-                            Some(b"http/1.1") => Some(false),
-                            _ => None,
-                        };
-                        match crate::tls::first_bytes(stream, tokio::time::Instant::now() + wait)
-                            .await
-                        {
-                            Some(stream)
-                                if agreed.is_some_and(|h2| {
-                                    stream.speaks_h2().is_some_and(|s| s != h2)
-                                }) =>
-                            {
-                                debug!(listener = what, %peer, "connection closed: the caller does not speak the protocol ALPN agreed");
-                                Some(Ok(()))
-                            }
-                            Some(stream) => serve.connection(stream, service).await,
-                            None => {
-                                debug!(listener = what, %peer, "connection closed: nothing sent after the TLS handshake within header_read_timeout");
-                                Some(Ok(()))
-                            }
-                        }
-                    }
-                    Ok(Err(e)) => {
-                        debug!(listener = what, %peer, error = %e, "TLS handshake failed");
-                        Some(Ok(()))
-                    }
-                    Err(_) => {
-                        debug!(listener = what, %peer, "TLS handshake not done within header_read_timeout");
-                        Some(Ok(()))
-                    }
-                },
+                // On the heap: a TLS connection's state is large, and a
+                // plain connection's task would otherwise keep room for it.
+                Some(acceptor) => {
+                    Box::pin(serve.tls(acceptor, stream, service, wait, what, peer)).await
+                }
             };
             match served {
                 Some(Ok(())) => {}

@@ -294,3 +294,50 @@ async fn a_connection_whose_response_was_abandoned_is_not_reused() {
         "one connection for the abandoned answer, one for the rest"
     );
 }
+
+/// A burst opens as many connections as it has requests at once; when it
+/// is over, only `pool_max_idle` of them stay, the rest closed as they come
+/// back (each idle connection holds its buffers), as nginx's `keepalive`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_leaves_at_most_pool_max_idle_connections() {
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let waiting = Arc::new(AtomicUsize::new(0));
+    let (r, w) = (release.clone(), waiting.clone());
+    let up = counted(move |_| {
+        let (r, w) = (r.clone(), w.clone());
+        async move {
+            // Every request waits until all of the burst has arrived.
+            w.fetch_add(1, Ordering::SeqCst);
+            let _ = r.acquire().await.map(|p| p.forget());
+            Response::new(full("ok"))
+        }
+    })
+    .await;
+    let server = Arc::new(proxy(&config(up.addr, "pool_max_idle = 3")).await);
+    let burst: Vec<_> = (0..12)
+        .map(|_| {
+            let server = server.clone();
+            tokio::spawn(async move { get(&server, "/").await.0 })
+        })
+        .collect();
+    eventually(
+        Duration::from_secs(10),
+        "the whole burst arrived",
+        || async { waiting.load(Ordering::SeqCst) == 12 },
+    )
+    .await;
+    assert_eq!(up.open(), 12, "one connection per request in flight");
+    release.add_permits(12 + 5);
+    for request in burst {
+        assert_eq!(request.await.unwrap(), 200);
+    }
+    eventually(Duration::from_secs(10), "all but 3 closed", || async {
+        up.open() == 3
+    })
+    .await;
+    // The 3 kept are reused.
+    for _ in 0..5 {
+        assert_eq!(get(&server, "/").await.0, 200);
+    }
+    assert_eq!(up.accepted(), 12);
+}

@@ -116,6 +116,9 @@ pub struct UpstreamConfig {
     /// Idle pooled connections are closed after this long.
     #[serde(with = "duration")]
     pub pool_idle_timeout: Duration,
+    /// Idle pooled connections kept per endpoint at most; more are closed
+    /// as they come back (as nginx's `keepalive`).
+    pub pool_max_idle: usize,
     /// Extra CA certificates (PEM) trusted for https endpoints, beside the system roots.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
@@ -218,6 +221,7 @@ impl Default for UpstreamConfig {
             connect_timeout: Duration::from_secs(1),
             max_in_flight: 1024,
             pool_idle_timeout: Duration::from_secs(90),
+            pool_max_idle: 128,
             ca_file: None,
             server_name: None,
             client_cert: None,

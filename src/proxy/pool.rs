@@ -118,15 +118,23 @@ pub struct H1Pool {
     authority: Authority,
     connect_timeout: Duration,
     idle_timeout: Duration,
+    /// Idle connections kept at most.
+    max_idle: usize,
     idle: Mutex<Vec<Conn>>,
 }
 
 impl H1Pool {
-    pub fn new(authority: Authority, connect_timeout: Duration, idle_timeout: Duration) -> Self {
+    pub fn new(
+        authority: Authority,
+        connect_timeout: Duration,
+        idle_timeout: Duration,
+        max_idle: usize,
+    ) -> Self {
         Self {
             authority,
             connect_timeout,
             idle_timeout,
+            max_idle,
             idle: Mutex::new(Vec::new()),
         }
     }
@@ -210,13 +218,18 @@ impl H1Pool {
         None
     }
 
-    /// Returns a connection whose response is finished with.
+    /// Returns a connection whose response is finished with; closes it
+    /// instead when `max_idle` are idle already (a burst's connections do
+    /// not all stay, each holding its buffers).
     pub fn put_back(&self, pooled: Pooled) {
         if !pooled.sender.is_closed() {
-            self.lock().push(Conn {
-                pooled,
-                last_used: Instant::now(),
-            });
+            let mut idle = self.lock();
+            if idle.len() < self.max_idle {
+                idle.push(Conn {
+                    pooled,
+                    last_used: Instant::now(),
+                });
+            }
         }
     }
 

@@ -153,6 +153,7 @@ impl Endpoint {
                 authority.clone(),
                 config.connect_timeout,
                 config.pool_idle_timeout,
+                config.pool_max_idle,
             ))
         } else {
             Transport::Client(client()?)
@@ -643,6 +644,7 @@ fn client(name: &str, config: &UpstreamConfig) -> Result<HttpClient, UpstreamErr
     let mut client = Client::builder(TokioExecutor::new());
     client
         .pool_idle_timeout(config.pool_idle_timeout)
+        .pool_max_idle_per_host(config.pool_max_idle)
         .pool_timer(TokioTimer::new())
         .timer(TokioTimer::new())
         // Every attempt must pass through our budget and metrics: no hidden retries.

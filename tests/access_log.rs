@@ -316,3 +316,35 @@ async fn off_by_default_it_writes_nothing_and_on_it_flushes_at_exit() {
         assert_eq!(written.len(), lines, "{enabled:?}: {written:#?}");
     }
 }
+
+/// After a hedge race, the line names the endpoint whose answer the caller
+/// got, not the last one an attempt went to.
+#[tokio::test]
+async fn a_hedged_requests_line_names_the_endpoint_that_answered() {
+    // The first endpoint answers after 200 ms; the second never in time.
+    let first = upstream(|_req| async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        Response::new(full("first"))
+    })
+    .await;
+    let second = upstream(|_req| async {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        Response::new(full("second"))
+    })
+    .await;
+    let log = Logged::start(&format!(
+        "[access_log]\nenabled = true\nformat = \"json\"\n\
+         [upstreams.u]\nendpoints = [\"{}\", \"{}\"]\n\
+         [[routes]]\nname = \"r\"\nupstream = \"u\"\nretry = {{ hedge_after = \"50ms\" }}\n",
+        first.url(),
+        second.url()
+    ))
+    .await;
+    // Endpoints are taken in turn: the first request starts on the first.
+    let req = Request::get(log.url("/")).body(empty()).unwrap();
+    assert_eq!(log.send(req).await, StatusCode::OK);
+    let line = log.next_json();
+    assert_eq!(line["attempts"], 2, "{line}");
+    assert_eq!(line["endpoint"], first.url(), "{line}");
+    assert_eq!(second.hits(), 1, "the hedge went to the second");
+}

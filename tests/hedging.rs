@@ -239,3 +239,67 @@ fn check_warns_about_a_hedge_that_never_goes() {
     .unwrap_or_default();
     assert!(zero.contains("hedge_after"), "{zero}");
 }
+
+/// An upgrade is a connection to keep, not an answer to race for: a slow
+/// WebSocket handshake is never hedged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_is_never_hedged() {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let handshakes = Arc::new(AtomicUsize::new(0));
+    let counted = handshakes.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                if !read_head(&mut stream).await {
+                    return;
+                }
+                counted.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let _ = stream
+                    .write_all(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+                    .await;
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            });
+        }
+    });
+    let toml = format!(
+        "[upstreams.ws]\nendpoints = [\"http://{addr}\"]\n\
+         [[routes]]\nname = \"ws\"\nupstream = \"ws\"\nretry = {{ hedge_after = \"50ms\" }}\n"
+    );
+    let hg = Binary::start_with("explain = true", &toml).await;
+    let mut caller = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+    caller
+        .write_all(
+            b"GET /chat HTTP/1.1\r\nHost: a\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+              Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio::io::AsyncReadExt::read(&mut caller, &mut buf),
+        )
+        .await
+        .expect("an answer")
+        .unwrap();
+        assert!(n > 0);
+        head.extend_from_slice(&buf[..n]);
+    }
+    assert!(
+        head.starts_with(b"HTTP/1.1 101"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    assert_eq!(
+        handshakes.load(Ordering::SeqCst),
+        1,
+        "one handshake upstream"
+    );
+    hg.terminate().await;
+}

@@ -50,6 +50,8 @@ pub struct Forward<'a> {
     body: AttemptBody,
     /// The endpoint of the last attempt.
     endpoint: Option<usize>,
+    /// The last two attempts and their endpoints: a hedge race's two.
+    racing: [(u32, usize); 2],
     /// The slot `reserve` took for the next attempt.
     slot: Option<InFlight>,
     timeout: Duration,
@@ -107,6 +109,7 @@ impl<'a> Forward<'a> {
             inner_hop,
             body,
             endpoint: None,
+            racing: [(0, 0); 2],
             slot: None,
             timeout,
             upgrade,
@@ -267,6 +270,7 @@ impl<'a> retry::Attempts for Forward<'a> {
         let ready = slot.map(|slot| {
             let picked = upstream.pick(self.endpoint, self.repeatable, probe);
             self.endpoint = Some(picked.index);
+            self.racing = [self.racing[1], (n, picked.index)];
             if let Some(log) = self.log.as_deref_mut() {
                 log.attempts = n;
                 log.endpoint = Some(picked.endpoint().label.clone());
@@ -424,6 +428,21 @@ impl<'a> retry::Attempts for Forward<'a> {
                 note,
             }
         }
+    }
+
+    fn ended_with(&mut self, n: u32) {
+        // After a hedge race, the log names the endpoint that answered.
+        let Some(&(_, index)) = self.racing.iter().find(|(m, _)| *m == n) else {
+            return;
+        };
+        if let Some(log) = self.log.as_deref_mut() {
+            log.endpoint = Some(self.upstream.endpoint_label(index));
+        }
+    }
+
+    fn hedgeable(&self) -> bool {
+        // An upgrade is a connection to keep, not an answer to race for.
+        !self.upgrade
     }
 
     fn body_whole(&self) -> bool {

@@ -420,6 +420,13 @@ impl Upstream {
     }
 
     /// The in-flight count, for the upstream that replaces this one.
+    /// The label of endpoint `index` (as written in `endpoints`).
+    pub fn endpoint_label(&self, index: usize) -> Arc<str> {
+        self.endpoints
+            .get(index)
+            .map_or_else(|| Arc::from("?"), |e| e.label.clone())
+    }
+
     pub fn in_flight_counter(&self) -> Arc<AtomicUsize> {
         self.in_flight.clone()
     }

@@ -65,6 +65,15 @@ pub trait Attempts {
         false
     }
 
+    /// Whether the request may be hedged at all (an upgrade may not).
+    fn hedgeable(&self) -> bool {
+        true
+    }
+
+    /// Attempt `n` is the one whose end is used (after a hedge race, the
+    /// winner): whatever was told of the attempts may say so.
+    fn ended_with(&mut self, _n: u32) {}
+
     /// Whether the request body can be sent whole again. May wait, until
     /// `deadline` at most, for an earlier attempt to let go of it.
     fn replayable(&mut self, deadline: Instant) -> impl Future<Output = bool>;
@@ -263,6 +272,7 @@ pub async fn run_until<T: Attempts>(
         let outcome = attempt.outcome;
         books.ended(&attempt, raced.number, probe);
         if let Some(loser) = raced.superseded {
+            attempts.ended_with(raced.number);
             guards.metrics.attempt(Outcome::Superseded, None);
             note(
                 &mut books.trace,
@@ -458,7 +468,11 @@ where
         breaker_open: !guards.breaker.is_closed(),
         budget: &guards.budget,
     };
-    let skipped = match decide::hedge(policy, facts, &slow, Instant::now(), deadline, gates) {
+    let decided = match attempts.hedgeable() {
+        true => decide::hedge(policy, facts, &slow, Instant::now(), deadline, gates),
+        false => None,
+    };
+    let skipped = match decided {
         None => return alone(first.await, unanswered),
         Some(Ok(())) => match attempts.reserve() {
             Ok(()) => None,
@@ -526,6 +540,7 @@ where
         }
     };
     guards.metrics.hedge(first_ended);
+    attempts.ended_with(late_number);
     Raced {
         attempt: late,
         number: late_number,

@@ -371,15 +371,7 @@ async fn trailers_lose_what_no_trailer_may_carry() {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         let (mut stream, _) = listener.accept().await.unwrap();
-        let mut head = Vec::new();
-        let mut buf = [0u8; 4096];
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-            let n = tokio::io::AsyncReadExt::read(&mut stream, &mut buf)
-                .await
-                .unwrap();
-            assert!(n > 0);
-            head.extend_from_slice(&buf[..n]);
-        }
+        assert!(read_head(&mut stream).await);
         stream
             .write_all(
                 b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\

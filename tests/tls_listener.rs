@@ -87,6 +87,13 @@ fn listen_tls(pki: &Pki, client_ca: Option<&Path>) -> String {
     )
 }
 
+/// One upstream `u` at `url` and one route to it named `name`.
+fn route_to(url: &str, name: &str) -> String {
+    format!(
+        "[upstreams.u]\nendpoints = [\"{url}\"]\n[[routes]]\nname = \"{name}\"\nupstream = \"u\"\n"
+    )
+}
+
 /// A verifying TLS connection to `addr` offering `alpn`.
 async fn connect(
     pki: &Pki,
@@ -136,14 +143,7 @@ async fn tls_listener_negotiates_h2_and_http11_and_follows_a_rotation() {
     let pki = Pki::new();
     let first = pki.issue_server("first");
     let up = ok_upstream("fine").await;
-    let hg = Binary::start_with(
-        &listen_tls(&pki, None),
-        &format!(
-            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
-            up.url()
-        ),
-    )
-    .await;
+    let hg = Binary::start_with(&listen_tls(&pki, None), &route_to(&up.url(), "r")).await;
 
     // h2 by ALPN.
     let tls = connect(&pki, &hg.listen, b"h2", None)
@@ -215,10 +215,7 @@ async fn mutual_tls_refuses_a_caller_without_a_certificate() {
     let up = ok_upstream("fine").await;
     let hg = Binary::start_with(
         &listen_tls(&pki, Some(&pki.path("ca.pem"))),
-        &format!(
-            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
-            up.url()
-        ),
+        &route_to(&up.url(), "r"),
     )
     .await;
     // TLS 1.3 reports a refused client certificate on the first read.
@@ -310,10 +307,7 @@ async fn a_caller_silent_after_its_handshake_is_closed() {
     let up = ok_upstream("ok").await;
     let hg = Binary::start_with(
         &format!("{}\nheader_read_timeout = \"1s\"", listen_tls(&pki, None)),
-        &format!(
-            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
-            up.url()
-        ),
+        &route_to(&up.url(), "r"),
     )
     .await;
     let mut stream = connect(&pki, &hg.listen, b"http/1.1", None)
@@ -350,12 +344,7 @@ async fn a_reload_mid_rotation_is_applied() {
     let pki = Pki::new();
     pki.issue_server("localhost");
     let up = ok_upstream("ok").await;
-    let route = |name: &str| {
-        format!(
-            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"{name}\"\nupstream = \"u\"\n",
-            up.url()
-        )
-    };
+    let route = |name: &str| route_to(&up.url(), name);
     let tls = listen_tls(&pki, None);
     let hg = Binary::start_with(&tls, &route("before")).await;
     // Half a rotation: another pair's key beside the running certificate.
@@ -391,14 +380,7 @@ async fn alpn_http11_then_an_h2_preface_is_not_served_h2() {
     let pki = Pki::new();
     pki.issue_server("localhost");
     let up = ok_upstream("ok").await;
-    let hg = Binary::start_with(
-        &listen_tls(&pki, None),
-        &format!(
-            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
-            up.url()
-        ),
-    )
-    .await;
+    let hg = Binary::start_with(&listen_tls(&pki, None), &route_to(&up.url(), "r")).await;
     let mut stream = connect(&pki, &hg.listen, b"http/1.1", None).await.unwrap();
     assert_eq!(stream.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
     stream

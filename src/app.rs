@@ -10,11 +10,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyper::body::Incoming;
+use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper::Request;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
@@ -22,6 +21,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::config::Config;
 use crate::drain::{Conduct, Drain};
+use crate::h1::{CallerBody, Readable, Rewind};
 use crate::metrics::Metrics;
 use crate::proxy::{BuildError, Caller, Proxy, Runtime};
 
@@ -123,7 +123,7 @@ impl Server {
                     let proxy = proxy.clone();
                     let caller = Arc::new(Caller::new(peer, tls_on));
                     let conduct = conduct.clone();
-                    service_fn(move |req: Request<Incoming>| {
+                    service_fn(move |req: Request<CallerBody>| {
                         let proxy = proxy.clone();
                         let caller = caller.clone();
                         let conduct = conduct.clone();
@@ -162,11 +162,11 @@ impl Server {
                 admin_stop_rx,
                 move |peer, _| {
                     let shared = shared.clone();
-                    service_fn(move |req: Request<Incoming>| {
+                    service_fn(move |req: Request<CallerBody>| {
                         let shared = shared.clone();
-                        async move {
+                        Box::pin(async move {
                             Ok::<_, Infallible>(crate::admin::serve(&shared, peer, &req).await)
-                        }
+                        })
                     })
                 },
             )
@@ -545,8 +545,8 @@ impl Drop for Abandoned {
 /// What a new connection's first bytes say.
 #[derive(Debug, PartialEq, Eq)]
 enum Opening {
-    /// Enough to tell its protocol: serve it.
-    Speaks,
+    /// Enough to tell its protocol: serve it, with HTTP/2 if `h2`.
+    Speaks { h2: bool },
     /// Nothing (or part of an HTTP/2 preface) within `header_read_timeout`,
     /// or closed.
     Silent,
@@ -564,11 +564,13 @@ async fn opening(stream: &tokio::net::TcpStream, wait: Duration) -> Opening {
         loop {
             match stream.peek(&mut buf).await {
                 Ok(0) | Err(_) => return Opening::Silent,
-                Ok(n) if buf[..n] == PREFACE[..n] && n == PREFACE.len() => return Opening::Speaks,
+                Ok(n) if buf[..n] == PREFACE[..n] && n == PREFACE.len() => {
+                    return Opening::Speaks { h2: true }
+                }
                 Ok(n) if buf[..n] != PREFACE[..n] => {
                     return match n >= 4 && buf[..4] == PREFACE[..4] {
                         true => Opening::BadPreface,
-                        false => Opening::Speaks,
+                        false => Opening::Speaks { h2: false },
                     };
                 }
                 // Part of a preface: peeking again at once would spin on the
@@ -606,44 +608,71 @@ fn local_addr(listener: &TcpListener) -> SocketAddr {
         .expect("a bound listener has an address")
 }
 
+/// The connection builders of one listener, shared by its connections.
+struct Builders {
+    h1: http1::Builder,
+    h2: http2::Builder<TokioExecutor>,
+}
+
 /// What serves one accepted connection, plain or TLS.
 struct Serve<'a> {
-    builder: &'a auto::Builder<TokioExecutor>,
+    builders: &'a Builders,
     drain: &'a Drain,
     conduct: &'a Arc<Conduct>,
     write_timeout: Duration,
 }
 
+type ServeError = Box<dyn std::error::Error + Send + Sync>;
+
 impl Serve<'_> {
-    /// HTTP/1.1 or HTTP/2 over `stream`, its writes watched for stalls, the
-    /// connection watched for the drain, idleness and expulsion. `None`:
-    /// closed outright (see [`crate::drain::Watched`]).
+    /// HTTP/1.1 (see [`crate::h1`]) or, if `h2`, HTTP/2 over `stream`, its
+    /// writes watched for stalls, the connection watched for the drain,
+    /// idleness and expulsion. `None`: closed outright (see
+    /// [`crate::drain::Watched`]).
     async fn connection<I, S, B>(
         &self,
-        stream: I,
+        stream: Rewind<I>,
+        h2: bool,
         service: S,
-    ) -> Option<Result<(), Box<dyn std::error::Error + Send + Sync>>>
+    ) -> Option<Result<(), ServeError>>
     where
-        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+        I: Readable,
         S: hyper::service::Service<
-                Request<Incoming>,
+                Request<CallerBody>,
                 Response = http::Response<B>,
                 Error = Infallible,
-            > + Send
+            > + Unpin
+            + Send
             + 'static,
-        S::Future: Send + 'static,
+        S::Future: Unpin + Send + 'static,
         B: http_body::Body + Send + 'static,
         B::Data: Send,
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        let written = self.conduct.written.clone();
-        let io = TokioIo::new(crate::stall::WriteStall::new(
-            stream,
-            self.write_timeout,
-            written,
-        ));
-        let conn = self.builder.serve_connection_with_upgrades(io, service);
-        self.drain.watch(conn.into_owned(), self.conduct).await
+        if h2 {
+            let io = TokioIo::new(crate::stall::WriteStall::new(
+                stream,
+                self.write_timeout,
+                self.conduct.written.clone(),
+            ));
+            let conn = self
+                .builders
+                .h2
+                .serve_connection(io, crate::h1::Streams(service));
+            return self
+                .drain
+                .watch(conn, self.conduct)
+                .await
+                .map(|ended| ended.map_err(Into::into));
+        }
+        let serving = crate::h1::Serving {
+            builder: &self.builders.h1,
+            drain: self.drain,
+            writes: &self.conduct.written,
+            write_timeout: self.write_timeout,
+            idle_timeout: self.conduct.idle_timeout,
+        };
+        Some(serving.serve(stream, service).await.map_err(Into::into))
     }
 
     /// [`connection`](Self::connection) inside TLS: the handshake, and the
@@ -656,15 +685,16 @@ impl Serve<'_> {
         wait: Duration,
         what: &'static str,
         peer: SocketAddr,
-    ) -> Option<Result<(), Box<dyn std::error::Error + Send + Sync>>>
+    ) -> Option<Result<(), ServeError>>
     where
         S: hyper::service::Service<
-                Request<Incoming>,
+                Request<CallerBody>,
                 Response = http::Response<B>,
                 Error = Infallible,
-            > + Send
+            > + Unpin
+            + Send
             + 'static,
-        S::Future: Send + 'static,
+        S::Future: Unpin + Send + 'static,
         B: http_body::Body + Send + 'static,
         B::Data: Send,
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -681,13 +711,14 @@ impl Serve<'_> {
                     _ => None,
                 };
                 match crate::tls::first_bytes(stream, tokio::time::Instant::now() + wait).await {
-                    Some(stream)
-                        if agreed.is_some_and(|h2| stream.speaks_h2().is_some_and(|s| s != h2)) =>
-                    {
-                        debug!(listener = what, %peer, "connection closed: the caller does not speak the protocol ALPN agreed");
-                        Some(Ok(()))
+                    Some(stream) => {
+                        let h2 = crate::tls::speaks_h2(stream.prefix()).unwrap_or(false);
+                        if agreed.is_some_and(|agreed| agreed != h2) {
+                            debug!(listener = what, %peer, "connection closed: the caller does not speak the protocol ALPN agreed");
+                            return Some(Ok(()));
+                        }
+                        serve.connection(stream, h2, service).await
                     }
-                    Some(stream) => serve.connection(stream, service).await,
                     None => {
                         debug!(listener = what, %peer, "connection closed: nothing sent after the TLS handshake within header_read_timeout");
                         Some(Ok(()))
@@ -726,26 +757,28 @@ async fn accept_loop<M, S, B>(
     make_service: M,
 ) where
     M: Fn(SocketAddr, &Arc<Conduct>) -> S,
-    S: hyper::service::Service<Request<Incoming>, Response = http::Response<B>, Error = Infallible>
+    S: hyper::service::Service<
+            Request<CallerBody>,
+            Response = http::Response<B>,
+            Error = Infallible,
+        > + Unpin
         + Send
         + 'static,
-    S::Future: Send + 'static,
+    S::Future: Unpin + Send + 'static,
     B: http_body::Body + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
+    let mut h1 = http1::Builder::new();
+    h1.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
         .keep_alive(true);
+    let mut h2 = http2::Builder::new(TokioExecutor::new());
     // One connection's streams may each hold an upstream slot: at most 100
     // at once (nginx allows 128; h2's default is no limit).
-    builder
-        .http2()
-        .timer(TokioTimer::new())
+    h2.timer(TokioTimer::new())
         .max_concurrent_streams(MAX_STREAMS);
+    let builders = Arc::new(Builders { h1, h2 });
     let drain = Drain::new();
     // A connection holds a permit until it closes: when all are back, all
     // connections are closed.
@@ -773,15 +806,15 @@ async fn accept_loop<M, S, B>(
         let _ = stream.set_nodelay(true);
         let conduct = Arc::new(Conduct::new(limits.idle_timeout, limits.write_timeout));
         let service = make_service(peer, &conduct);
-        let (builder, drain) = (builder.clone(), drain.clone());
+        let (builders, drain) = (builders.clone(), drain.clone());
         let (wait, write_timeout) = (limits.header_read_timeout, limits.write_timeout);
         let tls = limits.tls.clone();
         tokio::spawn(async move {
             // A connection that says nothing must not hold its slot: hyper's
             // header timer starts only once it knows the protocol, and it
             // learns that from the first bytes.
-            match opening(&stream, wait).await {
-                Opening::Speaks => {}
+            let h2 = match opening(&stream, wait).await {
+                Opening::Speaks { h2 } => h2,
                 Opening::Silent => {
                     debug!(listener = what, %peer, "connection closed: nothing sent within header_read_timeout");
                     drop(permit);
@@ -793,15 +826,19 @@ async fn accept_loop<M, S, B>(
                     drop(permit);
                     return;
                 }
-            }
+            };
             let serve = Serve {
-                builder: &builder,
+                builders: &builders,
                 drain: &drain,
                 conduct: &conduct,
                 write_timeout,
             };
             let served = match tls {
-                None => serve.connection(stream, service).await,
+                None => {
+                    serve
+                        .connection(Rewind::new(bytes::Bytes::new(), stream), h2, service)
+                        .await
+                }
                 // The handshake must be done within the time the request
                 // head has: a caller that starts one and stalls holds nothing.
                 // And the first bytes inside it too, or it could sit silent

@@ -40,6 +40,28 @@ impl Drain {
         self.notify.notify_waiters();
     }
 
+    /// Completes once the drain has started.
+    pub async fn started(&self) {
+        let notified = self.notify.notified();
+        tokio::pin!(notified);
+        // Registered before the flag is read: a drain that starts after
+        // this line completes it.
+        notified.as_mut().enable();
+        if self.started.load(Ordering::Acquire) {
+            return;
+        }
+        notified.await;
+    }
+
+    /// Whether the drain has started, for a future to ask on each poll.
+    pub fn signal(&self) -> Signal {
+        Signal {
+            notified: self.notify.clone().notified_owned(),
+            registered: None,
+            started: self.started.clone(),
+        }
+    }
+
     /// `conn`, shut down gracefully once the drain starts, or once its
     /// `conduct` gets it expelled.
     pub fn watch<C: GracefulConnection>(&self, conn: C, conduct: &Arc<Conduct>) -> Watched<C> {
@@ -57,6 +79,36 @@ impl Drain {
             linger: tokio::time::sleep(conduct.write_timeout),
             lingering: false,
         }
+    }
+}
+
+pin_project! {
+    /// Whether the drain has started: one flag read per poll, and the
+    /// wake-up registered again only when the polling task changes.
+    pub struct Signal {
+        #[pin]
+        notified: OwnedNotified,
+        registered: Option<Waker>,
+        started: Arc<AtomicBool>,
+    }
+}
+
+impl Signal {
+    pub fn poll_started(self: Pin<&mut Self>, cx: &mut Context<'_>) -> bool {
+        let this = self.project();
+        if this.started.load(Ordering::Acquire) {
+            return true;
+        }
+        if this
+            .registered
+            .as_ref()
+            .is_some_and(|w| w.will_wake(cx.waker()))
+        {
+            return false;
+        }
+        let started = this.notified.poll(cx).is_ready();
+        *this.registered = Some(cx.waker().clone());
+        started
     }
 }
 
@@ -82,7 +134,7 @@ pub struct Conduct {
     /// The connection closes after this long with no request open.
     pub idle_timeout: Duration,
     /// When bytes last went out to the caller (kept by the write side).
-    pub written: Arc<Stamp>,
+    pub written: Arc<crate::stall::Writes>,
     /// Once asked to close, the connection is closed outright after this
     /// long with no byte going out.
     write_timeout: Duration,
@@ -100,7 +152,7 @@ impl Conduct {
             open: Default::default(),
             last: Stamp::new(),
             idle_timeout,
-            written: Arc::new(Stamp::new()),
+            written: Arc::default(),
             write_timeout,
         }
     }

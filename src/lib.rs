@@ -10,6 +10,7 @@ pub mod app;
 pub mod config;
 pub mod demo;
 pub mod drain;
+pub mod h1;
 pub mod lab;
 pub mod metrics;
 pub mod policy;

@@ -10,6 +10,7 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -20,13 +21,33 @@ use tokio::time::{Instant, Sleep};
 
 use crate::stamp::Stamp;
 
+/// What the connection's owner can read of its writes.
+#[derive(Debug, Default)]
+pub struct Writes {
+    /// When bytes last went out: a connection asked to close that sends
+    /// nothing is not waited for (see `drain::Watched`).
+    last: Stamp,
+    /// The latest write or flush is waiting for the caller to read.
+    blocked: AtomicBool,
+}
+
+impl Writes {
+    pub fn last(&self) -> Instant {
+        self.last.last()
+    }
+
+    /// Whether the latest write or flush is pending: bytes are still on
+    /// their way out.
+    pub fn blocked(&self) -> bool {
+        self.blocked.load(Ordering::Relaxed)
+    }
+}
+
 pin_project! {
     pub struct WriteStall<T> {
         #[pin]
         inner: T,
-        // When bytes last went out: a connection asked to close that sends
-        // nothing is not waited for (see drain::Watched).
-        written: Arc<Stamp>,
+        writes: Arc<Writes>,
         timeout: Duration,
         // Armed while a write is pending; made on the first stall only.
         timer: Option<Pin<Box<Sleep>>>,
@@ -35,14 +56,22 @@ pin_project! {
 }
 
 impl<T> WriteStall<T> {
-    pub fn new(inner: T, timeout: Duration, written: Arc<Stamp>) -> Self {
+    pub fn new(inner: T, timeout: Duration, writes: Arc<Writes>) -> Self {
         Self {
             inner,
-            written,
+            writes,
             timeout,
             timer: None,
             stalled: false,
         }
+    }
+
+    pub fn get_mut(&mut self) -> &mut T {
+        &mut self.inner
+    }
+
+    pub fn into_inner(self) -> T {
+        self.inner
     }
 }
 
@@ -52,16 +81,21 @@ fn watch<R>(
     timeout: Duration,
     timer: &mut Option<Pin<Box<Sleep>>>,
     stalled: &mut bool,
+    writes: &Writes,
     cx: &mut Context<'_>,
 ) -> Poll<io::Result<R>> {
     if polled.is_ready() {
-        *stalled = false;
+        if *stalled {
+            *stalled = false;
+            writes.blocked.store(false, Ordering::Relaxed);
+        }
         return polled;
     }
     let deadline = Instant::now() + timeout;
     let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
     if !*stalled {
         *stalled = true;
+        writes.blocked.store(true, Ordering::Relaxed);
         timer.as_mut().reset(deadline);
     }
     match timer.as_mut().poll(cx) {
@@ -94,9 +128,16 @@ impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
         let this = self.project();
         let polled = this.inner.poll_write(cx, buf);
         if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            this.written.touch();
+            this.writes.last.touch();
         }
-        watch(polled, *this.timeout, this.timer, this.stalled, cx)
+        watch(
+            polled,
+            *this.timeout,
+            this.timer,
+            this.stalled,
+            this.writes,
+            cx,
+        )
     }
 
     fn poll_write_vectored(
@@ -107,9 +148,16 @@ impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
         let this = self.project();
         let polled = this.inner.poll_write_vectored(cx, bufs);
         if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            this.written.touch();
+            this.writes.last.touch();
         }
-        watch(polled, *this.timeout, this.timer, this.stalled, cx)
+        watch(
+            polled,
+            *this.timeout,
+            this.timer,
+            this.stalled,
+            this.writes,
+            cx,
+        )
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -119,7 +167,14 @@ impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.project();
         let polled = this.inner.poll_flush(cx);
-        watch(polled, *this.timeout, this.timer, this.stalled, cx)
+        watch(
+            polled,
+            *this.timeout,
+            this.timer,
+            this.stalled,
+            this.writes,
+            cx,
+        )
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -136,7 +191,7 @@ mod tests {
     async fn a_write_pending_for_the_whole_timeout_fails_and_a_slow_one_does_not() {
         // A pipe with room for 64 bytes that nobody reads.
         let (ours, mut theirs) = tokio::io::duplex(64);
-        let mut w = WriteStall::new(ours, Duration::from_secs(1), Arc::new(Stamp::new()));
+        let mut w = WriteStall::new(ours, Duration::from_secs(1), Arc::default());
         w.write_all(&[0u8; 64]).await.unwrap();
         let started = Instant::now();
         let err = w.write_all(&[0u8; 64]).await.unwrap_err();
@@ -155,7 +210,7 @@ mod tests {
                 total += theirs2.read(&mut buf).await.unwrap();
             }
         });
-        let mut w = WriteStall::new(ours, Duration::from_secs(1), Arc::new(Stamp::new()));
+        let mut w = WriteStall::new(ours, Duration::from_secs(1), Arc::default());
         w.write_all(&[0u8; 640]).await.unwrap();
         reader.await.unwrap();
     }

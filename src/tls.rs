@@ -15,6 +15,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
 use tokio_rustls::TlsAcceptor;
+
+use crate::h1::Rewind;
 use tracing::{error, info};
 
 /// Why a TLS setting could not be loaded.
@@ -182,117 +184,48 @@ impl Tls {
     }
 }
 
-/// A decrypted stream whose first bytes were read ahead, to see that the
-/// caller speaks after its handshake: they are read again first.
-pub struct Prefixed<S> {
-    first: Option<Box<[u8]>>,
-    at: usize,
-    inner: S,
-}
-
 /// The caller's first bytes after the handshake, read by `deadline`: a
 /// caller that completes a handshake and then says nothing must not hold
-/// its connection slot any longer than one that says nothing at all.
-/// `None`: silent until the deadline, or closed.
-pub async fn first_bytes<S>(mut stream: S, deadline: tokio::time::Instant) -> Option<Prefixed<S>>
+/// its connection slot any longer than one that says nothing at all. Read
+/// until they tell the protocol (see [`speaks_h2`]). `None`: silent until
+/// the deadline, or closed.
+pub async fn first_bytes<S>(mut stream: S, deadline: tokio::time::Instant) -> Option<Rewind<S>>
 where
     S: tokio::io::AsyncRead + Unpin,
 {
     use tokio::io::AsyncReadExt as _;
     let mut buf = [0u8; 64];
-    match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
-        Ok(Ok(n)) if n > 0 => Some(Prefixed {
-            first: Some(buf[..n].into()),
-            at: 0,
-            inner: stream,
-        }),
-        _ => None,
-    }
-}
-
-impl<S> Prefixed<S> {
-    /// Whether the caller speaks HTTP/2: its first bytes begin the
-    /// preface (`PRI ` is no HTTP/1 method anyone sends). `None` while
-    /// fewer than four bytes leave it open (`P` may begin `POST`).
-    pub fn speaks_h2(&self) -> Option<bool> {
-        const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-        let first = self.first.as_deref().unwrap_or_default();
-        let n = first.len().min(PREFACE.len());
-        match first.get(..n) == PREFACE.get(..n) {
-            true if n < 4 => None,
-            like => Some(like),
+    let mut n = 0;
+    loop {
+        match tokio::time::timeout_at(deadline, stream.read(&mut buf[n..])).await {
+            Ok(Ok(read)) if read > 0 => n += read,
+            _ => return None,
+        }
+        if speaks_h2(&buf[..n]).is_some() || n == buf.len() {
+            return Some(Rewind::new(
+                bytes::Bytes::copy_from_slice(&buf[..n]),
+                stream,
+            ));
         }
     }
 }
 
-impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Prefixed<S> {
-    fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        out: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        let this = &mut *self;
-        if let Some(first) = &this.first {
-            let rest = first.get(this.at..).unwrap_or_default();
-            let n = rest.len().min(out.remaining());
-            out.put_slice(&rest[..n]);
-            this.at += n;
-            if this.at >= first.len() {
-                this.first = None;
-            }
-            return std::task::Poll::Ready(Ok(()));
-        }
-        std::pin::Pin::new(&mut this.inner).poll_read(cx, out)
-    }
-}
-
-impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Prefixed<S> {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+/// Whether a caller whose first bytes are `first` speaks HTTP/2: they begin
+/// the preface (`PRI ` is no HTTP/1 method anyone sends). `None` while
+/// fewer than four bytes leave it open (`P` may begin `POST`).
+pub fn speaks_h2(first: &[u8]) -> Option<bool> {
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    let n = first.len().min(PREFACE.len());
+    match first.get(..n) == PREFACE.get(..n) {
+        true if n < 4 => None,
+        like => Some(like),
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::Prefixed;
-
     fn first(bytes: &[u8]) -> Option<bool> {
-        Prefixed {
-            first: Some(bytes.into()),
-            at: 0,
-            inner: (),
-        }
-        .speaks_h2()
+        super::speaks_h2(bytes)
     }
 
     #[test]

@@ -15,6 +15,8 @@ use std::time::Duration;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Version};
 use hyper::body::Incoming;
+
+use crate::h1::CallerBody;
 use tokio::time::Instant;
 
 use crate::access_log::Entry;
@@ -73,7 +75,7 @@ enum AttemptBody {
     Empty,
     Replay(ReplayBody),
     /// Sent once, never retried: taken by the first attempt.
-    Once(Option<Incoming>),
+    Once(Option<CallerBody>),
 }
 
 impl<'a> Forward<'a> {
@@ -83,7 +85,7 @@ impl<'a> Forward<'a> {
         method: Method,
         path_and_query: Option<&'a PathAndQuery>,
         headers: HeaderMap,
-        body: Incoming,
+        body: CallerBody,
         retrying: bool,
         repeatable: bool,
         inner_hop: bool,

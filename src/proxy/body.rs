@@ -38,7 +38,7 @@ pin_project! {
     #[project = InnerProj]
     enum Inner {
         Empty,
-        Stream { #[pin] body: Incoming },
+        Stream { #[pin] body: crate::h1::CallerBody },
         // Boxed: every request is moved through hyper's dispatch queue, and a
         // replay buffer inline would make each of them four times the size.
         Replay { body: Pin<Box<ReplayBody>> },
@@ -54,7 +54,7 @@ impl RequestBody {
     }
 
     /// The caller's body, streamed once.
-    pub fn stream(body: Incoming, progress: Arc<Progress>) -> Self {
+    pub fn stream(body: crate::h1::CallerBody, progress: Arc<Progress>) -> Self {
         Self {
             inner: Inner::Stream { body },
             progress: Some(progress),

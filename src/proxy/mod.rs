@@ -13,10 +13,10 @@ mod upstream;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use crate::h1::{CallerBody, CallerUpgrade};
 use arc_swap::ArcSwap;
 use http::header::HOST;
 use http::{HeaderValue, Method, Request, Response, StatusCode, Version};
-use hyper::body::Incoming;
 use tokio::time::Instant;
 
 pub use body::{caller_fault, BoxError, Progress, RequestBody, ResponseBody};
@@ -289,7 +289,7 @@ impl Proxy {
     /// is on, is written when the response body is done with.
     pub async fn handle(
         &self,
-        req: Request<Incoming>,
+        req: Request<CallerBody>,
         caller: &Caller,
     ) -> Response<Logged<ResponseBody>> {
         let start = Instant::now();
@@ -312,7 +312,7 @@ impl Proxy {
 
     async fn answer(
         &self,
-        req: Request<Incoming>,
+        req: Request<CallerBody>,
         caller: &Caller,
         start: Instant,
         entry: &mut Option<Box<Entry>>,
@@ -418,13 +418,15 @@ fn request_host<'a>(uri: &'a http::Uri, host: Option<&'a HeaderValue>) -> Option
 
 async fn forward(
     route: &Arc<Route>,
-    mut req: Request<Incoming>,
+    mut req: Request<CallerBody>,
     caller: &Caller,
     start: Instant,
     mut log: Option<&mut Entry>,
     tunnels: &Arc<tunnel::OpenTunnels>,
 ) -> Response<ResponseBody> {
-    let upgrade = headers::requested_upgrade(req.version(), req.headers());
+    // Only a connection that can hand its caller's side over is upgraded.
+    let upgrade = headers::requested_upgrade(req.version(), req.headers())
+        && req.extensions().get::<CallerUpgrade>().is_some();
     let multiplexed = req.version() == Version::HTTP_2;
     // A request that asks to upgrade takes a tunnel place first: tunnels
     // are counted apart from requests in flight.
@@ -443,7 +445,10 @@ async fn forward(
         },
         false => None,
     };
-    let caller_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+    let caller_upgrade = match upgrade {
+        true => req.extensions_mut().remove::<CallerUpgrade>(),
+        false => None,
+    };
 
     let (mut parts, body) = req.into_parts();
     let original_host = match parts.uri.authority() {

@@ -27,11 +27,10 @@ use std::task::{Context, Poll, Waker};
 use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
 
 use super::body::BoxError;
 
-pub struct ReplayBody<B = Incoming> {
+pub struct ReplayBody<B = crate::h1::CallerBody> {
     shared: Arc<Shared<B>>,
     /// The state, while this clone holds it.
     state: Option<State<B>>,

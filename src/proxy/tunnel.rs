@@ -122,7 +122,7 @@ impl Drop for TunnelSlot {
 /// closes or nothing moves for the idle timeout. The request's slot stops
 /// counting as in flight at once.
 pub async fn relay(
-    caller: hyper::upgrade::OnUpgrade,
+    caller: crate::h1::CallerUpgrade,
     upstream: hyper::upgrade::OnUpgrade,
     mut slot: InFlight,
     place: TunnelSlot,
@@ -130,7 +130,8 @@ pub async fn relay(
 ) {
     slot.park();
     let idle = place.0.idle_timeout;
-    let (caller, upstream) = match tokio::try_join!(caller, upstream) {
+    let upstream = async { upstream.await.map_err(io::Error::other) };
+    let (caller, upstream) = match tokio::try_join!(caller.upgraded(), upstream) {
         Ok(pair) => pair,
         Err(e) => {
             debug!(error = %e, "upgrade failed");
@@ -138,7 +139,7 @@ pub async fn relay(
         }
     };
     let activity = Arc::new(Stamp::new());
-    let mut caller = Watched::new(TokioIo::new(caller), activity.clone());
+    let mut caller = Watched::new(caller, activity.clone());
     let mut upstream = Watched::new(TokioIo::new(upstream), activity.clone());
     let copy = tokio::io::copy_bidirectional(&mut caller, &mut upstream);
     tokio::pin!(copy);

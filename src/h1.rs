@@ -1,0 +1,603 @@
+//! HTTP/1.1 caller connections served one exchange at a time, so that an
+//! idle keep-alive connection holds its socket and little else.
+//!
+//! hyper gives each HTTP/1 connection an 8 KiB write buffer when it starts
+//! and an 8 KiB read buffer on its first read, and keeps both, with the
+//! connection's state, for as long as the connection lives: 16 KiB and more
+//! for each idle connection of a caller's pool. nginx frees its buffers when
+//! a connection goes idle (`ngx_http_set_keepalive`). Here hyper's
+//! connection is ended once it is idle after an answer; the socket, and any
+//! bytes of the next request already read, are taken back; and a new one is
+//! started when the caller sends again.
+//!
+//! Only a connection hyper would have kept open is taken back. hyper is
+//! asked to end it only when the answer is written out, the request's body
+//! was read to its end and no other request has begun; and only an end that
+//! follows at once counts. Anything else (the caller asked to close, an
+//! HTTP/1.0 caller, a body left unread, an error) closes the connection as
+//! hyper would have.
+//!
+//! Upgrades (WebSocket) are handed over here too: the proxy gets the
+//! caller's side of an upgraded connection through [`CallerUpgrade`].
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf as _, Bytes};
+use http::{Request, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper_util::rt::TokioIo;
+use pin_project_lite::pin_project;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt as _, ReadBuf};
+use tokio::sync::oneshot;
+
+use crate::drain::{Drain, Signal};
+use crate::stall::{WriteStall, Writes};
+
+/// A stream whose first bytes were read ahead: they are read again first.
+pub struct Rewind<S> {
+    prefix: Bytes,
+    inner: S,
+}
+
+impl<S> Rewind<S> {
+    pub fn new(prefix: Bytes, inner: S) -> Self {
+        Self { prefix, inner }
+    }
+
+    /// The bytes still to be read again.
+    pub fn prefix(&self) -> &[u8] {
+        &self.prefix
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if !this.prefix.is_empty() {
+            let n = this.prefix.len().min(out.remaining());
+            out.put_slice(&this.prefix[..n]);
+            this.prefix.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.inner).poll_read(cx, out)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// A caller's stream that can wait for the caller's next bytes without a
+/// buffer of its own.
+pub trait Readable: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+    /// Waits until the caller sends again or closes. Bytes read to find out
+    /// are returned, to be read again.
+    fn readable(&mut self) -> impl Future<Output = io::Result<Bytes>> + Send;
+}
+
+impl Readable for tokio::net::TcpStream {
+    async fn readable(&mut self) -> io::Result<Bytes> {
+        tokio::net::TcpStream::readable(self).await?;
+        Ok(Bytes::new())
+    }
+}
+
+impl<S> Readable for tokio_rustls::server::TlsStream<S>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    async fn readable(&mut self) -> io::Result<Bytes> {
+        use tokio::io::AsyncReadExt as _;
+        // Decrypted bytes may wait in the TLS session, where the socket's
+        // readiness does not show them: read some.
+        let mut buf = [0u8; 512];
+        let n = self.read(&mut buf).await?;
+        Ok(Bytes::copy_from_slice(&buf[..n]))
+    }
+}
+
+/// Byte streams an upgraded connection can run over.
+pub trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+/// The caller's side of a connection the proxy upgraded.
+pub type Upgraded = Box<dyn Io>;
+
+/// In a request that asks to upgrade: the caller's side of the connection,
+/// once the answer switching protocols has been written. (Shared only
+/// because request extensions must be `Clone`: one clone gets it.)
+#[derive(Clone)]
+pub struct CallerUpgrade(Arc<Mutex<Option<oneshot::Receiver<Upgraded>>>>);
+
+impl CallerUpgrade {
+    pub async fn upgraded(self) -> io::Result<Upgraded> {
+        let gone = || {
+            io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "the caller's connection closed before it switched protocols",
+            )
+        };
+        let rx = self
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(gone)?;
+        rx.await.map_err(|_| gone())
+    }
+}
+
+impl std::fmt::Debug for CallerUpgrade {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CallerUpgrade")
+    }
+}
+
+/// Where one connection's current exchange stands.
+#[derive(Default)]
+struct Cycle {
+    /// The answer to the latest request is written out (hyper is done with
+    /// its body).
+    answered: AtomicBool,
+    /// The latest request's body has not been read to its end.
+    unread: AtomicBool,
+    /// The latest answer switched protocols.
+    switched: AtomicBool,
+    /// Where the caller's side goes if the latest request is upgraded.
+    upgrade: Mutex<Option<oneshot::Sender<Upgraded>>>,
+}
+
+impl Cycle {
+    /// Whether hyper, pending, can only be waiting for the next request.
+    fn idle(&self, writes: &Writes) -> bool {
+        self.answered.load(Ordering::Relaxed)
+            && !self.unread.load(Ordering::Acquire)
+            && !self.switched.load(Ordering::Relaxed)
+            && !writes.blocked()
+    }
+}
+
+pin_project! {
+    /// A caller's request body. On an HTTP/1.1 connection it notes when it
+    /// has been read to its end: only then may the connection go on to the
+    /// next request.
+    pub struct CallerBody {
+        #[pin]
+        inner: Incoming,
+        cycle: Option<Arc<Cycle>>,
+    }
+}
+
+impl CallerBody {
+    pub fn new(inner: Incoming) -> Self {
+        Self { inner, cycle: None }
+    }
+
+    fn ended(&self) {
+        if let Some(cycle) = &self.cycle {
+            cycle.unread.store(false, Ordering::Release);
+        }
+    }
+}
+
+impl std::fmt::Debug for CallerBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallerBody").finish_non_exhaustive()
+    }
+}
+
+impl Body for CallerBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let mut this = self.project();
+        let polled = this.inner.as_mut().poll_frame(cx);
+        if let Some(cycle) = this.cycle {
+            let ended = match &polled {
+                Poll::Ready(None) => true,
+                Poll::Ready(Some(Ok(_))) => this.inner.is_end_stream(),
+                _ => false,
+            };
+            if ended {
+                cycle.unread.store(false, Ordering::Release);
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        let end = self.inner.is_end_stream();
+        if end {
+            self.ended();
+        }
+        end
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+pin_project! {
+    /// An answer's body that tells its connection when hyper is done with
+    /// it: hyper drops a body once its end is written into the buffer.
+    pub struct Ending<B> {
+        #[pin]
+        inner: B,
+        cycle: Option<Arc<Cycle>>,
+    }
+
+    impl<B> PinnedDrop for Ending<B> {
+        fn drop(this: Pin<&mut Self>) {
+            if let Some(cycle) = this.project().cycle.take() {
+                cycle.answered.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl<B: Body> Body for Ending<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        self.project().inner.poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The service hyper calls on an HTTP/1.1 connection: the proxy's (or the
+/// admin listener's), with each exchange noted in the connection's
+/// [`Cycle`].
+pub struct Cycled<S> {
+    inner: S,
+    cycle: Arc<Cycle>,
+}
+
+impl<S, B> hyper::service::Service<Request<Incoming>> for Cycled<S>
+where
+    S: hyper::service::Service<Request<CallerBody>, Response = Response<B>>,
+{
+    type Response = Response<Ending<B>>;
+    type Error = S::Error;
+    type Future = Answering<S::Future>;
+
+    fn call(&self, mut req: Request<Incoming>) -> Self::Future {
+        let cycle = &self.cycle;
+        cycle.answered.store(false, Ordering::Relaxed);
+        let unread = !req.body().is_end_stream();
+        cycle.unread.store(unread, Ordering::Release);
+        if crate::proxy::headers::requested_upgrade(req.version(), req.headers()) {
+            let (tx, rx) = oneshot::channel();
+            *cycle.upgrade.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
+            req.extensions_mut()
+                .insert(CallerUpgrade(Arc::new(Mutex::new(Some(rx)))));
+        }
+        let req = req.map(|inner| CallerBody {
+            inner,
+            cycle: unread.then(|| cycle.clone()),
+        });
+        Answering {
+            inner: self.inner.call(req),
+            cycle: Some(cycle.clone()),
+        }
+    }
+}
+
+pin_project! {
+    pub struct Answering<F> {
+        #[pin]
+        inner: F,
+        cycle: Option<Arc<Cycle>>,
+    }
+}
+
+impl<F, B, E> Future for Answering<F>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = Result<Response<Ending<B>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let resp = match std::task::ready!(this.inner.poll(cx)) {
+            Ok(resp) => resp,
+            Err(e) => return Poll::Ready(Err(e)),
+        };
+        let cycle = this.cycle.take();
+        if let Some(cycle) = &cycle {
+            if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+                cycle.switched.store(true, Ordering::Relaxed);
+            }
+        }
+        Poll::Ready(Ok(resp.map(|inner| Ending { inner, cycle })))
+    }
+}
+
+type Stream<I> = WriteStall<Rewind<I>>;
+type Conn<I, S> = http1::Connection<TokioIo<Stream<I>>, Cycled<S>>;
+type Parts<I, S> = http1::Parts<TokioIo<Stream<I>>, Cycled<S>>;
+
+/// How one hyper connection (one exchange, or a run of pipelined ones)
+/// ended.
+enum Ended<I, S> {
+    /// Idle after its answer: the stream can serve the next request.
+    Idle(Parts<I, S>),
+    /// The answer switched protocols: the stream goes to the proxy.
+    Switched(Parts<I, S>),
+    /// Done as hyper would close it.
+    Close(Parts<I, S>),
+    Failed(hyper::Error),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Asked {
+    No,
+    /// Asked to end as idle: it must end at once to be taken back.
+    ToEnd,
+    /// Asked to end and close (a drain, or it was not idle after all).
+    ToClose,
+}
+
+pin_project! {
+    struct Exchange<I, S, B>
+    where
+        I: Readable,
+        S: hyper::service::Service<Request<CallerBody>, Response = Response<B>, Error = std::convert::Infallible>,
+        B: Body,
+        B: 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        conn: Option<Conn<I, S>>,
+        cycle: Arc<Cycle>,
+        writes: Arc<Writes>,
+        #[pin]
+        drain: Signal,
+        asked: Asked,
+    }
+}
+
+impl<I, S, B> Future for Exchange<I, S, B>
+where
+    I: Readable,
+    S: hyper::service::Service<
+            Request<CallerBody>,
+            Response = Response<B>,
+            Error = std::convert::Infallible,
+        > + Unpin,
+    S::Future: Unpin,
+    B: Body + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    type Output = Ended<I, S>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            let Some(conn) = this.conn.as_mut() else {
+                // Polled after it ended: it has nothing more to say.
+                return Poll::Pending;
+            };
+            match conn.poll_without_shutdown(cx) {
+                Poll::Ready(Ok(())) => {
+                    let Some(conn) = this.conn.take() else {
+                        return Poll::Pending;
+                    };
+                    let parts = conn.into_parts();
+                    return Poll::Ready(if this.cycle.switched.load(Ordering::Relaxed) {
+                        Ended::Switched(parts)
+                    } else if *this.asked == Asked::ToEnd {
+                        Ended::Idle(parts)
+                    } else {
+                        Ended::Close(parts)
+                    });
+                }
+                Poll::Ready(Err(e)) => {
+                    this.conn.take();
+                    return Poll::Ready(Ended::Failed(e));
+                }
+                Poll::Pending => {}
+            }
+            match *this.asked {
+                Asked::No => {
+                    if this.drain.as_mut().poll_started(cx) {
+                        // The answer not yet begun says `Connection: close`.
+                        *this.asked = Asked::ToClose;
+                    } else if this.cycle.idle(this.writes) {
+                        *this.asked = Asked::ToEnd;
+                    } else {
+                        return Poll::Pending;
+                    }
+                    Pin::new(conn).graceful_shutdown();
+                }
+                Asked::ToEnd => {
+                    // Not idle after all: it finishes what it is on, and
+                    // then the connection closes.
+                    *this.asked = Asked::ToClose;
+                    return Poll::Pending;
+                }
+                Asked::ToClose => return Poll::Pending,
+            }
+        }
+    }
+}
+
+/// What an HTTP/1.1 connection is served with.
+pub struct Serving<'a> {
+    pub builder: &'a http1::Builder,
+    pub drain: &'a Drain,
+    pub writes: &'a Arc<Writes>,
+    pub write_timeout: Duration,
+    pub idle_timeout: Duration,
+}
+
+impl Serving<'_> {
+    /// Serves `stream` until the caller closes, it stays idle for
+    /// `idle_timeout`, the drain starts, or an exchange ends in a way that
+    /// leaves it unfit for another.
+    pub async fn serve<I, S, B>(&self, stream: Rewind<I>, service: S) -> Result<(), hyper::Error>
+    where
+        I: Readable,
+        S: hyper::service::Service<
+                Request<CallerBody>,
+                Response = Response<B>,
+                Error = std::convert::Infallible,
+            > + Unpin
+            + Send
+            + 'static,
+        S::Future: Unpin + Send + 'static,
+        B: Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let cycle = Arc::new(Cycle::default());
+        let mut stream = WriteStall::new(stream, self.write_timeout, self.writes.clone());
+        let mut service = Cycled {
+            inner: service,
+            cycle: cycle.clone(),
+        };
+        loop {
+            let conn = self.builder.serve_connection(TokioIo::new(stream), service);
+            // On the heap: an idle connection keeps no room for a busy one.
+            let ended = Box::pin(Exchange {
+                conn: Some(conn),
+                cycle: cycle.clone(),
+                writes: self.writes.clone(),
+                drain: self.drain.signal(),
+                asked: Asked::No,
+            })
+            .await;
+            let parts = match ended {
+                Ended::Idle(parts) => parts,
+                Ended::Switched(parts) => {
+                    let mut stream = parts.io.into_inner();
+                    rewind(&mut stream, &parts.read_buf);
+                    let to = cycle
+                        .upgrade
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .take();
+                    match to {
+                        Some(to) => drop(to.send(Box::new(stream))),
+                        None => close(stream, self.write_timeout).await,
+                    }
+                    return Ok(());
+                }
+                Ended::Close(parts) => {
+                    close(parts.io.into_inner(), self.write_timeout).await;
+                    return Ok(());
+                }
+                Ended::Failed(e) => return Err(e),
+            };
+            stream = parts.io.into_inner();
+            service = parts.service;
+            if !parts.read_buf.is_empty() {
+                // Pipelined: the next request is already here.
+                rewind(&mut stream, &parts.read_buf);
+                continue;
+            }
+            drop(parts.read_buf);
+            let next = tokio::select! {
+                biased;
+                () = self.drain.started() => None,
+                () = tokio::time::sleep(self.idle_timeout) => None,
+                read = stream.get_mut().inner.readable() => read.ok(),
+            };
+            match next {
+                Some(read) => stream.get_mut().prefix = read,
+                None => {
+                    close(stream, self.write_timeout).await;
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
+
+/// Puts bytes hyper read ahead back in front of the stream, in a buffer
+/// of their own size: hyper's is 8 KiB.
+fn rewind<I>(stream: &mut Stream<I>, read: &Bytes) {
+    if !read.is_empty() {
+        let rewind = stream.get_mut();
+        let mut prefix = Vec::with_capacity(read.len() + rewind.prefix.len());
+        prefix.extend_from_slice(read);
+        prefix.extend_from_slice(&rewind.prefix);
+        rewind.prefix = prefix.into();
+    }
+}
+
+/// Closes the caller's stream as hyper would: flushed and shut down, within
+/// the stream's write timeout.
+async fn close<I: Readable>(mut stream: Stream<I>, within: Duration) {
+    let _ = tokio::time::timeout(within, stream.shutdown()).await;
+}
+
+/// The service on an HTTP/2 connection: each stream's body as a
+/// [`CallerBody`] that notes nothing (streams have their own ends).
+pub struct Streams<S>(pub S);
+
+impl<S> hyper::service::Service<Request<Incoming>> for Streams<S>
+where
+    S: hyper::service::Service<Request<CallerBody>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn call(&self, req: Request<Incoming>) -> Self::Future {
+        self.0.call(req.map(CallerBody::new))
+    }
+}

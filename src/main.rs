@@ -63,12 +63,13 @@ fn purge_freed_memory_at_once() {
 
 /// glibc's malloc keeps what is freed in its arenas: after 3,000 idle
 /// connections closed, or a reload from 10,000 routes back to 2, the RSS
-/// stayed at its peak. Every two seconds this compares the resident memory
+/// stayed at its peak. Every second this compares the resident memory
 /// with the bytes malloc has in use (`mallinfo2`); when the gap (freed
-/// memory still held, besides the few MiB of code and stacks) is over
-/// 8 MiB and a quarter of what is in use, it hands the free pages back
+/// memory still held, beyond the smallest gap seen: code and stacks) is
+/// over 1 MiB and a quarter of what is in use, it hands the free pages back
 /// (`malloc_trim`). A trim that gave little back (live objects on the same
-/// pages) doubles the wait before the next, up to a minute: the check
+/// pages) doubles the wait before the next, up to a minute, unless a
+/// quarter of what was in use is freed meanwhile: the check
 /// costs microseconds, a trim of a large heap milliseconds.
 #[cfg(all(not(feature = "mimalloc"), target_os = "linux", target_env = "gnu"))]
 fn trim_freed_memory() {
@@ -116,31 +117,44 @@ fn trim_freed_memory() {
         let pages: usize = statm.split_whitespace().nth(1)?.parse().ok()?;
         Some(pages.saturating_mul(4096))
     }
-    const MIN_GAP: usize = 8 * 1024 * 1024;
-    const TICK: Duration = Duration::from_secs(2);
+    // What is resident besides the heap (code, stacks) is the smallest gap
+    // between resident and in-use bytes seen: a trim is worth it once the
+    // gap exceeds that by MIN_EXCESS and a quarter of what is in use.
+    const MIN_EXCESS: usize = 1024 * 1024;
+    const TICK: Duration = Duration::from_secs(1);
     std::thread::Builder::new()
         .name("herdguard-trim".into())
         .spawn(|| {
             let mut wait = TICK;
             let mut last = Instant::now();
+            let mut floor = usize::MAX;
+            // In use at the last trim: once a quarter of it is freed, the
+            // next trim need not wait out the backoff.
+            let mut used_then = 0usize;
             loop {
                 std::thread::sleep(TICK);
                 let (Some(rss), used) = (resident(), in_use()) else {
                     continue;
                 };
                 let gap = rss.saturating_sub(used);
-                if gap < MIN_GAP || gap < used / 4 {
+                floor = floor.min(gap);
+                let excess = gap - floor;
+                if excess < MIN_EXCESS || excess < used / 4 {
                     wait = TICK;
                     continue;
                 }
-                if last.elapsed() < wait {
+                if last.elapsed() < wait && used.saturating_mul(4) > used_then.saturating_mul(3) {
                     continue;
                 }
                 // SAFETY: malloc_trim only returns free pages to the system.
                 unsafe { malloc_trim(0) };
                 last = Instant::now();
+                used_then = used;
                 let after = resident().unwrap_or(rss).saturating_sub(in_use());
-                wait = match after.saturating_mul(4) > gap.saturating_mul(3) {
+                floor = floor.min(after);
+                // Little came back (the free memory is in pages still partly
+                // used): try less often.
+                wait = match (after - floor).saturating_mul(4) > excess.saturating_mul(3) {
                     true => (wait * 2).min(Duration::from_secs(64)),
                     false => TICK,
                 };

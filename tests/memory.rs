@@ -75,16 +75,35 @@ async fn idle_connections_memory_comes_back_once_they_close() {
             got.extend_from_slice(&buf[..read]);
         }
     }
-    let held = hg.rss_kib();
-    let growth = held.saturating_sub(start);
-    // hyper's buffers alone are 16 KiB per connection.
+    // Answered, they sit idle: each soon holds its socket and little
+    // else, and the burst's buffers (the callers' and the upstream
+    // connections') go back. Within 20 s, at most 8 KiB each (the bench
+    // measures the release build beside nginx: about 2).
+    let per_conn = |rss: u64| rss.saturating_sub(start) / n as u64;
+    let mut held = hg.rss_kib();
+    for _ in 0..200 {
+        held = hg.rss_kib();
+        if per_conn(held) <= 8 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let peak = hg.peak_rss_kib();
     assert!(
-        growth >= n as u64 * 8,
-        "{n} idle connections took only {growth} KiB: nothing to give back"
+        per_conn(held) <= 8,
+        "{n} idle connections still hold {} KiB each (RSS {start} KiB at start, {held} with them, peak {peak})",
+        per_conn(held)
+    );
+    // The burst itself took memory, or there is nothing to see come back.
+    let growth = peak.saturating_sub(start);
+    assert!(
+        growth >= n as u64 * 4,
+        "{n} connections' requests took only {growth} KiB at the peak"
     );
     drop(conns);
 
-    // Within 30 s, at least three quarters of it is back.
+    // Within 30 s of the close, at least three quarters of the peak's
+    // growth is back.
     let mut now = held;
     for _ in 0..300 {
         now = hg.rss_kib();
@@ -94,11 +113,11 @@ async fn idle_connections_memory_comes_back_once_they_close() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     eprintln!(
-        "RSS {start} KiB at start, {held} with {n} idle connections, {now} after they closed"
+        "RSS {start} KiB at start, {peak} at the peak, {held} with {n} idle connections, {now} after they closed"
     );
     assert!(
         now.saturating_sub(start) * 4 <= growth,
-        "RSS {start} KiB at start, {held} with {n} idle connections, {now} after they closed"
+        "RSS {start} KiB at start, {peak} at the peak, {held} with {n} idle connections, {now} after they closed"
     );
     hg.terminate().await;
 }

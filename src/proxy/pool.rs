@@ -11,10 +11,16 @@
 //! `pool_idle_timeout`, are dropped when a checkout or the once-a-second
 //! upkeep passes by.
 //!
+//! A connection idle for [`PARK_AFTER`] is parked: hyper's connection (its
+//! task and its 16 KiB of buffers) ends, and only the socket stays in the
+//! list; the next request on it starts a new hyper connection over the same
+//! socket. A burst's leftover connections then cost a socket each, not
+//! 30 KiB, while a busy connection is never parked.
+//!
 //! Nothing here retries: a request that could not be written comes back as
 //! an error like any other, and the retry loop decides.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::uri::{Authority, PathAndQuery};
@@ -77,10 +83,27 @@ impl PoolError {
     }
 }
 
+/// How long a connection stays idle with hyper's connection up before it
+/// is parked (see the module's documentation).
+pub const PARK_AFTER: Duration = Duration::from_secs(1);
+
 struct Conn {
-    pooled: Pooled,
+    state: Idle,
     /// When it was returned.
     last_used: Instant,
+}
+
+enum Idle {
+    /// hyper's connection is up, ready for the next request.
+    Live(Pooled),
+    /// Only the socket is kept.
+    Parked(TcpStream),
+}
+
+/// A connection taken from the list.
+enum Taken {
+    Live(Pooled),
+    Parked(TcpStream),
 }
 
 /// A connection checked out of the pool, with a request or its response
@@ -92,7 +115,10 @@ pub struct Pooled {
     /// when its connection task next runs, which may be after a checkout.
     probe: std::net::TcpStream,
     /// The task that drives the connection.
-    task: tokio::task::AbortHandle,
+    task: Option<tokio::task::AbortHandle>,
+    /// Tells the task to put the socket back in the list once hyper's
+    /// connection has ended (`None`: an upgradable connection, never parked).
+    park: Option<tokio::sync::oneshot::Sender<Instant>>,
 }
 
 /// A connection dropped anywhere but back into the pool (its attempt timed
@@ -101,7 +127,9 @@ pub struct Pooled {
 /// waits for, nor a half-sent body holding the connection open.
 impl Drop for Pooled {
     fn drop(&mut self) {
-        self.task.abort();
+        if let Some(task) = &self.task {
+            task.abort();
+        }
     }
 }
 
@@ -109,9 +137,30 @@ impl Pooled {
     /// Whether an idle connection is still open and quiet: no end of stream
     /// and no stray bytes from the upstream. Never blocks.
     fn is_quiet(&self) -> bool {
-        let mut byte = [0u8; 1];
-        matches!(self.probe.peek(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        is_quiet(socket2::SockRef::from(&self.probe))
     }
+
+    /// Ends hyper's connection, idle since `since`, for its task to park the
+    /// socket. `false`: it cannot be parked, and is closed.
+    fn park(mut self, since: Instant) -> bool {
+        let Some(park) = self.park.take() else {
+            return false;
+        };
+        if park.send(since).is_err() {
+            return false;
+        }
+        // Dropping the sender ends an idle connection cleanly; the task is
+        // left to finish.
+        self.task = None;
+        true
+    }
+}
+
+/// Whether a socket is open and has nothing to read: no end of stream and no
+/// stray bytes. Never blocks (the socket is non-blocking).
+fn is_quiet(socket: socket2::SockRef<'_>) -> bool {
+    let mut byte = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+    matches!(socket.peek(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
 }
 
 pub struct H1Pool {
@@ -120,7 +169,8 @@ pub struct H1Pool {
     idle_timeout: Duration,
     /// Idle connections kept at most.
     max_idle: usize,
-    idle: Mutex<Vec<Conn>>,
+    /// Shared with the connection tasks, which park sockets in it.
+    idle: Arc<Mutex<Vec<Conn>>>,
 }
 
 impl H1Pool {
@@ -135,7 +185,7 @@ impl H1Pool {
             connect_timeout,
             idle_timeout,
             max_idle,
-            idle: Mutex::new(Vec::new()),
+            idle: Arc::default(),
         }
     }
 
@@ -151,9 +201,17 @@ impl H1Pool {
         &self,
         req: Request<RequestBody>,
     ) -> Result<(Response<Incoming>, Pooled), PoolError> {
-        let (mut conn, reused) = match self.checkout() {
-            Some(conn) => (conn, true),
-            None => (self.connect().await?, false),
+        // An upgrade takes a connection of its own, driven by hyper until
+        // it is handed over: never pooled before, never parked after.
+        let upgrade = req.headers().contains_key(http::header::UPGRADE);
+        let taken = match upgrade {
+            true => None,
+            false => self.checkout(),
+        };
+        let (mut conn, reused) = match taken {
+            Some(Taken::Live(conn)) => (conn, true),
+            Some(Taken::Parked(stream)) => (self.handshake(stream, false).await?, true),
+            None => (self.connect(upgrade).await?, false),
         };
         let failed = match conn.sender.try_send_request(req).await {
             Ok(resp) => return Ok((resp, conn)),
@@ -167,7 +225,7 @@ impl H1Pool {
         match unsent {
             Some(req) if reused => {
                 debug!(upstream = %self.authority, error = %source, "pooled connection closed before the request was written; sending it on a new one");
-                let mut conn = self.connect().await?;
+                let mut conn = self.connect(false).await?;
                 let resp = conn
                     .sender
                     .send_request(req)
@@ -197,21 +255,39 @@ impl H1Pool {
     /// Takes the most recently returned connection that is ready, dropping
     /// the closed and the long idle ones on the way. A connection whose last
     /// response was read a moment ago may not be ready yet: it stays.
-    fn checkout(&self) -> Option<Pooled> {
+    fn checkout(&self) -> Option<Taken> {
         let now = Instant::now();
         let mut idle = self.lock();
         let mut i = idle.len();
         while i > 0 {
             i -= 1;
             let conn = &idle[i];
-            if conn.pooled.sender.is_closed() || self.expired(conn, now) {
+            if self.expired(conn, now) {
                 idle.swap_remove(i);
-            } else if conn.pooled.sender.is_ready() {
-                let conn = idle.swap_remove(i);
-                // The upstream closed it and hyper has not noticed yet: a
-                // request written now would be lost in the close.
-                if conn.pooled.is_quiet() {
-                    return Some(conn.pooled);
+                continue;
+            }
+            match &conn.state {
+                Idle::Live(pooled) if pooled.sender.is_closed() => {
+                    idle.swap_remove(i);
+                }
+                Idle::Live(pooled) if pooled.sender.is_ready() => {
+                    let Idle::Live(pooled) = idle.swap_remove(i).state else {
+                        continue;
+                    };
+                    // The upstream closed it and hyper has not noticed yet: a
+                    // request written now would be lost in the close.
+                    if pooled.is_quiet() {
+                        return Some(Taken::Live(pooled));
+                    }
+                }
+                Idle::Live(_) => {}
+                Idle::Parked(_) => {
+                    let Idle::Parked(stream) = idle.swap_remove(i).state else {
+                        continue;
+                    };
+                    if is_quiet(socket2::SockRef::from(&stream)) {
+                        return Some(Taken::Parked(stream));
+                    }
                 }
             }
         }
@@ -222,11 +298,11 @@ impl H1Pool {
     /// instead when `max_idle` are idle already (a burst's connections do
     /// not all stay, each holding its buffers).
     pub fn put_back(&self, pooled: Pooled) {
-        if !pooled.sender.is_closed() {
+        if !pooled.sender.is_closed() && pooled.park.is_some() {
             let mut idle = self.lock();
             if idle.len() < self.max_idle {
                 idle.push(Conn {
-                    pooled,
+                    state: Idle::Live(pooled),
                     last_used: Instant::now(),
                 });
             }
@@ -237,18 +313,42 @@ impl H1Pool {
         now.saturating_duration_since(conn.last_used) > self.idle_timeout
     }
 
-    /// Drops closed connections and those idle for longer than the timeout.
+    /// Drops closed connections and those idle for longer than the timeout;
+    /// parks those idle for [`PARK_AFTER`].
     pub fn sweep(&self) {
         let now = Instant::now();
-        self.lock()
-            .retain(|c| !c.pooled.sender.is_closed() && !self.expired(c, now));
+        let mut parking = Vec::new();
+        {
+            let mut idle = self.lock();
+            let mut i = idle.len();
+            while i > 0 {
+                i -= 1;
+                let conn = &idle[i];
+                let closed = matches!(&conn.state, Idle::Live(p) if p.sender.is_closed());
+                if closed || self.expired(conn, now) {
+                    idle.swap_remove(i);
+                } else if matches!(conn.state, Idle::Live(_))
+                    && now.saturating_duration_since(conn.last_used) >= PARK_AFTER
+                {
+                    parking.push(idle.swap_remove(i));
+                }
+            }
+        }
+        // Outside the lock: the tasks take it to park what they are given.
+        for conn in parking {
+            if let Idle::Live(pooled) = conn.state {
+                pooled.park(conn.last_used);
+            }
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Conn>> {
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    async fn connect(&self) -> Result<Pooled, PoolError> {
+    /// A new connection; one for an `upgrade` is driven so that hyper can
+    /// hand it over, and is never parked.
+    async fn connect(&self, upgrade: bool) -> Result<Pooled, PoolError> {
         let host = self.authority.host();
         let host = host
             .strip_prefix('[')
@@ -268,11 +368,15 @@ impl H1Pool {
         let _ = stream.set_nodelay(true);
         let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
         let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
-        let probe = probe_of(stream).map_err(|source| PoolError::Connect {
+        self.handshake(stream, upgrade).await
+    }
+
+    /// Starts hyper's connection over `stream`, new or parked.
+    async fn handshake(&self, stream: TcpStream, upgrade: bool) -> Result<Pooled, PoolError> {
+        let (stream, probe) = probe_of(stream).map_err(|source| PoolError::Connect {
             authority: self.authority.clone(),
             source,
-        });
-        let (stream, probe) = probe?;
+        })?;
         let (sender, conn) = http1::Builder::new()
             .handshake(TokioIo::new(stream))
             .await
@@ -281,16 +385,54 @@ impl H1Pool {
                 source,
             })?;
         let authority = self.authority.clone();
+        if upgrade {
+            let task = tokio::spawn(async move {
+                if let Err(e) = conn.with_upgrades().await {
+                    debug!(upstream = %authority, error = %e, "upstream connection ended with an error");
+                }
+            })
+            .abort_handle();
+            return Ok(Pooled {
+                sender,
+                probe,
+                task: Some(task),
+                park: None,
+            });
+        }
+        let (park, parked) = tokio::sync::oneshot::channel();
+        let (idle, max_idle) = (self.idle.clone(), self.max_idle);
         let task = tokio::spawn(async move {
-            if let Err(e) = conn.with_upgrades().await {
-                debug!(upstream = %authority, error = %e, "upstream connection ended with an error");
+            let parts = match conn.without_shutdown().await {
+                Ok(parts) => parts,
+                Err(e) => {
+                    debug!(upstream = %authority, error = %e, "upstream connection ended with an error");
+                    return;
+                }
+            };
+            // Ended because the pool parked it, at a message boundary, and
+            // nothing has come from the upstream since: keep the socket.
+            let mut parked = parked;
+            let Ok(last_used) = parked.try_recv() else {
+                return;
+            };
+            let stream = parts.io.into_inner();
+            if !parts.read_buf.is_empty() || !is_quiet(socket2::SockRef::from(&stream)) {
+                return;
+            }
+            let mut idle = idle.lock().unwrap_or_else(|e| e.into_inner());
+            if idle.len() < max_idle {
+                idle.push(Conn {
+                    state: Idle::Parked(stream),
+                    last_used,
+                });
             }
         })
         .abort_handle();
         Ok(Pooled {
             sender,
             probe,
-            task,
+            task: Some(task),
+            park: Some(park),
         })
     }
 }

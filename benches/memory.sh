@@ -4,7 +4,7 @@
 #   idle      RSS after one request
 #   busy 64   peak RSS (VmHWM) under 64 busy connections (oha, N requests)
 #   per idle connection, with 1,000 and with 10,000 keep-alive connections
-#             that each made one request and then sit idle: (RSS - idle) / N
+#             that each made one request and then sat idle for 5 s: (RSS - idle) / N
 #   after     RSS 5 s after those connections closed
 # nginx: one worker, no master; herdguard: --threads 1 (both one thread of work).
 #
@@ -64,7 +64,7 @@ for proxy in $PROXIES; do
     before=$(rss "$PID")
     coproc IDLE { timeout 120 python3 benches/idle.py "$PORT" "$n"; }
     read -r -t 120 line <&"${IDLE[0]}"; [ "$line" = open ] || { echo "idle connections failed" >&2; exit 1; }
-    sleep 2
+    sleep 5
     held=$(rss "$PID")
     echo >&"${IDLE[1]}"
     read -r -t 60 line <&"${IDLE[0]}" || true

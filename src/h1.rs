@@ -179,8 +179,10 @@ impl std::fmt::Debug for CallerUpgrade {
 }
 
 /// Where one connection's current exchange stands.
-#[derive(Default)]
 struct Cycle {
+    /// The connection's writes, and whether bytes came in since the latest
+    /// request's head (or its body's end): the next head under way.
+    writes: Arc<Writes>,
     /// The answer to the latest request is written out (hyper is done with
     /// its body).
     answered: AtomicBool,
@@ -194,11 +196,18 @@ struct Cycle {
 
 impl Cycle {
     /// Whether hyper, pending, can only be waiting for the next request.
-    fn idle(&self, writes: &Writes) -> bool {
+    fn idle(&self) -> bool {
         self.answered.load(Ordering::Relaxed)
             && !self.unread.load(Ordering::Acquire)
             && !self.switched.load(Ordering::Relaxed)
-            && !writes.blocked()
+            && !self.writes.blocked()
+            && !self.writes.heard()
+    }
+
+    /// The latest request is read: bytes from here on are the next one's.
+    fn read(&self) {
+        self.unread.store(false, Ordering::Release);
+        self.writes.unhear();
     }
 }
 
@@ -220,7 +229,7 @@ impl CallerBody {
 
     fn ended(&self) {
         if let Some(cycle) = &self.cycle {
-            cycle.unread.store(false, Ordering::Release);
+            cycle.read();
         }
     }
 }
@@ -248,7 +257,7 @@ impl Body for CallerBody {
                 _ => false,
             };
             if ended {
-                cycle.unread.store(false, Ordering::Release);
+                cycle.read();
             }
         }
         polled
@@ -326,6 +335,7 @@ where
         cycle.answered.store(false, Ordering::Relaxed);
         let unread = !req.body().is_end_stream();
         cycle.unread.store(unread, Ordering::Release);
+        cycle.writes.unhear();
         if crate::proxy::headers::requested_upgrade(req.version(), req.headers()) {
             let (tx, rx) = oneshot::channel();
             *cycle.upgrade.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
@@ -413,7 +423,6 @@ pin_project! {
     {
         conn: Option<Conn<I, S>>,
         cycle: Arc<Cycle>,
-        writes: Arc<Writes>,
         #[pin]
         drain: Signal,
         asked: Asked,
@@ -471,7 +480,7 @@ where
                     if this.drain.as_mut().poll_started(cx) {
                         // The answer not yet begun says `Connection: close`.
                         *this.asked = Asked::ToClose;
-                    } else if !this.cycle.idle(this.writes) {
+                    } else if !this.cycle.idle() {
                         *this.armed = false;
                         return Poll::Pending;
                     } else if !*this.armed {
@@ -529,19 +538,27 @@ impl Serving<'_> {
         B::Data: Send,
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        let cycle = Arc::new(Cycle::default());
+        let cycle = Arc::new(Cycle {
+            writes: self.writes.clone(),
+            answered: AtomicBool::new(false),
+            unread: AtomicBool::new(false),
+            switched: AtomicBool::new(false),
+            upgrade: Mutex::new(None),
+        });
         let mut stream = WriteStall::new(stream, self.write_timeout, self.writes.clone());
         let mut service = Cycled {
             inner: service,
             cycle: cycle.clone(),
         };
         loop {
+            // A new hyper connection is idle only once it has answered: a
+            // head that arrives in pieces is a request under way.
+            cycle.answered.store(false, Ordering::Relaxed);
             let conn = self.builder.serve_connection(TokioIo::new(stream), service);
             // On the heap: an idle connection keeps no room for a busy one.
             let ended = Box::pin(Exchange {
                 conn: Some(conn),
                 cycle: cycle.clone(),
-                writes: self.writes.clone(),
                 drain: self.drain.signal(),
                 asked: Asked::No,
                 parking: tokio::time::sleep(PARK_AFTER),

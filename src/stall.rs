@@ -29,6 +29,9 @@ pub struct Writes {
     last: Stamp,
     /// The latest write or flush is waiting for the caller to read.
     blocked: AtomicBool,
+    /// Bytes came in since the owner last cleared this: on an HTTP/1.1
+    /// connection, the start of a request still under way.
+    heard: AtomicBool,
 }
 
 impl Writes {
@@ -40,6 +43,15 @@ impl Writes {
     /// their way out.
     pub fn blocked(&self) -> bool {
         self.blocked.load(Ordering::Relaxed)
+    }
+
+    /// Whether bytes came in since [`Writes::unhear`].
+    pub fn heard(&self) -> bool {
+        self.heard.load(Ordering::Acquire)
+    }
+
+    pub fn unhear(&self) {
+        self.heard.store(false, Ordering::Release);
     }
 }
 
@@ -115,7 +127,13 @@ impl<T: AsyncRead> AsyncRead for WriteStall<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        self.project().inner.poll_read(cx, buf)
+        let this = self.project();
+        let before = buf.filled().len();
+        let polled = this.inner.poll_read(cx, buf);
+        if buf.filled().len() > before {
+            this.writes.heard.store(true, Ordering::Release);
+        }
+        polled
     }
 }
 

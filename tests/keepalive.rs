@@ -29,9 +29,17 @@ async fn path_upstream() -> Upstream {
     .await
 }
 
-/// Reads one response (with a Content-Length) off `stream`: its status line
-/// and body. `None` if the connection ends before a whole one.
-async fn response(stream: &mut TcpStream, buffered: &mut Vec<u8>) -> Option<(String, String)> {
+/// One response read off a raw connection.
+struct Answer {
+    status: String,
+    body: String,
+    /// It says `Connection: close`.
+    closing: bool,
+}
+
+/// Reads one response (with a Content-Length) off `stream`. `None` if the
+/// connection ends before a whole one.
+async fn answer(stream: &mut TcpStream, buffered: &mut Vec<u8>) -> Option<Answer> {
     let mut buf = [0u8; 4096];
     loop {
         if let Some(end) = buffered.windows(4).position(|w| w == b"\r\n\r\n") {
@@ -48,7 +56,17 @@ async fn response(stream: &mut TcpStream, buffered: &mut Vec<u8>) -> Option<(Str
                 let body = String::from_utf8_lossy(&buffered[end + 4..end + 4 + len]).into_owned();
                 buffered.drain(..end + 4 + len);
                 let status = head.lines().next().unwrap_or_default().to_owned();
-                return Some((status, body));
+                let closing = head.lines().any(|l| {
+                    l.split_once(':').is_some_and(|(name, value)| {
+                        name.eq_ignore_ascii_case("connection")
+                            && value.trim().eq_ignore_ascii_case("close")
+                    })
+                });
+                return Some(Answer {
+                    status,
+                    body,
+                    closing,
+                });
             }
         }
         let read = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf))
@@ -59,6 +77,11 @@ async fn response(stream: &mut TcpStream, buffered: &mut Vec<u8>) -> Option<(Str
             Ok(n) => buffered.extend_from_slice(&buf[..n]),
         }
     }
+}
+
+/// One response's status line and body.
+async fn response(stream: &mut TcpStream, buffered: &mut Vec<u8>) -> Option<(String, String)> {
+    answer(stream, buffered).await.map(|a| (a.status, a.body))
 }
 
 /// Whether the proxy closes `stream` within `within` (reading what else it
@@ -210,4 +233,56 @@ async fn a_second_request_that_stalls_mid_head_is_cut_at_header_read_timeout() {
         rest.is_empty() || rest.starts_with("HTTP/1.1 408"),
         "answered {rest:?}"
     );
+}
+
+#[tokio::test]
+async fn a_head_that_arrives_in_pieces_keeps_its_connection() {
+    let up = path_upstream().await;
+    let hg = proxy_to(&up.url()).await;
+    let mut stream = TcpStream::connect(hg.proxy_addr()).await.unwrap();
+    let mut buffered = Vec::new();
+    stream
+        .write_all(b"GET /one HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(
+        answer(&mut stream, &mut buffered).await.unwrap().body,
+        "/one"
+    );
+    // Heads sent in two pieces further apart than PARK_AFTER (the header
+    // read timeout is longer), starting at once, just before the point the
+    // connection would be taken back, and after it was: requests under way,
+    // not idle connections to take back.
+    let cookie = "c".repeat(2_000);
+    for (round, before) in [
+        (2, Duration::ZERO),
+        (3, PARK_AFTER.mul_f32(0.8)),
+        (4, PARK_AFTER + Duration::from_millis(700)),
+    ] {
+        tokio::time::sleep(before).await;
+        let head = format!("GET /{round} HTTP/1.1\r\nHost: a\r\nCookie: {cookie}\r\n\r\n");
+        let (first, rest) = head.as_bytes().split_at(1_400);
+        stream.write_all(first).await.unwrap();
+        tokio::time::sleep(PARK_AFTER + Duration::from_millis(300)).await;
+        stream.write_all(rest).await.unwrap();
+        let got = answer(&mut stream, &mut buffered)
+            .await
+            .unwrap_or_else(|| panic!("round {round}: closed before its answer"));
+        assert!(got.status.contains("200"), "round {round}: {}", got.status);
+        assert_eq!(got.body, format!("/{round}"));
+        assert!(
+            !got.closing,
+            "round {round}: answered with Connection: close"
+        );
+    }
+    // And it still serves.
+    stream
+        .write_all(b"GET /last HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(
+        answer(&mut stream, &mut buffered).await.unwrap().body,
+        "/last"
+    );
+    assert_eq!(up.hits(), 5);
 }

@@ -655,13 +655,8 @@ impl Serve<'_> {
                 self.write_timeout,
                 self.conduct.written.clone(),
             ));
-            let conn = self
-                .builders
-                .h2
-                .serve_connection(io, crate::h1::Streams(service));
             return self
-                .drain
-                .watch(conn, self.conduct)
+                .h2(io, service)
                 .await
                 .map(|ended| ended.map_err(Into::into));
         }
@@ -673,6 +668,34 @@ impl Serve<'_> {
             idle_timeout: self.conduct.idle_timeout,
         };
         Some(serving.serve(stream, service).await.map_err(Into::into))
+    }
+
+    /// An HTTP/2 connection, watched, on the heap: its state is large, and
+    /// an HTTP/1.1 connection's task would otherwise keep room for it.
+    fn h2<I, S, B>(
+        &self,
+        io: TokioIo<crate::stall::WriteStall<Rewind<I>>>,
+        service: S,
+    ) -> std::pin::Pin<Box<impl std::future::Future<Output = Option<Result<(), hyper::Error>>> + '_>>
+    where
+        I: Readable,
+        S: hyper::service::Service<
+                Request<CallerBody>,
+                Response = http::Response<B>,
+                Error = Infallible,
+            > + Unpin
+            + Send
+            + 'static,
+        S::Future: Unpin + Send + 'static,
+        B: http_body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let conn = self
+            .builders
+            .h2
+            .serve_connection(io, crate::h1::Streams(service));
+        Box::pin(self.drain.watch(conn, self.conduct))
     }
 
     /// [`connection`](Self::connection) inside TLS: the handshake, and the

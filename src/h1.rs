@@ -551,20 +551,7 @@ impl Serving<'_> {
             cycle: cycle.clone(),
         };
         loop {
-            // A new hyper connection is idle only once it has answered: a
-            // head that arrives in pieces is a request under way.
-            cycle.answered.store(false, Ordering::Relaxed);
-            let conn = self.builder.serve_connection(TokioIo::new(stream), service);
-            // On the heap: an idle connection keeps no room for a busy one.
-            let ended = Box::pin(Exchange {
-                conn: Some(conn),
-                cycle: cycle.clone(),
-                drain: self.drain.signal(),
-                asked: Asked::No,
-                parking: tokio::time::sleep(PARK_AFTER),
-                armed: false,
-            })
-            .await;
+            let ended = self.exchange(stream, service, &cycle).await;
             let parts = match ended {
                 Ended::Idle(parts) => parts,
                 Ended::Switched(parts) => {
@@ -609,6 +596,41 @@ impl Serving<'_> {
                 }
             }
         }
+    }
+}
+
+impl Serving<'_> {
+    /// A hyper connection over `stream`, on the heap: an idle connection
+    /// keeps no room for a busy one. Made outside `serve`'s future, which
+    /// would otherwise keep room for the connection it moved out.
+    fn exchange<I, S, B>(
+        &self,
+        stream: Stream<I>,
+        service: Cycled<S>,
+        cycle: &Arc<Cycle>,
+    ) -> Pin<Box<Exchange<I, S, B>>>
+    where
+        I: Readable,
+        S: hyper::service::Service<
+                Request<CallerBody>,
+                Response = Response<B>,
+                Error = std::convert::Infallible,
+            > + Unpin,
+        S::Future: Unpin,
+        B: Body + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        // A new hyper connection is idle only once it has answered: a head
+        // that arrives in pieces is a request under way.
+        cycle.answered.store(false, Ordering::Relaxed);
+        Box::pin(Exchange {
+            conn: Some(self.builder.serve_connection(TokioIo::new(stream), service)),
+            cycle: cycle.clone(),
+            drain: self.drain.signal(),
+            asked: Asked::No,
+            parking: tokio::time::sleep(PARK_AFTER),
+            armed: false,
+        })
     }
 }
 

@@ -114,15 +114,15 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
 /// A caller's stream that can wait for the caller's next bytes without a
 /// buffer of its own.
 pub trait Readable: AsyncRead + AsyncWrite + Unpin + Send + 'static {
-    /// Waits until the caller sends again or closes. Bytes read to find out
-    /// are returned, to be read again.
-    fn readable(&mut self) -> impl Future<Output = io::Result<Bytes>> + Send;
+    /// Ready once the caller sends again or closes. Bytes read to find out
+    /// are returned, to be read again. Polled, not async: a connection
+    /// waiting keeps no future's state for it.
+    fn poll_readable(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<Bytes>>;
 }
 
 impl Readable for tokio::net::TcpStream {
-    async fn readable(&mut self) -> io::Result<Bytes> {
-        tokio::net::TcpStream::readable(self).await?;
-        Ok(Bytes::new())
+    fn poll_readable(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<Bytes>> {
+        self.poll_read_ready(cx).map_ok(|()| Bytes::new())
     }
 }
 
@@ -130,13 +130,13 @@ impl<S> Readable for tokio_rustls::server::TlsStream<S>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    async fn readable(&mut self) -> io::Result<Bytes> {
-        use tokio::io::AsyncReadExt as _;
+    fn poll_readable(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<Bytes>> {
         // Decrypted bytes may wait in the TLS session, where the socket's
         // readiness does not show them: read some.
         let mut buf = [0u8; 512];
-        let n = self.read(&mut buf).await?;
-        Ok(Bytes::copy_from_slice(&buf[..n]))
+        let mut read = ReadBuf::new(&mut buf);
+        std::task::ready!(Pin::new(self).poll_read(cx, &mut read))?;
+        Poll::Ready(Ok(Bytes::copy_from_slice(read.filled())))
     }
 }
 
@@ -550,52 +550,63 @@ impl Serving<'_> {
             inner: service,
             cycle: cycle.clone(),
         };
-        loop {
-            let ended = self.exchange(stream, service, &cycle).await;
-            let parts = match ended {
-                Ended::Idle(parts) => parts,
-                Ended::Switched(parts) => {
-                    let mut stream = parts.io.into_inner();
-                    rewind(&mut stream, &parts.read_buf);
-                    let to = cycle
-                        .upgrade
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .take();
-                    match to {
-                        Some(to) => drop(to.send(Box::new(stream))),
-                        None => close(stream, self.write_timeout).await,
-                    }
-                    return Ok(());
-                }
-                Ended::Close(parts) => {
-                    close(parts.io.into_inner(), self.write_timeout).await;
-                    return Ok(());
-                }
+        // What is held across the waits below is what an idle connection
+        // costs: the stream, the service and the wait itself. What an
+        // exchange ends with is taken apart before the next wait.
+        let stream = loop {
+            (stream, service) = match self.exchange(stream, service, &cycle).await {
+                Ended::Idle(parts) => resumed(parts),
+                Ended::Switched(parts) => match switched(parts, &cycle) {
+                    Some(stream) => break stream,
+                    None => return Ok(()),
+                },
+                Ended::Close(parts) => break parts.io.into_inner(),
                 Ended::Failed(e) => return Err(e),
             };
-            stream = parts.io.into_inner();
-            service = parts.service;
-            if !parts.read_buf.is_empty() {
+            if !stream.get_mut().prefix.is_empty() {
                 // Pipelined: the next request is already here.
-                rewind(&mut stream, &parts.read_buf);
                 continue;
             }
-            drop(parts.read_buf);
             let next = tokio::select! {
                 biased;
                 () = self.drain.started() => None,
                 () = tokio::time::sleep(self.idle_timeout) => None,
-                read = stream.get_mut().inner.readable() => read.ok(),
+                read = std::future::poll_fn(|cx| stream.get_mut().inner.poll_readable(cx)) => read.ok(),
             };
             match next {
                 Some(read) => stream.get_mut().prefix = read,
-                None => {
-                    close(stream, self.write_timeout).await;
-                    return Ok(());
-                }
+                None => break stream,
             }
+        };
+        close(stream, self.write_timeout).await;
+        Ok(())
+    }
+}
+
+/// The stream and service of a connection whose exchange ended idle, with
+/// what hyper read ahead put back.
+fn resumed<I, S>(parts: Parts<I, S>) -> (Stream<I>, Cycled<S>) {
+    let mut stream = parts.io.into_inner();
+    rewind(&mut stream, &parts.read_buf);
+    (stream, parts.service)
+}
+
+/// Hands a connection whose answer switched protocols to the proxy; the
+/// stream back if no one takes it (to be closed).
+fn switched<I: Readable, S>(parts: Parts<I, S>, cycle: &Cycle) -> Option<Stream<I>> {
+    let mut stream = parts.io.into_inner();
+    rewind(&mut stream, &parts.read_buf);
+    let to = cycle
+        .upgrade
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    match to {
+        Some(to) => {
+            drop(to.send(Box::new(stream)));
+            None
         }
+        None => Some(stream),
     }
 }
 

@@ -303,8 +303,10 @@ impl<'a> retry::Attempts for Forward<'a> {
             };
             let (index, target) = (picked.index, picked.endpoint());
             let sent_at = Instant::now();
+            // Pinned where it is made: moved into `timed`, the request's
+            // future would keep room for it twice.
             let (timed, sent_whole) = timed(
-                target.send(path_and_query, req),
+                std::pin::pin!(target.send(path_and_query, req)),
                 progress.as_deref(),
                 per_try,
                 deadline,
@@ -519,12 +521,11 @@ enum Timed<T> {
 /// upstream's (a timeout), if the attempt had at least half its per-try
 /// time; otherwise the deadline's, which cut it short.
 async fn timed<F: Future>(
-    send: F,
+    mut send: std::pin::Pin<&mut F>,
     progress: Option<&Progress>,
     per_try: Duration,
     deadline: Instant,
 ) -> (Timed<F::Output>, Instant) {
-    tokio::pin!(send);
     let start = Instant::now();
     let fair = per_try / 2;
     let sent = match progress {
@@ -594,9 +595,14 @@ mod tests {
     /// state when the timers fire.
     async fn ends(progress: Option<&Progress>, per_try: Duration, left: Duration) -> &'static str {
         let deadline = Instant::now() + left;
-        match timed(std::future::pending::<()>(), progress, per_try, deadline)
-            .await
-            .0
+        match timed(
+            std::pin::pin!(std::future::pending::<()>()),
+            progress,
+            per_try,
+            deadline,
+        )
+        .await
+        .0
         {
             Timed::Done(()) => "done",
             Timed::PerTry => "per-try",
@@ -641,7 +647,7 @@ mod tests {
             tokio::time::sleep(300 * MS).await;
         };
         let deadline = Instant::now() + 10_000 * MS;
-        let (got, sent) = timed(answer, Some(&progress), 400 * MS, deadline).await;
+        let (got, sent) = timed(std::pin::pin!(answer), Some(&progress), 400 * MS, deadline).await;
         assert_eq!(
             sent.elapsed(),
             300 * MS,

@@ -20,13 +20,14 @@
 //! Nothing here retries: a request that could not be written comes back as
 //! an error like any other, and the retry loop decides.
 
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::uri::{Authority, PathAndQuery};
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper::client::conn::http1;
+use hyper::client::conn::{http1, TrySendError};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -197,44 +198,59 @@ impl H1Pool {
     /// connection closed by the upstream first) is sent again on a fresh
     /// connection: the upstream never saw it, so this is the same attempt,
     /// not a retry behind the retry loop's back.
-    pub async fn send(
+    ///
+    /// Not an `async fn`: one would keep the request twice, as its argument
+    /// and as a local, for as long as the attempt lasts.
+    #[allow(clippy::manual_async_fn)] // on purpose: see above
+    pub fn send(
         &self,
         req: Request<RequestBody>,
-    ) -> Result<(Response<Incoming>, Pooled), PoolError> {
-        // An upgrade takes a connection of its own, driven by hyper until
-        // it is handed over: never pooled before, never parked after.
-        let upgrade = req.headers().contains_key(http::header::UPGRADE);
-        let taken = match upgrade {
-            true => None,
-            false => self.checkout(),
-        };
-        let (mut conn, reused) = match taken {
-            Some(Taken::Live(conn)) => (conn, true),
-            Some(Taken::Parked(stream)) => (self.handshake(stream, false).await?, true),
-            None => (self.connect(upgrade).await?, false),
-        };
-        let failed = match conn.sender.try_send_request(req).await {
-            Ok(resp) => return Ok((resp, conn)),
-            Err(failed) => failed,
-        };
-        let (source, unsent) = {
-            let mut failed = failed;
-            let unsent = failed.take_message();
-            (failed.into_error(), unsent)
-        };
-        match unsent {
-            Some(req) if reused => {
-                debug!(upstream = %self.authority, error = %source, "pooled connection closed before the request was written; sending it on a new one");
-                let mut conn = self.connect(false).await?;
-                let resp = conn
-                    .sender
-                    .send_request(req)
-                    .await
-                    .map_err(|source| self.request_error(source, false, false))?;
-                Ok((resp, conn))
+    ) -> impl Future<Output = Result<(Response<Incoming>, Pooled), PoolError>> + '_ {
+        async move {
+            // An upgrade takes a connection of its own, driven by hyper
+            // until it is handed over: never pooled before, never parked
+            // after.
+            let upgrade = req.headers().contains_key(http::header::UPGRADE);
+            let taken = match upgrade {
+                true => None,
+                false => self.checkout(),
+            };
+            let (mut conn, reused) = match taken {
+                Some(Taken::Live(conn)) => (conn, true),
+                Some(Taken::Parked(stream)) => (self.handshake(stream, false).await?, true),
+                None => (self.connect(upgrade).await?, false),
+            };
+            match conn.sender.try_send_request(req).await {
+                Ok(resp) => Ok((resp, conn)),
+                // On the heap: rare, and the request's future would
+                // otherwise keep room for it.
+                Err(failed) if reused => Box::pin(self.resend(failed)).await,
+                Err(mut failed) => {
+                    let unsent = failed.take_message().is_some();
+                    Err(self.request_error(failed.into_error(), unsent, false))
+                }
             }
-            unsent => Err(self.request_error(source, unsent.is_some(), reused)),
         }
+    }
+
+    /// After a request on a pooled connection failed: sends it on a new
+    /// connection if the connection gave it back unwritten.
+    async fn resend(
+        &self,
+        mut failed: TrySendError<Request<RequestBody>>,
+    ) -> Result<(Response<Incoming>, Pooled), PoolError> {
+        let Some(req) = failed.take_message() else {
+            return Err(self.request_error(failed.into_error(), false, true));
+        };
+        let source = failed.into_error();
+        debug!(upstream = %self.authority, error = %source, "pooled connection closed before the request was written; sending it on a new one");
+        let mut conn = self.connect(false).await?;
+        let resp = conn
+            .sender
+            .send_request(req)
+            .await
+            .map_err(|source| self.request_error(source, false, false))?;
+        Ok((resp, conn))
     }
 
     fn request_error(&self, source: hyper::Error, unsent: bool, reused: bool) -> PoolError {

@@ -3,6 +3,7 @@
 //! endpoints get their own lean connection pool (`pool.rs`); TLS (rustls,
 //! ring provider) and HTTP/2 go through hyper-util's pooled client.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -170,12 +171,14 @@ impl Endpoint {
     }
 
     /// Sends one attempt to this endpoint. A pooled connection comes back
-    /// with the response, to be held until its body is done with.
-    pub async fn send(
+    /// with the response, to be held until its body is done with. (Not an
+    /// `async fn`: one would keep the request twice, as its argument and
+    /// as a local, for as long as the attempt lasts.)
+    pub fn send(
         &self,
         path_and_query: Option<&PathAndQuery>,
         mut req: Request<RequestBody>,
-    ) -> Result<(Response<Incoming>, Option<Pooled>), SendError> {
+    ) -> Sending<impl Future<Output = Result<(Response<Incoming>, Pooled), PoolError>> + '_> {
         let based;
         let path_and_query = match (&self.base, path_and_query) {
             (Some(base), Some(pq)) if pq.path().starts_with('/') => {
@@ -192,13 +195,15 @@ impl Endpoint {
         match &self.transport {
             Transport::Pool(pool) => {
                 *req.uri_mut() = pool::origin_form(path_and_query);
-                let (resp, conn) = pool.send(req).await.map_err(SendError::Pool)?;
-                Ok((resp, Some(conn)))
+                Sending::Pool {
+                    send: pool.send(req),
+                }
             }
             Transport::Client(client) => {
                 *req.uri_mut() = self.uri(path_and_query);
-                let resp = client.request(req).await.map_err(SendError::Client)?;
-                Ok((resp, None))
+                Sending::Client {
+                    send: client.request(req),
+                }
             }
         }
     }
@@ -214,6 +219,37 @@ impl Endpoint {
                 .unwrap_or_else(|| PathAndQuery::from_static("/")),
         );
         Uri::from_parts(parts).expect("scheme, authority and path are all set")
+    }
+}
+pin_project_lite::pin_project! {
+    /// One attempt on its way: through herdguard's HTTP/1.1 pool, or
+    /// hyper-util's client (TLS, HTTP/2).
+    #[project = SendingProj]
+    pub enum Sending<P> {
+        Pool { #[pin] send: P },
+        Client { #[pin] send: hyper_util::client::legacy::ResponseFuture },
+    }
+}
+
+impl<P> Future for Sending<P>
+where
+    P: Future<Output = Result<(Response<Incoming>, Pooled), PoolError>>,
+{
+    type Output = Result<(Response<Incoming>, Option<Pooled>), SendError>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        match self.project() {
+            SendingProj::Pool { send } => send.poll(cx).map(|sent| {
+                sent.map(|(resp, conn)| (resp, Some(conn)))
+                    .map_err(SendError::Pool)
+            }),
+            SendingProj::Client { send } => send
+                .poll(cx)
+                .map(|sent| sent.map(|resp| (resp, None)).map_err(SendError::Client)),
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use subtle::ConstantTimeEq;
 use crate::app::Shared;
 use crate::policy::breaker::State as BreakerState;
 
-/// Answers one admin request. `/metrics` is rendered on a blocking thread:
+/// Answers one admin request. `/metrics` is rendered on a thread of its own:
 /// with thousands of routes it takes a while, and the proxy's workers must
 /// not wait on it.
 pub async fn serve<B>(
@@ -24,7 +24,10 @@ pub async fn serve<B>(
     let get = req.method() == Method::GET || req.method() == Method::HEAD;
     if get && req.uri().path() == "/metrics" {
         let proxy = shared.proxy.clone();
-        let rendered = tokio::task::spawn_blocking(move || {
+        // One render at a time: each has a thread of its own (see
+        // `on_own_thread`), and a scrape does not wait on a worker.
+        let _turn = shared.rendering.lock().await;
+        let rendered = crate::app::on_own_thread("herdguard-metrics", move || {
             proxy.runtime().refresh_gauges();
             proxy.metrics().render()
         })

@@ -93,16 +93,28 @@ fn trim_freed_memory() {
         fn malloc_trim(pad: usize) -> std::ffi::c_int;
         fn mallopt(param: std::ffi::c_int, value: std::ffi::c_int) -> std::ffi::c_int;
     }
-    // Fixed thresholds instead of glibc's sliding ones: once a large block
-    // is freed, glibc raises them (up to 32 MiB for mmap, 64 MiB for
-    // trimming), and the free top of each thread's arena, which
-    // `malloc_trim` does not touch, then stays resident: 10-19 MiB per
-    // arena after a reload back from 10,000 routes.
+    // What a thread's arena frees must reach the system without waiting
+    // for a `malloc_trim`, which never shrinks a thread arena's top:
+    // - fixed thresholds instead of glibc's sliding ones (once a large
+    //   block is freed glibc raises them, up to 32 MiB for mmap and 64 MiB
+    //   for trimming: 10-19 MiB stayed resident per arena after a reload
+    //   back from 10,000 routes), and a top trimmed from 256 KiB with no
+    //   pad kept above it (128 KiB by default, per arena);
+    // - no fastbins: small blocks freed last were merged into the top
+    //   only by a later consolidation, which trims nothing, and the top
+    //   then stayed resident (55 MB of a 10,000-route config, one reload
+    //   in three). The per-thread cache (tcache) still serves the small
+    //   blocks a busy proxy reuses.
+    // Measured in the README ("Memory follows the config").
+    const M_MXFAST: std::ffi::c_int = 1;
     const M_TRIM_THRESHOLD: std::ffi::c_int = -1;
+    const M_TOP_PAD: std::ffi::c_int = -2;
     const M_MMAP_THRESHOLD: std::ffi::c_int = -3;
     // SAFETY: mallopt sets allocator parameters; called before the runtime.
     unsafe {
-        mallopt(M_TRIM_THRESHOLD, 4 * 1024 * 1024);
+        mallopt(M_MXFAST, 0);
+        mallopt(M_TRIM_THRESHOLD, 256 * 1024);
+        mallopt(M_TOP_PAD, 0);
         mallopt(M_MMAP_THRESHOLD, 1024 * 1024);
     }
     /// Bytes malloc has in use, mmapped blocks included.
@@ -128,14 +140,16 @@ fn trim_freed_memory() {
             let mut wait = TICK;
             let mut last = Instant::now();
             let mut floor = usize::MAX;
-            // In use at the last trim: once a quarter of it is freed, the
-            // next trim need not wait out the backoff.
-            let mut used_then = 0usize;
+            // The most in use since the last trim: once a quarter of it is
+            // freed, the next trim need not wait out the backoff (a big
+            // config loaded and dropped between two trims).
+            let mut high = 0usize;
             loop {
                 std::thread::sleep(TICK);
                 let (Some(rss), used) = (resident(), in_use()) else {
                     continue;
                 };
+                high = high.max(used);
                 let gap = rss.saturating_sub(used);
                 floor = floor.min(gap);
                 let excess = gap - floor;
@@ -143,13 +157,13 @@ fn trim_freed_memory() {
                     wait = TICK;
                     continue;
                 }
-                if last.elapsed() < wait && used.saturating_mul(4) > used_then.saturating_mul(3) {
+                if last.elapsed() < wait && used.saturating_mul(4) > high.saturating_mul(3) {
                     continue;
                 }
                 // SAFETY: malloc_trim only returns free pages to the system.
                 unsafe { malloc_trim(0) };
                 last = Instant::now();
-                used_then = used;
+                high = used;
                 let after = resident().unwrap_or(rss).saturating_sub(in_use());
                 floor = floor.min(after);
                 // Little came back (the free memory is in pages still partly

@@ -48,7 +48,6 @@ async fn a_reload_to_fewer_routes_drops_their_series_and_memory() {
 
     // Two rounds of 2 -> 10,000 -> 2 routes.
     let mut peaks = Vec::new();
-    let mut kept = Vec::new();
     for round in 1..=2 {
         hg.reload(&routes(&up.url(), 10_000));
         reloaded(&hg, true).await;
@@ -72,12 +71,11 @@ async fn a_reload_to_fewer_routes_drops_their_series_and_memory() {
         assert!(after
             .contains("herdguard_requests_total{route=\"r1\",code=\"200\",source=\"upstream\"} 1"));
         assert_eq!(series(&after), before, "{after}");
-        // At least three quarters of what the big config took goes back
-        // to the system, within seconds even with no traffic (96% in a
-        // release run, see the README; glibc's malloc untrimmed returned
-        // none).
+        // What the big config took goes back to the system within seconds,
+        // even with no traffic: RSS within 10% of where it started (glibc's
+        // malloc untrimmed returned none of it; see the README).
         let peak = peaks[peaks.len() - 1];
-        let bound = rss_before + peak.saturating_sub(rss_before) / 4;
+        let bound = rss_before + rss_before / 10;
         let mut now = hg.rss_kib();
         let deadline = std::time::Instant::now() + Duration::from_secs(40);
         while now > bound && std::time::Instant::now() < deadline {
@@ -88,28 +86,6 @@ async fn a_reload_to_fewer_routes_drops_their_series_and_memory() {
             "round {round}: RSS {rss_before} KiB with 2 routes, {peak} KiB with 10,000, {now} KiB with 2 again"
         );
         assert!(now <= bound, "{now} KiB kept, more than {bound} KiB");
-        // What stays once the trimming has settled (no fall for 3 s).
-        let mut settled = now;
-        let mut since = std::time::Instant::now();
-        while since.elapsed() < Duration::from_secs(3) && std::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(250)).await;
-            let rss = hg.rss_kib();
-            if rss + 1024 < settled {
-                since = std::time::Instant::now();
-            }
-            settled = settled.min(rss);
-        }
-        kept.push(settled);
     }
-    // Nothing leaks from round to round: the second leaves no more behind
-    // than the first, within 16 MiB (a leak of 10,000 routes' state is
-    // hundreds). (Peaks are no measure of it: how much of the old
-    // config's freed memory a new one reuses depends on which allocator
-    // arena its thread gets.)
-    let (first, second) = (kept[0], kept[1]);
-    assert!(
-        second <= first + (first / 4).max(16 * 1024),
-        "the second round left more: {first} KiB, then {second} KiB"
-    );
     hg.terminate().await;
 }

@@ -568,6 +568,42 @@ impl Drop for Abandoned {
     }
 }
 
+/// The connections of a listener that have sent nothing yet, oldest
+/// first: when the listener is full, the oldest is closed for a caller
+/// waiting to connect. Each is woken through its `Notify`, held while it
+/// waits for its first bytes (a dead entry has spoken or closed).
+#[derive(Default)]
+struct Silent {
+    waiting: std::sync::Mutex<std::collections::VecDeque<std::sync::Weak<tokio::sync::Notify>>>,
+}
+
+impl Silent {
+    /// Registers a new connection; it must hold the `Notify` until it has
+    /// spoken. Entries gone are dropped from the front as new ones come:
+    /// the list is at most the connections of one `header_read_timeout`.
+    fn push(&self) -> Arc<tokio::sync::Notify> {
+        let notify = Arc::new(tokio::sync::Notify::new());
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        while waiting.front().is_some_and(|w| w.strong_count() == 0) {
+            waiting.pop_front();
+        }
+        waiting.push_back(Arc::downgrade(&notify));
+        notify
+    }
+
+    /// Closes the oldest connection still silent; false if there is none.
+    fn evict_oldest(&self) -> bool {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(oldest) = waiting.pop_front() {
+            if let Some(notify) = oldest.upgrade() {
+                notify.notify_one();
+                return true;
+            }
+        }
+        false
+    }
+}
+
 /// What a new connection's first bytes say.
 #[derive(Debug, PartialEq, Eq)]
 enum Opening {
@@ -833,12 +869,9 @@ async fn accept_loop<M, S, B>(
     // connections are closed.
     let permits = Arc::new(Semaphore::new(limits.max_connections));
 
+    let silent = Silent::default();
+
     loop {
-        let permit = tokio::select! {
-            biased;
-            _ = stopped(&mut stop) => break,
-            permit = permits.clone().acquire_owned() => permit.expect("semaphore is never closed"),
-        };
         let (stream, peer) = tokio::select! {
             biased;
             _ = stopped(&mut stop) => break,
@@ -852,6 +885,25 @@ async fn accept_loop<M, S, B>(
                 }
             },
         };
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                // Full: the new caller takes the slot of the oldest
+                // connection that has sent nothing yet, if any, so
+                // connections that make no request cannot starve those
+                // that would (the kubelet's probes on the admin listener
+                // first); else it waits for one to close.
+                if silent.evict_oldest() {
+                    debug!(listener = what, %peer, "at max_connections: the oldest connection that has sent nothing is closed for a new one");
+                }
+                tokio::select! {
+                    biased;
+                    _ = stopped(&mut stop) => break,
+                    permit = permits.clone().acquire_owned() => permit.expect("semaphore is never closed"),
+                }
+            }
+        };
+        let evicted = silent.push();
         let _ = stream.set_nodelay(true);
         let conduct = Arc::new(Conduct::new(limits.idle_timeout, limits.write_timeout));
         let service = make_service(peer, &conduct);
@@ -862,7 +914,12 @@ async fn accept_loop<M, S, B>(
             // A connection that says nothing must not hold its slot: hyper's
             // header timer starts only once it knows the protocol, and it
             // learns that from the first bytes.
-            let h2 = match opening(&stream, wait).await {
+            let opened = tokio::select! {
+                opened = opening(&stream, wait) => opened,
+                () = evicted.notified() => Opening::Silent,
+            };
+            drop(evicted);
+            let h2 = match opened {
                 Opening::Speaks { h2 } => h2,
                 Opening::Silent => {
                     debug!(listener = what, %peer, "connection closed: nothing sent within header_read_timeout");

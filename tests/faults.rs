@@ -215,6 +215,61 @@ async fn silent_connections_do_not_hold_their_slots() {
     hg.terminate().await;
 }
 
+/// Whether the proxy has closed `s` (without waiting: a read that would
+/// block means open).
+fn closed(s: &tokio::net::TcpStream) -> bool {
+    let mut buf = [0u8; 1];
+    match s.try_read(&mut buf) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+    }
+}
+
+#[tokio::test]
+async fn a_full_listener_closes_its_oldest_silent_connection_for_a_new_caller() {
+    let up = ok_upstream("served").await;
+    // A header time far longer than the test: only eviction frees a slot.
+    let hg = Binary::start_with(
+        "header_read_timeout = \"60s\"\nmax_connections = 4",
+        &config(&up.url()),
+    )
+    .await;
+    let mut silent = Vec::new();
+    for _ in 0..4 {
+        silent.push(tokio::net::TcpStream::connect(&hg.listen).await.unwrap());
+    }
+    // Each new caller is served, each taking the slot of the oldest silent one.
+    for round in 0..2 {
+        let (status, _, body) = get(&hg, "/x").await;
+        assert_eq!((status, &body[..]), (StatusCode::OK, &b"served"[..]));
+        let mut buf = [0u8; 1];
+        let oldest = silent[round].read(&mut buf);
+        let read = tokio::time::timeout(std::time::Duration::from_secs(5), oldest).await;
+        assert!(
+            matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+            "the oldest is closed"
+        );
+        assert!(!closed(&silent[3]), "the newest silent connection is kept");
+    }
+    // The admin listener too: more silent connections than it takes (256)
+    // do not keep the kubelet's probe out until they time out (3 s), and
+    // the newest of them is still open when it is answered.
+    let mut on_admin = Vec::new();
+    for _ in 0..300 {
+        on_admin.push(tokio::net::TcpStream::connect(&hg.admin).await.unwrap());
+    }
+    let health = http::Request::get(format!("http://{}/healthz", hg.admin))
+        .body(empty())
+        .unwrap();
+    assert_eq!(send(&client(), health).await.0, StatusCode::OK);
+    assert!(
+        !closed(&on_admin[255]),
+        "silent slots were taken over, not timed out"
+    );
+    hg.terminate().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_the_upstream_closed_is_never_blamed_on_it() {
     // Closes every connection right after its response, without saying so.

@@ -579,13 +579,19 @@ struct Silent {
 
 impl Silent {
     /// Registers a new connection; it must hold the `Notify` until it has
-    /// spoken. Entries gone are dropped from the front as new ones come:
-    /// the list is at most the connections of one `header_read_timeout`.
-    fn push(&self) -> Arc<tokio::sync::Notify> {
+    /// spoken. Entries gone are dropped from the front as new ones come,
+    /// and all of them once the list is twice `max`: a connection that
+    /// stays silent at the front cannot make the list grow with every
+    /// connection accepted behind it (at most `max` are live, each holding
+    /// a slot), so it stays within `2 * max`.
+    fn push(&self, max: usize) -> Arc<tokio::sync::Notify> {
         let notify = Arc::new(tokio::sync::Notify::new());
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
         while waiting.front().is_some_and(|w| w.strong_count() == 0) {
             waiting.pop_front();
+        }
+        if waiting.len() >= max.saturating_mul(2) {
+            waiting.retain(|w| w.strong_count() > 0);
         }
         waiting.push_back(Arc::downgrade(&notify));
         notify
@@ -903,7 +909,7 @@ async fn accept_loop<M, S, B>(
                 }
             }
         };
-        let evicted = silent.push();
+        let evicted = silent.push(limits.max_connections);
         let _ = stream.set_nodelay(true);
         let conduct = Arc::new(Conduct::new(limits.idle_timeout, limits.write_timeout));
         let service = make_service(peer, &conduct);
@@ -987,5 +993,38 @@ async fn accept_loop<M, S, B>(
             timeout = ?limits.drain_timeout,
             "drain timeout passed with connections still open; closing them"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_silent_connection_held_at_the_front_does_not_grow_the_list() {
+        let silent = Silent::default();
+        let _oldest = silent.push(4);
+        // Thousands accepted behind it, each speaking at once.
+        for _ in 0..10_000 {
+            drop(silent.push(4));
+        }
+        let len = silent.waiting.lock().unwrap().len();
+        assert!(len <= 8, "{len} entries");
+        // The one still silent is evicted, then none is left.
+        assert!(silent.evict_oldest());
+        assert!(!silent.evict_oldest());
+    }
+
+    #[tokio::test]
+    async fn the_oldest_still_silent_is_woken_first() {
+        let silent = Silent::default();
+        let (first, second) = (silent.push(8), silent.push(8));
+        drop(first); // it spoke
+        let third = silent.push(8);
+        assert!(silent.evict_oldest());
+        // The second is woken (its wake is kept for it), the third is not.
+        second.notified().await;
+        let woken = tokio::time::timeout(Duration::ZERO, third.notified()).await;
+        assert!(woken.is_err(), "the newer one stays");
     }
 }

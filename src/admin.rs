@@ -25,11 +25,15 @@ pub async fn serve<B>(
     if get && req.uri().path() == "/metrics" {
         let proxy = shared.proxy.clone();
         // One render at a time: each has a thread of its own (see
-        // `on_own_thread`), and a scrape does not wait on a worker.
-        let _turn = shared.rendering.lock().await;
+        // `on_own_thread`), and a scrape does not wait on a worker. The
+        // turn goes with the thread, so a scrape abandoned mid-render (an
+        // HTTP/2 stream reset) does not let the next one start beside it.
+        let turn = shared.rendering.clone().lock_owned().await;
         let rendered = crate::app::on_own_thread("herdguard-metrics", move || {
             proxy.runtime().refresh_gauges();
-            proxy.metrics().render()
+            let text = proxy.metrics().render();
+            drop(turn);
+            text
         })
         .await;
         return match rendered {

@@ -53,7 +53,7 @@ pub struct Shared {
     /// never builds on a runtime another is about to replace.
     reloading: std::sync::Mutex<()>,
     /// Held while `/metrics` is rendered: one scrape at a time.
-    pub(crate) rendering: tokio::sync::Mutex<()>,
+    pub(crate) rendering: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// A running proxy.
@@ -95,7 +95,7 @@ impl Server {
             proxy,
             draining: AtomicBool::new(false),
             reloading: std::sync::Mutex::new(()),
-            rendering: tokio::sync::Mutex::new(()),
+            rendering: Arc::default(),
         });
         let (shutdown, shutdown_rx) = watch::channel(false);
         let mut drain_rx = shutdown_rx.clone();
@@ -905,7 +905,11 @@ async fn accept_loop<M, S, B>(
                 tokio::select! {
                     biased;
                     _ = stopped(&mut stop) => break,
-                    permit = permits.clone().acquire_owned() => permit.expect("semaphore is never closed"),
+                    permit = permits.clone().acquire_owned() => match permit {
+                        Ok(permit) => permit,
+                        // Never closed; were it, no more connections.
+                        Err(_) => break,
+                    },
                 }
             }
         };

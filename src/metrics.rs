@@ -618,6 +618,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn upkeep_visits_only_the_routes_that_recorded_samples() {
+        let m = Metrics::new();
+        let (busy, idle) = (
+            RouteMetrics::new(&m, "busy", "u"),
+            RouteMetrics::new(&m, "idle", "u"),
+        );
+        busy.request(StatusCode::OK, Source::Upstream, Duration::from_millis(3));
+        assert!(busy._scope.recorded.load(Ordering::Relaxed));
+        assert!(!idle._scope.recorded.load(Ordering::Relaxed));
+        m.upkeep();
+        assert!(!busy._scope.recorded.load(Ordering::Relaxed), "folded in");
+        // What was folded in is still rendered.
+        let text = m.render();
+        assert!(
+            text.contains("herdguard_request_duration_seconds_count{route=\"busy\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn scopes_render_as_one_exposition_and_go_with_their_owner() {
         let m = Metrics::new();
         let a = RouteMetrics::new(&m, "a", "u");

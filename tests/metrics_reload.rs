@@ -89,3 +89,37 @@ async fn a_reload_to_fewer_routes_drops_their_series_and_memory() {
     }
     hg.terminate().await;
 }
+
+/// Threads rendering `/metrics` in the process now.
+fn renders(pid: u32) -> usize {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        // A thread's name is cut to 15 bytes there.
+        .filter(|name| "herdguard-metrics".starts_with(name.trim()) && name.trim().len() == 15)
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_scrapes_do_not_render_side_by_side() {
+    let up = ok_upstream("fine").await;
+    let hg = Binary::start(&routes(&up.url(), 3_000)).await;
+    // Twenty HTTP/2 scrapes, each reset soon after it is sent: each
+    // render goes on, and the next must wait for it.
+    let h2 = h2c_client();
+    let mut most = 0;
+    for _ in 0..20 {
+        let req = http::Request::get(format!("http://{}/metrics", hg.admin))
+            .body(empty())
+            .unwrap();
+        let abandoned = tokio::time::timeout(Duration::from_millis(20), h2.request(req)).await;
+        assert!(abandoned.is_err(), "a render of 3,000 routes takes longer");
+        most = most.max(renders(hg.pid()));
+    }
+    assert!(most <= 2, "{most} renders at once");
+    // And a scrape that waits gets its answer.
+    assert!(hg.metrics().await.contains("route=\"r2999\""));
+    hg.terminate().await;
+}

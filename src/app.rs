@@ -616,7 +616,7 @@ enum Opening {
     /// Enough to tell its protocol: serve it, with HTTP/2 if `h2`.
     Speaks { h2: bool },
     /// Nothing (or part of an HTTP/2 preface) within `header_read_timeout`,
-    /// or closed.
+    /// or closed; or evicted or drained before it said anything.
     Silent,
     /// `PRI ` and then not the HTTP/2 preface (RFC 9113 §3.4: a connection
     /// error, answered with GOAWAY `PROTOCOL_ERROR`).
@@ -774,6 +774,7 @@ impl Serve<'_> {
         stream: tokio::net::TcpStream,
         service: S,
         wait: Duration,
+        evicted: Arc<tokio::sync::Notify>,
         what: &'static str,
         peer: SocketAddr,
     ) -> Option<Result<(), ServeError>>
@@ -791,7 +792,26 @@ impl Serve<'_> {
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         let serve = self;
-        match tokio::time::timeout(wait, acceptor.accept(stream)).await {
+        // Until its first bytes inside TLS, the connection has asked for
+        // nothing: a new caller at max_connections or the drain closes it
+        // (the handshake included, or a caller could hold its slot with one).
+        let drain = serve.drain;
+        let mut cut = Box::pin(async move {
+            tokio::select! {
+                () = evicted.notified() => "a new caller needed its slot",
+                () = drain.started() => "the drain started",
+            }
+        });
+        let shake = tokio::time::timeout(wait, acceptor.accept(stream));
+        let shook = tokio::select! {
+            biased;
+            shook = shake => shook,
+            why = &mut cut => {
+                debug!(listener = what, %peer, why, "connection closed during its TLS handshake");
+                return Some(Ok(()));
+            }
+        };
+        match shook {
             Ok(Ok(stream)) => {
                 // The protocol the handshake agreed is the one spoken:
                 // an HTTP/2 preface after `http/1.1`, or anything
@@ -801,7 +821,18 @@ impl Serve<'_> {
                     Some(b"http/1.1") => Some(false),
                     _ => None,
                 };
-                match crate::tls::first_bytes(stream, tokio::time::Instant::now() + wait).await {
+                let first = crate::tls::first_bytes(stream, tokio::time::Instant::now() + wait);
+                let first = tokio::select! {
+                    biased;
+                    first = first => first,
+                    why = &mut cut => {
+                        debug!(listener = what, %peer, why, "connection closed: nothing sent after its TLS handshake");
+                        return Some(Ok(()));
+                    }
+                };
+                // Spoken: off the list of silent connections.
+                drop(cut);
+                match first {
                     Some(stream) => {
                         let h2 = crate::tls::speaks_h2(stream.prefix()).unwrap_or(false);
                         if agreed.is_some_and(|agreed| agreed != h2) {
@@ -924,15 +955,18 @@ async fn accept_loop<M, S, B>(
             // A connection that says nothing must not hold its slot: hyper's
             // header timer starts only once it knows the protocol, and it
             // learns that from the first bytes.
+            // Nor its slot past a drain: with no request, there is nothing
+            // to finish (bytes already there are served first).
             let opened = tokio::select! {
+                biased;
                 opened = opening(&stream, wait) => opened,
                 () = evicted.notified() => Opening::Silent,
+                () = drain.started() => Opening::Silent,
             };
-            drop(evicted);
             let h2 = match opened {
                 Opening::Speaks { h2 } => h2,
                 Opening::Silent => {
-                    debug!(listener = what, %peer, "connection closed: nothing sent within header_read_timeout");
+                    debug!(listener = what, %peer, "connection closed: it sent nothing within header_read_timeout, before a new caller needed its slot, or before the drain");
                     drop(permit);
                     return;
                 }
@@ -951,6 +985,7 @@ async fn accept_loop<M, S, B>(
             };
             let served = match tls {
                 None => {
+                    drop(evicted);
                     serve
                         .connection(Rewind::new(bytes::Bytes::new(), stream), h2, service)
                         .await
@@ -962,7 +997,7 @@ async fn accept_loop<M, S, B>(
                 // On the heap: a TLS connection's state is large, and a
                 // plain connection's task would otherwise keep room for it.
                 Some(acceptor) => {
-                    Box::pin(serve.tls(acceptor, stream, service, wait, what, peer)).await
+                    Box::pin(serve.tls(acceptor, stream, service, wait, evicted, what, peer)).await
                 }
             };
             match served {

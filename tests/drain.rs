@@ -91,6 +91,12 @@ async fn idle_connections_close_when_draining_and_the_drain_ends_with_them() {
         assert!(head.starts_with(b"HTTP/1.1 200"));
         idle.push(conn);
     }
+    // And one that has sent nothing yet: with no request, nothing to finish.
+    idle.push(
+        tokio::net::TcpStream::connect(server.proxy_addr())
+            .await
+            .unwrap(),
+    );
     // And an h2c connection, which the client keeps in its pool for 90 s.
     let h2c = h2c_client();
     let req = Request::get(format!("http://{}/a", server.proxy_addr()))

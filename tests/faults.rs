@@ -239,10 +239,30 @@ async fn a_full_listener_closes_its_oldest_silent_connection_for_a_new_caller() 
     for _ in 0..4 {
         silent.push(tokio::net::TcpStream::connect(&hg.listen).await.unwrap());
     }
-    // Each new caller is served, each taking the slot of the oldest silent one.
+    // Each new caller is served, each taking the slot of the oldest silent
+    // one; they stay connected, so no slot frees itself.
+    let mut callers = Vec::new();
     for round in 0..2 {
-        let (status, _, body) = get(&hg, "/x").await;
-        assert_eq!((status, &body[..]), (StatusCode::OK, &b"served"[..]));
+        let mut caller = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+        caller
+            .write_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        while !answer.ends_with(b"served") {
+            let mut chunk = [0u8; 512];
+            let read =
+                tokio::time::timeout(std::time::Duration::from_secs(5), caller.read(&mut chunk));
+            match read.await {
+                Ok(Ok(n)) if n > 0 => answer.extend_from_slice(&chunk[..n]),
+                other => panic!(
+                    "no answer: {other:?} after {:?}",
+                    String::from_utf8_lossy(&answer)
+                ),
+            }
+        }
+        assert!(answer.starts_with(b"HTTP/1.1 200"));
+        callers.push(caller);
         let mut buf = [0u8; 1];
         let oldest = silent[round].read(&mut buf);
         let read = tokio::time::timeout(std::time::Duration::from_secs(5), oldest).await;

@@ -397,3 +397,77 @@ async fn alpn_http11_then_an_h2_preface_is_not_served_h2() {
     );
     hg.terminate().await;
 }
+
+/// At max_connections, a new caller takes the slot of the oldest connection
+/// that has asked for nothing: one stalled in its handshake, then one silent
+/// after it; and a drain does not wait for one that has asked for nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handshakes_that_ask_for_nothing_give_up_their_slot() {
+    use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWriteExt as _};
+    async fn is_closed(stream: &mut (impl AsyncRead + Unpin)) -> bool {
+        let mut buf = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf)).await;
+        matches!(read, Ok(Ok(0)) | Ok(Err(_)))
+    }
+    let pki = Pki::new();
+    pki.issue_server("localhost");
+    let up = ok_upstream("ok").await;
+    // Header and drain times far longer than the test: only eviction and
+    // the drain close them.
+    let hg = Binary::start_with(
+        &format!(
+            "{}\nheader_read_timeout = \"60s\"\ndrain_timeout = \"60s\"\nmax_connections = 2",
+            listen_tls(&pki, None)
+        ),
+        &route_to(&up.url(), "r"),
+    )
+    .await;
+    let served = || async {
+        let handshake = connect(&pki, &hg.listen, b"http/1.1", None);
+        let mut caller = tokio::time::timeout(Duration::from_secs(10), handshake)
+            .await
+            .expect("a slot taken over, not waited for")
+            .expect("a handshake");
+        caller
+            .write_all(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        while !answer.ends_with(b"ok") {
+            let mut chunk = [0u8; 512];
+            match tokio::time::timeout(Duration::from_secs(10), caller.read(&mut chunk)).await {
+                Ok(Ok(n)) if n > 0 => answer.extend_from_slice(&chunk[..n]),
+                other => panic!("no answer: {other:?}"),
+            }
+        }
+        assert!(answer.starts_with(b"HTTP/1.1 200"));
+        caller
+    };
+    // The start of a ClientHello, and no more; then a handshake, and no more.
+    let mut stalled = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+    stalled
+        .write_all(b"\x16\x03\x01\x00\xc8\x01")
+        .await
+        .unwrap();
+    let mut quiet = connect(&pki, &hg.listen, b"http/1.1", None)
+        .await
+        .expect("a handshake");
+    // Full: each new caller is served in the slot of the oldest of them.
+    let first = served().await;
+    assert!(
+        is_closed(&mut stalled).await,
+        "the stalled handshake is closed"
+    );
+    let second = served().await;
+    assert!(is_closed(&mut quiet).await, "the quiet one is closed next");
+    // A drain closes the idle caller and one silent after its handshake
+    // at once: it ends long before its 60 s.
+    drop(second);
+    let _quiet = connect(&pki, &hg.listen, b"http/1.1", None)
+        .await
+        .expect("a handshake");
+    tokio::time::timeout(Duration::from_secs(20), hg.terminate())
+        .await
+        .expect("the drain waited for connections that asked for nothing");
+    drop(first);
+}

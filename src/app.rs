@@ -688,6 +688,8 @@ struct Serve<'a> {
     drain: &'a Drain,
     conduct: &'a Arc<Conduct>,
     write_timeout: Duration,
+    /// For a TLS caller's handshake, and then for its first bytes.
+    header_read_timeout: Duration,
 }
 
 type ServeError = Box<dyn std::error::Error + Send + Sync>;
@@ -773,7 +775,6 @@ impl Serve<'_> {
         acceptor: tokio_rustls::TlsAcceptor,
         stream: tokio::net::TcpStream,
         service: S,
-        wait: Duration,
         evicted: Arc<tokio::sync::Notify>,
         what: &'static str,
         peer: SocketAddr,
@@ -792,6 +793,7 @@ impl Serve<'_> {
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         let serve = self;
+        let wait = serve.header_read_timeout;
         // Until its first bytes inside TLS, the connection has asked for
         // nothing: a new caller at max_connections or the drain closes it
         // (the handshake included, or a caller could hold its slot with one).
@@ -982,6 +984,7 @@ async fn accept_loop<M, S, B>(
                 drain: &drain,
                 conduct: &conduct,
                 write_timeout,
+                header_read_timeout: wait,
             };
             let served = match tls {
                 None => {
@@ -997,7 +1000,7 @@ async fn accept_loop<M, S, B>(
                 // On the heap: a TLS connection's state is large, and a
                 // plain connection's task would otherwise keep room for it.
                 Some(acceptor) => {
-                    Box::pin(serve.tls(acceptor, stream, service, wait, evicted, what, peer)).await
+                    Box::pin(serve.tls(acceptor, stream, service, evicted, what, peer)).await
                 }
             };
             match served {

@@ -77,9 +77,9 @@ export RUST_LOG=warn
       case $proxy in
         nginx) echo "nginx $n $(count nginx $NGINX_PORT QUIT "$n" nginx -c "$WORK/nginx.conf")" ;;
         haproxy) echo "haproxy $n $(count haproxy $HAPROXY_PORT TERM "$n" haproxy -db -f "$WORK/haproxy.cfg")" ;;
-        herdguard) echo "herdguard $n $(count herdguard $HG_PORT INT "$n" ./target/release/herdguard --config "$WORK/herdguard.toml" --threads 1)" ;;
-        herdguard-access-log) echo "herdguard-access-log $n $(count herdguard-access-log $HG_PORT INT "$n" ./target/release/herdguard --config "$WORK/herdguard-access-log.toml" --threads 1)" ;;
-        herdguard-hedge) echo "herdguard-hedge $n $(count herdguard-hedge $HG_PORT INT "$n" ./target/release/herdguard --config "$WORK/herdguard-hedge.toml" --threads 1)" ;;
+        herdguard) echo "herdguard $n $(count herdguard $HG_PORT INT "$n" "${HERDGUARD:-./target/release/herdguard}" --config "$WORK/herdguard.toml" --threads 1)" ;;
+        herdguard-access-log) echo "herdguard-access-log $n $(count herdguard-access-log $HG_PORT INT "$n" "${HERDGUARD:-./target/release/herdguard}" --config "$WORK/herdguard-access-log.toml" --threads 1)" ;;
+        herdguard-hedge) echo "herdguard-hedge $n $(count herdguard-hedge $HG_PORT INT "$n" "${HERDGUARD:-./target/release/herdguard}" --config "$WORK/herdguard-hedge.toml" --threads 1)" ;;
         *) echo "unknown proxy $proxy (nginx, haproxy, herdguard, herdguard-access-log, herdguard-hedge)" >&2; exit 2 ;;
       esac
     done

@@ -42,7 +42,7 @@ hwm() { awk '/VmHWM/ {print $2}' "/proc/$1/status"; }
 start() { # start NAME -> sets PID, PORT
   case $1 in
     nginx) nginx -c "$WORK/nginx.conf" 2>"$WORK/nginx.log" & PID=$! PORT=$NGINX_PORT ;;
-    herdguard) RUST_LOG=warn ./target/release/herdguard --config "$WORK/herdguard.toml" --threads 1 >"$WORK/hg.log" 2>&1 & PID=$! PORT=$HG_PORT ;;
+    herdguard) RUST_LOG=warn "${HERDGUARD:-./target/release/herdguard}" --config "$WORK/herdguard.toml" --threads 1 >"$WORK/hg.log" 2>&1 & PID=$! PORT=$HG_PORT ;;
   esac
   wait_port "$PORT"
   curl -s -o /dev/null "http://127.0.0.1:$PORT/warm"

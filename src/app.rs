@@ -792,72 +792,59 @@ impl Serve<'_> {
         B::Data: Send,
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        let serve = self;
-        let wait = serve.header_read_timeout;
-        // Until its first bytes inside TLS, the connection has asked for
-        // nothing: a new caller at max_connections or the drain closes it
-        // (the handshake included, or a caller could hold its slot with one).
-        let drain = serve.drain;
-        let mut cut = Box::pin(async move {
-            tokio::select! {
-                () = evicted.notified() => "a new caller needed its slot",
-                () = drain.started() => "the drain started",
+        let wait = self.header_read_timeout;
+        let opened = async {
+            let stream = match tokio::time::timeout(wait, acceptor.accept(stream)).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(e)) => {
+                    debug!(listener = what, %peer, error = %e, "TLS handshake failed");
+                    return None;
+                }
+                Err(_) => {
+                    debug!(listener = what, %peer, "TLS handshake not done within header_read_timeout");
+                    return None;
+                }
+            };
+            // The protocol the handshake agreed is the one spoken: an
+            // HTTP/2 preface after `http/1.1`, or anything else after `h2`,
+            // is refused.
+            let agreed = match stream.get_ref().1.alpn_protocol() {
+                Some(b"h2") => Some(true),
+                Some(b"http/1.1") => Some(false),
+                _ => None,
+            };
+            let first = crate::tls::first_bytes(stream, tokio::time::Instant::now() + wait).await;
+            if first.is_none() {
+                debug!(listener = what, %peer, "connection closed: nothing sent after the TLS handshake within header_read_timeout");
             }
-        });
-        let shake = tokio::time::timeout(wait, acceptor.accept(stream));
-        let shook = tokio::select! {
+            first.map(|stream| (agreed, stream))
+        };
+        // Until its first bytes inside TLS, the connection has asked for
+        // nothing: a new caller at max_connections or the drain closes it,
+        // its handshake included (or a caller could hold its slot with one).
+        let opened = tokio::select! {
             biased;
-            shook = shake => shook,
-            why = &mut cut => {
-                debug!(listener = what, %peer, why, "connection closed during its TLS handshake");
-                return Some(Ok(()));
+            opened = opened => opened,
+            () = evicted.notified() => {
+                debug!(listener = what, %peer, "connection closed before it sent anything inside TLS: a new caller needed its slot");
+                None
+            }
+            () = self.drain.started() => {
+                debug!(listener = what, %peer, "connection closed before it sent anything inside TLS: the drain started");
+                None
             }
         };
-        match shook {
-            Ok(Ok(stream)) => {
-                // The protocol the handshake agreed is the one spoken:
-                // an HTTP/2 preface after `http/1.1`, or anything
-                // else after `h2`, is refused.
-                let agreed = match stream.get_ref().1.alpn_protocol() {
-                    Some(b"h2") => Some(true),
-                    Some(b"http/1.1") => Some(false),
-                    _ => None,
-                };
-                let first = crate::tls::first_bytes(stream, tokio::time::Instant::now() + wait);
-                let first = tokio::select! {
-                    biased;
-                    first = first => first,
-                    why = &mut cut => {
-                        debug!(listener = what, %peer, why, "connection closed: nothing sent after its TLS handshake");
-                        return Some(Ok(()));
-                    }
-                };
-                // Spoken: off the list of silent connections.
-                drop(cut);
-                match first {
-                    Some(stream) => {
-                        let h2 = crate::tls::speaks_h2(stream.prefix()).unwrap_or(false);
-                        if agreed.is_some_and(|agreed| agreed != h2) {
-                            debug!(listener = what, %peer, "connection closed: the caller does not speak the protocol ALPN agreed");
-                            return Some(Ok(()));
-                        }
-                        serve.connection(stream, h2, service).await
-                    }
-                    None => {
-                        debug!(listener = what, %peer, "connection closed: nothing sent after the TLS handshake within header_read_timeout");
-                        Some(Ok(()))
-                    }
-                }
-            }
-            Ok(Err(e)) => {
-                debug!(listener = what, %peer, error = %e, "TLS handshake failed");
-                Some(Ok(()))
-            }
-            Err(_) => {
-                debug!(listener = what, %peer, "TLS handshake not done within header_read_timeout");
-                Some(Ok(()))
-            }
+        // Spoken or closed: off the list of silent connections.
+        drop(evicted);
+        let Some((agreed, stream)) = opened else {
+            return Some(Ok(()));
+        };
+        let h2 = crate::tls::speaks_h2(stream.prefix()).unwrap_or(false);
+        if agreed.is_some_and(|agreed| agreed != h2) {
+            debug!(listener = what, %peer, "connection closed: the caller does not speak the protocol ALPN agreed");
+            return Some(Ok(()));
         }
+        self.connection(stream, h2, service).await
     }
 }
 

@@ -244,23 +244,12 @@ async fn a_full_listener_closes_its_oldest_silent_connection_for_a_new_caller() 
     let mut callers = Vec::new();
     for round in 0..2 {
         let mut caller = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
-        caller
-            .write_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
-            .await
-            .unwrap();
-        let mut answer = Vec::new();
-        while !answer.ends_with(b"served") {
-            let mut chunk = [0u8; 512];
-            let read =
-                tokio::time::timeout(std::time::Duration::from_secs(5), caller.read(&mut chunk));
-            match read.await {
-                Ok(Ok(n)) if n > 0 => answer.extend_from_slice(&chunk[..n]),
-                other => panic!(
-                    "no answer: {other:?} after {:?}",
-                    String::from_utf8_lossy(&answer)
-                ),
-            }
-        }
+        let answer = answered(
+            &mut caller,
+            b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n",
+            b"served",
+        )
+        .await;
         assert!(answer.starts_with(b"HTTP/1.1 200"));
         callers.push(caller);
         let mut buf = [0u8; 1];

@@ -428,18 +428,8 @@ async fn handshakes_that_ask_for_nothing_give_up_their_slot() {
             .await
             .expect("a slot taken over, not waited for")
             .expect("a handshake");
-        caller
-            .write_all(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
-            .await
-            .unwrap();
-        let mut answer = Vec::new();
-        while !answer.ends_with(b"ok") {
-            let mut chunk = [0u8; 512];
-            match tokio::time::timeout(Duration::from_secs(10), caller.read(&mut chunk)).await {
-                Ok(Ok(n)) if n > 0 => answer.extend_from_slice(&chunk[..n]),
-                other => panic!("no answer: {other:?}"),
-            }
-        }
+        let request = b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n";
+        let answer = answered(&mut caller, request, b"ok").await;
         assert!(answer.starts_with(b"HTTP/1.1 200"));
         caller
     };

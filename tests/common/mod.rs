@@ -288,6 +288,32 @@ pub async fn read_head(stream: &mut tokio::net::TcpStream) -> bool {
     true
 }
 
+/// Writes `request` on `stream`, a connection kept open after it, and reads
+/// its answer up to `body_end` (each read within 10 s); panics on a close,
+/// an error or a silence first. The answer, head and body.
+pub async fn answered(
+    stream: &mut (impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin),
+    request: &[u8],
+    body_end: &[u8],
+) -> Vec<u8> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    stream.write_all(request).await.unwrap();
+    let mut answer = Vec::new();
+    while !answer.ends_with(body_end) {
+        let mut chunk = [0u8; 1024];
+        let read =
+            tokio::time::timeout(std::time::Duration::from_secs(10), stream.read(&mut chunk));
+        match read.await {
+            Ok(Ok(n)) if n > 0 => answer.extend_from_slice(&chunk[..n]),
+            other => panic!(
+                "no answer: {other:?} after {:?}",
+                String::from_utf8_lossy(&answer)
+            ),
+        }
+    }
+    answer
+}
+
 /// Sends raw bytes on a new connection to `addr` and reads until it closes.
 pub async fn raw_exchange(addr: impl tokio::net::ToSocketAddrs, request: &[u8]) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

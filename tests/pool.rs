@@ -240,6 +240,36 @@ async fn connections_the_upstream_closed_are_not_used_again() {
     assert_eq!(accepted.load(Ordering::SeqCst), 10);
 }
 
+/// Longer than a connection stays idle before it is parked (1 s) plus
+/// the upkeep's tick that parks it (1 s): the wait is the behaviour
+/// tested, nothing to synchronise on.
+const PARKED: Duration = Duration::from_millis(3000);
+
+#[tokio::test]
+async fn a_parked_connection_is_used_again_and_one_closed_while_parked_is_not() {
+    // Parked, only the socket stays (out of the reactor); the next request
+    // starts a new hyper connection over the same socket.
+    let up = counted(|_| async { Response::new(full("ok")) }).await;
+    let server = proxy(&config(up.addr, "")).await;
+    for i in 0..3 {
+        if i > 0 {
+            tokio::time::sleep(PARKED).await;
+        }
+        answered_at_first_try(&server, "ok", i).await;
+    }
+    assert_eq!(up.accepted(), 1, "one socket, parked and taken back twice");
+    assert_eq!(up.open(), 1);
+
+    // An upstream that closed the socket while it was parked: the next
+    // request takes a new connection, at its first attempt.
+    let (addr, accepted) = one_shot_upstream().await;
+    let server = proxy(&config(addr, "")).await;
+    answered_at_first_try(&server, "ok", 0).await;
+    tokio::time::sleep(PARKED).await;
+    answered_at_first_try(&server, "ok", 1).await;
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+}
+
 #[tokio::test]
 async fn endpoints_named_by_host_name_are_resolved() {
     let up = counted(|_| async { Response::new(full("by name")) }).await;

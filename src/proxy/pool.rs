@@ -13,9 +13,11 @@
 //!
 //! A connection idle for [`PARK_AFTER`] is parked: hyper's connection (its
 //! task and its 16 KiB of buffers) ends, and only the socket stays in the
-//! list; the next request on it starts a new hyper connection over the same
-//! socket. A burst's leftover connections then cost a socket each, not
-//! 30 KiB, while a busy connection is never parked.
+//! list, out of the reactor; the next request on it starts a new hyper
+//! connection over the same socket. A burst's leftover connections then cost
+//! a descriptor each and nothing on the heap (not 30 KiB, nor a small object
+//! left among the burst's freed memory, keeping its pages resident), while
+//! a busy connection is never parked.
 //!
 //! Nothing here retries: a request that could not be written comes back as
 //! an error like any other, and the retry loop decides.
@@ -97,14 +99,15 @@ struct Conn {
 enum Idle {
     /// hyper's connection is up, ready for the next request.
     Live(Pooled),
-    /// Only the socket is kept.
-    Parked(TcpStream),
+    /// Only the socket is kept, out of the reactor: a descriptor and
+    /// nothing on the heap, so a burst's leftovers pin none of its pages.
+    Parked(std::net::TcpStream),
 }
 
 /// A connection taken from the list.
 enum Taken {
     Live(Pooled),
-    Parked(TcpStream),
+    Parked(std::net::TcpStream),
 }
 
 /// A connection checked out of the pool, with a request or its response
@@ -384,11 +387,19 @@ impl H1Pool {
         let _ = stream.set_nodelay(true);
         let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
         let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+        let stream = stream.into_std().map_err(|source| PoolError::Connect {
+            authority: self.authority.clone(),
+            source,
+        })?;
         self.handshake(stream, upgrade).await
     }
 
-    /// Starts hyper's connection over `stream`, new or parked.
-    async fn handshake(&self, stream: TcpStream, upgrade: bool) -> Result<Pooled, PoolError> {
+    /// Starts hyper's connection over `stream` (non-blocking), new or parked.
+    async fn handshake(
+        &self,
+        stream: std::net::TcpStream,
+        upgrade: bool,
+    ) -> Result<Pooled, PoolError> {
         let (stream, probe) = probe_of(stream).map_err(|source| PoolError::Connect {
             authority: self.authority.clone(),
             source,
@@ -431,7 +442,9 @@ impl H1Pool {
             let Ok(last_used) = parked.try_recv() else {
                 return;
             };
-            let stream = parts.io.into_inner();
+            let Ok(stream) = parts.io.into_inner().into_std() else {
+                return;
+            };
             if !parts.read_buf.is_empty() || !is_quiet(socket2::SockRef::from(&stream)) {
                 return;
             }
@@ -453,12 +466,11 @@ impl H1Pool {
     }
 }
 
-/// Splits a connected socket into the stream hyper drives and a second
-/// descriptor of the same socket for [`Pooled::is_quiet`].
-fn probe_of(stream: TcpStream) -> std::io::Result<(TcpStream, std::net::TcpStream)> {
-    let std = stream.into_std()?;
-    let probe = std.try_clone()?;
-    Ok((TcpStream::from_std(std)?, probe))
+/// Splits a connected socket (non-blocking) into the stream hyper drives
+/// and a second descriptor of the same socket for [`Pooled::is_quiet`].
+fn probe_of(stream: std::net::TcpStream) -> std::io::Result<(TcpStream, std::net::TcpStream)> {
+    let probe = stream.try_clone()?;
+    Ok((TcpStream::from_std(stream)?, probe))
 }
 
 /// The origin-form target of a request sent on a connection of the pool.

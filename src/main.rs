@@ -13,6 +13,9 @@ use herdguard::telemetry::{self, LogFormat};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info, warn};
 
+#[cfg(all(not(feature = "mimalloc"), target_os = "linux", target_env = "gnu"))]
+mod malloc;
+
 // Writing to stdout or stderr never panics: a closed pipe (`check | head`)
 // or a full disk (`> /dev/full`) is not a reason to abort.
 macro_rules! out {
@@ -35,7 +38,7 @@ macro_rules! err_line {
 }
 
 /// With the `mimalloc` feature, mimalloc instead of glibc's malloc. The
-/// default is glibc's, trimmed (see [`trim_freed_memory`]): measured with
+/// default is glibc's, trimmed (see [`malloc`]): measured with
 /// 3,000 idle connections and with a reload from 10,000 routes to 2, it
 /// holds less per connection and gives back what was freed, where mimalloc
 /// kept most of it (README, "Memory").
@@ -59,122 +62,6 @@ fn purge_freed_memory_at_once() {
         // SAFETY: mi_option_set only stores the value; any thread, any time.
         unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) };
     }
-}
-
-/// glibc's malloc keeps what is freed in its arenas: after 3,000 idle
-/// connections closed, or a reload from 10,000 routes back to 2, the RSS
-/// stayed at its peak. Every second this compares the resident memory
-/// with the bytes malloc has in use (`mallinfo2`); when the gap (freed
-/// memory still held, beyond the smallest gap seen: code and stacks) is
-/// over 1 MiB and a quarter of what is in use, it hands the free pages back
-/// (`malloc_trim`). A trim that gave little back (live objects on the same
-/// pages) doubles the wait before the next, up to a minute, unless a
-/// quarter of what was in use is freed meanwhile: the check
-/// costs microseconds, a trim of a large heap milliseconds.
-#[cfg(all(not(feature = "mimalloc"), target_os = "linux", target_env = "gnu"))]
-fn trim_freed_memory() {
-    use std::time::{Duration, Instant};
-    /// glibc's `struct mallinfo2` (2.33 and later).
-    #[repr(C)]
-    struct MallInfo2 {
-        arena: usize,
-        ordblks: usize,
-        smblks: usize,
-        hblks: usize,
-        hblkhd: usize,
-        usmblks: usize,
-        fsmblks: usize,
-        uordblks: usize,
-        fordblks: usize,
-        keepcost: usize,
-    }
-    extern "C" {
-        fn mallinfo2() -> MallInfo2;
-        fn malloc_trim(pad: usize) -> std::ffi::c_int;
-        fn mallopt(param: std::ffi::c_int, value: std::ffi::c_int) -> std::ffi::c_int;
-    }
-    // What a thread's arena frees must reach the system without waiting
-    // for a `malloc_trim`, which never shrinks a thread arena's top:
-    // - fixed thresholds instead of glibc's sliding ones (once a large
-    //   block is freed glibc raises them, up to 32 MiB for mmap and 64 MiB
-    //   for trimming: 10-19 MiB stayed resident per arena after a reload
-    //   back from 10,000 routes), and a top trimmed from 256 KiB with no
-    //   pad kept above it (128 KiB by default, per arena);
-    // - no fastbins: small blocks freed last were merged into the top
-    //   only by a later consolidation, which trims nothing, and the top
-    //   then stayed resident (55 MB of a 10,000-route config, one reload
-    //   in three). The per-thread cache (tcache) still serves the small
-    //   blocks a busy proxy reuses.
-    // Measured in the README ("Memory follows the config").
-    const M_MXFAST: std::ffi::c_int = 1;
-    const M_TRIM_THRESHOLD: std::ffi::c_int = -1;
-    const M_TOP_PAD: std::ffi::c_int = -2;
-    const M_MMAP_THRESHOLD: std::ffi::c_int = -3;
-    // SAFETY: mallopt sets allocator parameters; called before the runtime.
-    unsafe {
-        mallopt(M_MXFAST, 0);
-        mallopt(M_TRIM_THRESHOLD, 256 * 1024);
-        mallopt(M_TOP_PAD, 0);
-        mallopt(M_MMAP_THRESHOLD, 1024 * 1024);
-    }
-    /// Bytes malloc has in use, mmapped blocks included.
-    fn in_use() -> usize {
-        // SAFETY: mallinfo2 only reads the allocator's statistics.
-        let info = unsafe { mallinfo2() };
-        info.uordblks.saturating_add(info.hblkhd)
-    }
-    /// Resident bytes, from /proc/self/statm (pages of 4 KiB).
-    fn resident() -> Option<usize> {
-        let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-        let pages: usize = statm.split_whitespace().nth(1)?.parse().ok()?;
-        Some(pages.saturating_mul(4096))
-    }
-    // What is resident besides the heap (code, stacks) is the smallest gap
-    // between resident and in-use bytes seen: a trim is worth it once the
-    // gap exceeds that by MIN_EXCESS and a quarter of what is in use.
-    const MIN_EXCESS: usize = 1024 * 1024;
-    const TICK: Duration = Duration::from_secs(1);
-    std::thread::Builder::new()
-        .name("herdguard-trim".into())
-        .spawn(|| {
-            let mut wait = TICK;
-            let mut last = Instant::now();
-            let mut floor = usize::MAX;
-            // The most in use since the last trim: once a quarter of it is
-            // freed, the next trim need not wait out the backoff (a big
-            // config loaded and dropped between two trims).
-            let mut high = 0usize;
-            loop {
-                std::thread::sleep(TICK);
-                let (Some(rss), used) = (resident(), in_use()) else {
-                    continue;
-                };
-                high = high.max(used);
-                let gap = rss.saturating_sub(used);
-                floor = floor.min(gap);
-                let excess = gap - floor;
-                if excess < MIN_EXCESS || excess < used / 4 {
-                    wait = TICK;
-                    continue;
-                }
-                if last.elapsed() < wait && used.saturating_mul(4) > high.saturating_mul(3) {
-                    continue;
-                }
-                // SAFETY: malloc_trim only returns free pages to the system.
-                unsafe { malloc_trim(0) };
-                last = Instant::now();
-                high = used;
-                let after = resident().unwrap_or(rss).saturating_sub(in_use());
-                floor = floor.min(after);
-                // Little came back (the free memory is in pages still partly
-                // used): try less often.
-                wait = match (after - floor).saturating_mul(4) > excess.saturating_mul(3) {
-                    true => (wait * 2).min(Duration::from_secs(64)),
-                    false => TICK,
-                };
-            }
-        })
-        .ok();
 }
 
 /// Raises the soft limit on open files to the hard one: each caller
@@ -347,7 +234,7 @@ fn main() -> ExitCode {
     #[cfg(feature = "mimalloc")]
     purge_freed_memory_at_once();
     #[cfg(all(not(feature = "mimalloc"), target_os = "linux", target_env = "gnu"))]
-    trim_freed_memory();
+    malloc::trim_freed_memory();
     let cli = Cli::parse();
     match cli.command {
         Some(Command::Check { config, quiet }) => check(&config, quiet),
@@ -651,6 +538,9 @@ fn run(cli: Cli) -> ExitCode {
         }
     };
     rt.enable_all();
+    // Before a trim, each thread hands back the blocks its malloc cache holds.
+    #[cfg(all(not(feature = "mimalloc"), target_os = "linux", target_env = "gnu"))]
+    rt.on_thread_park(malloc::flush_cache_when_asked);
     let rt = match rt.build() {
         Ok(rt) => rt,
         Err(e) => {

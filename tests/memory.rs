@@ -102,14 +102,16 @@ async fn idle_connections_memory_comes_back_once_they_close() {
     );
     drop(conns);
 
-    // Within 30 s of the close, at least half of the peak's growth is
-    // back (about three quarters in this test's debug build: a few MB that
-    // stay are pages the burst left partly used; before trimming, none came
-    // back).
+    // Within 30 s of the close, RSS is within a quarter of where it started
+    // (+14-19% in this test's debug build with two threads, where half of
+    // the growth came back before the pool parked its sockets out of the
+    // reactor and the threads emptied their malloc caches; before trimming,
+    // nothing did). The bench measures the release build beside nginx.
+    let back = |now: u64| now.saturating_sub(start) * 4 <= start;
     let mut now = held;
     for _ in 0..300 {
         now = hg.rss_kib();
-        if now.saturating_sub(start) * 2 <= growth {
+        if back(now) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -118,7 +120,7 @@ async fn idle_connections_memory_comes_back_once_they_close() {
         "RSS {start} KiB at start, {peak} at the peak, {held} with {n} idle connections, {now} after they closed"
     );
     assert!(
-        now.saturating_sub(start) * 2 <= growth,
+        back(now),
         "RSS {start} KiB at start, {peak} at the peak, {held} with {n} idle connections, {now} after they closed"
     );
     hg.terminate().await;

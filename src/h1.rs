@@ -336,6 +336,7 @@ where
         let unread = !req.body().is_end_stream();
         cycle.unread.store(unread, Ordering::Release);
         cycle.writes.unhear();
+        detach_head(&mut req);
         if crate::proxy::headers::requested_upgrade(req.version(), req.headers()) {
             let (tx, rx) = oneshot::channel();
             *cycle.upgrade.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
@@ -350,6 +351,43 @@ where
             inner: self.inner.call(req),
             cycle: Some(cycle.clone()),
         }
+    }
+}
+
+/// hyper parses a request's target and header values as slices of the
+/// connection's read buffer (8 KiB). Kept while the request is proxied
+/// (and for its retries), they would make hyper take a second buffer for
+/// the connection's next read, for every request in flight (64 busy
+/// connections held 1 MiB of caller read buffers where 512 KiB do). Copied
+/// here into one buffer of their own size, before hyper reads on; a target
+/// or value that would not parse again (it did once) is left as it is.
+fn detach_head<B>(req: &mut Request<B>) {
+    let uri = req.uri();
+    let origin_form = uri.scheme().is_none() && uri.authority().is_none();
+    let target = match (origin_form, uri.path_and_query()) {
+        (true, Some(pq)) => std::borrow::Cow::Borrowed(pq.as_str()),
+        _ => std::borrow::Cow::Owned(uri.to_string()),
+    };
+    let values: usize = req.headers().values().map(|v| v.len()).sum();
+    let mut copy = bytes::BytesMut::with_capacity(target.len().saturating_add(values));
+    copy.extend_from_slice(target.as_bytes());
+    for value in req.headers().values() {
+        copy.extend_from_slice(value.as_bytes());
+    }
+    let copy = copy.freeze();
+    let mut at = target.len();
+    if let Ok(uri) = http::Uri::from_maybe_shared(copy.slice(..at)) {
+        *req.uri_mut() = uri;
+    }
+    for value in req.headers_mut().values_mut() {
+        let end = at.saturating_add(value.len());
+        if let Some(bytes) = copy.get(at..end) {
+            if let Ok(mut detached) = http::HeaderValue::from_maybe_shared(copy.slice_ref(bytes)) {
+                detached.set_sensitive(value.is_sensitive());
+                *value = detached;
+            }
+        }
+        at = end;
     }
 }
 
@@ -677,5 +715,77 @@ where
 
     fn call(&self, req: Request<Incoming>) -> Self::Future {
         self.0.call(req.map(CallerBody::new))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request as hyper makes one: its target and header values slices
+    /// of one buffer (the connection's), which is returned too.
+    fn parsed(target: &str, headers: &[(&str, &[u8])]) -> (Request<()>, Bytes) {
+        let mut text = target.as_bytes().to_vec();
+        for (_, value) in headers {
+            text.extend_from_slice(value);
+        }
+        let buffer = Bytes::from(text);
+        let mut req = Request::new(());
+        *req.uri_mut() = http::Uri::from_maybe_shared(buffer.slice(..target.len())).unwrap();
+        let mut at = target.len();
+        for (name, value) in headers {
+            let end = at + value.len();
+            let value = http::HeaderValue::from_maybe_shared(buffer.slice(at..end)).unwrap();
+            let name = http::HeaderName::from_bytes(name.as_bytes()).unwrap();
+            req.headers_mut().append(name, value);
+            at = end;
+        }
+        (req, buffer)
+    }
+
+    fn within(buffer: &Bytes, bytes: &[u8]) -> bool {
+        let range = buffer.as_ptr_range();
+        !bytes.is_empty() && range.contains(&bytes.as_ptr())
+    }
+
+    #[test]
+    fn a_detached_head_says_the_same_from_a_buffer_of_its_own() {
+        let headers: &[(&str, &[u8])] = &[
+            ("host", b"api.internal"),
+            ("accept", b"*/*"),
+            ("accept", b"text/plain"),
+            ("authorization", b"Bearer t\xe9st"),
+            ("x-empty", b""),
+        ];
+        for target in [
+            "/a/b?c=d&e",
+            "*",
+            "http://api.internal:8080/x?y",
+            "api.internal:443",
+        ] {
+            let (mut req, buffer) = parsed(target, headers);
+            req.headers_mut()
+                .get_mut("authorization")
+                .unwrap()
+                .set_sensitive(true);
+            let before = req.headers().clone();
+            let uri = req.uri().clone();
+            detach_head(&mut req);
+            assert_eq!(req.uri(), &uri);
+            assert_eq!(req.headers(), &before, "{target}");
+            assert!(req.headers()["authorization"].is_sensitive());
+            assert!(!req.headers()["accept"].is_sensitive());
+            let path = req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("");
+            assert!(
+                !within(&buffer, path.as_bytes()),
+                "{target}: the target still in the connection's buffer"
+            );
+            for value in req.headers().values() {
+                assert!(
+                    !within(&buffer, value.as_bytes()),
+                    "{target}: {value:?} still in the connection's buffer"
+                );
+            }
+        }
     }
 }

@@ -3,6 +3,9 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use bytes::Bytes;
 use common::*;
 use http::{Request, Response, StatusCode, Version};
@@ -399,4 +402,53 @@ async fn trailers_lose_what_no_trailer_may_carry() {
     let names: Vec<_> = trailers.keys().map(|k| k.as_str()).collect();
     assert_eq!(names, ["x-checksum"], "{trailers:?}");
     assert_eq!(collected.to_bytes(), "hello");
+}
+
+#[tokio::test]
+async fn a_huge_head_reaches_the_upstream_whole_on_every_attempt() {
+    // The proxy copies a request's target and header values out of hyper's
+    // read buffer as it takes the request: many values, repeated
+    // names, bytes past ASCII and a long query must come out the same, on
+    // the first attempt and on the retry made from the kept copy.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let up = upstream(move |_| {
+        let first = c.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            let mut resp = Response::new(full(if first { "again" } else { "ok" }));
+            if first {
+                *resp.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            }
+            resp
+        }
+    })
+    .await;
+    let server = proxy_to(&up.url()).await;
+    let query: String = (0..600).map(|i| format!("k{i}=v{i}&")).collect();
+    let target = format!("/path/%E2%9C%93?{query}");
+    let mut req = Request::get(format!("http://{}{target}", server.proxy_addr()));
+    let mut sent = Vec::new();
+    // 80 of 20 names: hyper takes at most 100 fields per head.
+    for i in 0..80 {
+        let name = format!("x-field-{}", i % 20);
+        let value =
+            http::HeaderValue::from_bytes(format!("value {i} caf\u{e9}").as_bytes()).unwrap();
+        req = req.header(name.as_str(), value.clone());
+        sent.push((name, value));
+    }
+    let (status, _, body) = send(&client(), req.body(empty()).unwrap()).await;
+    assert_eq!((status, body), (StatusCode::OK, Bytes::from("ok")));
+    assert_eq!(up.hits(), 2, "one retry");
+    let seen = up.last();
+    assert_eq!(seen.uri, target.as_str());
+    for i in 0..20 {
+        let name = format!("x-field-{i}");
+        let want: Vec<_> = sent
+            .iter()
+            .filter(|(n, _)| *n == name)
+            .map(|(_, v)| v)
+            .collect();
+        let got: Vec<_> = seen.headers.get_all(name.as_str()).iter().collect();
+        assert_eq!(got, want, "{name}");
+    }
 }

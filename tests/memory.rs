@@ -94,10 +94,13 @@ async fn idle_connections_memory_comes_back_once_they_close() {
         "{n} idle connections still hold {} KiB each (RSS {start} KiB at start, {held} with them, peak {peak})",
         per_conn(held)
     );
-    // The burst itself took memory, or there is nothing to see come back.
+    // The burst itself took memory, or there is nothing to see come back:
+    // at least what the connections hold idle (about 2 KiB each, their
+    // task and socket's state; a new connection's buffers go back as soon
+    // as it has answered), more than the quarter of the start allowed below.
     let growth = peak.saturating_sub(start);
     assert!(
-        growth >= n as u64 * 4,
+        growth >= n as u64 * 2 && growth * 4 > start,
         "{n} connections' requests took only {growth} KiB at the peak"
     );
     drop(conns);

@@ -179,23 +179,19 @@ impl Server {
             let metrics = proxy.metrics().clone();
             let mut stop = shutdown_rx_upkeep;
             async move {
-                // Histograms keep raw samples until drained: drained four
-                // times a second, they hold a quarter of a second's (at
-                // 25,000 requests a second, drained once a second they took
-                // 470 KB of the peak under load). Upstream connections are
-                // swept once a second.
-                let mut tick = tokio::time::interval(Duration::from_millis(250));
+                // Histograms keep raw samples until folded into their
+                // buckets: folded once a thread has recorded a thousand
+                // (see `metrics::FOLD_AT`), and once a second. Upstream
+                // connections are swept once a second.
+                let mut tick = tokio::time::interval(Duration::from_secs(1));
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                let mut ticks = 0u8;
                 loop {
                     tokio::select! {
                         _ = stopped(&mut stop) => break,
+                        () = metrics.samples_piled_up() => metrics.upkeep(),
                         _ = tick.tick() => {
                             metrics.upkeep();
-                            ticks = (ticks + 1) % 4;
-                            if ticks == 0 {
-                                proxy.runtime().sweep();
-                            }
+                            proxy.runtime().sweep();
                         }
                     }
                 }

@@ -130,9 +130,12 @@ impl Server {
                         let proxy = proxy.clone();
                         let caller = caller.clone();
                         let conduct = conduct.clone();
-                        // Boxed: hyper keeps room for one request's future
-                        // per connection for as long as the connection
-                        // lives, and an idle one needs none.
+                        // The request on the heap, and the future boxed:
+                        // hyper keeps room for one request's future per
+                        // connection for as long as the connection lives,
+                        // and an idle one needs none; see `Proxy::handle`
+                        // for the request.
+                        let req = Box::new(req);
                         Box::pin(async move {
                             // Dropped unanswered only when the caller abandoned the request.
                             conduct.begun();

@@ -287,9 +287,15 @@ impl Proxy {
 
     /// Answers one request from `caller`; its access log line, if the log
     /// is on, is written when the response body is done with.
+    ///
+    /// The request comes boxed, and goes down boxed until it is taken
+    /// apart: an `async fn` keeps room for each argument twice (the
+    /// argument, and the local it is moved into) for as long as it runs,
+    /// and the request (272 bytes) went down three levels, 1.6 KiB of each
+    /// request's future (6.0 KiB) for copies moved out of.
     pub async fn handle(
         &self,
-        req: Request<CallerBody>,
+        req: Box<Request<CallerBody>>,
         caller: &Caller,
     ) -> Response<Logged<ResponseBody>> {
         let start = Instant::now();
@@ -312,7 +318,7 @@ impl Proxy {
 
     async fn answer(
         &self,
-        req: Request<CallerBody>,
+        req: Box<Request<CallerBody>>,
         caller: &Caller,
         start: Instant,
         entry: &mut Option<Box<Entry>>,
@@ -418,7 +424,7 @@ fn request_host<'a>(uri: &'a http::Uri, host: Option<&'a HeaderValue>) -> Option
 
 async fn forward(
     route: &Arc<Route>,
-    mut req: Request<CallerBody>,
+    mut req: Box<Request<CallerBody>>,
     caller: &Caller,
     start: Instant,
     mut log: Option<&mut Entry>,
@@ -450,7 +456,7 @@ async fn forward(
         false => None,
     };
 
-    let (mut parts, body) = req.into_parts();
+    let (mut parts, body) = (*req).into_parts();
     let original_host = match parts.uri.authority() {
         Some(authority) => HeaderValue::from_str(authority.as_str()).ok(),
         None => parts.headers.get(HOST).cloned(),

@@ -286,3 +286,45 @@ async fn a_head_that_arrives_in_pieces_keeps_its_connection() {
     );
     assert_eq!(up.hits(), 5);
 }
+
+#[tokio::test]
+async fn an_idle_keep_alive_connection_closes_after_idle_timeout_not_header_read_timeout() {
+    // A connection with no request open is idle, taken back or not: it
+    // lasts `idle_timeout` (here 3 s), whatever the (longer) time a caller
+    // has to send a head once it has begun one.
+    let up = path_upstream().await;
+    let src = format!(
+        "[listen]\naddress = \"127.0.0.1:0\"\nheader_read_timeout = \"30s\"\nidle_timeout = \"3s\"\n\
+         [admin]\naddress = \"127.0.0.1:0\"\n\
+         [upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"all\"\nupstream = \"u\"\n",
+        up.url()
+    );
+    let hg = herdguard::app::Server::start(herdguard::config::Config::parse(&src).unwrap())
+        .await
+        .unwrap();
+    // A new connection (taken back as soon as it answers) and a busy one
+    // (its hyper connection kept until it has been idle for PARK_AFTER).
+    for requests in [1, 3] {
+        let mut stream = TcpStream::connect(hg.proxy_addr()).await.unwrap();
+        let mut buffered = Vec::new();
+        for i in 0..requests {
+            let req = format!("GET /r{i} HTTP/1.1\r\nHost: a\r\n\r\n");
+            stream.write_all(req.as_bytes()).await.unwrap();
+            let (status, body) = response(&mut stream, &mut buffered).await.unwrap();
+            assert_eq!((status.as_str(), body), ("HTTP/1.1 200 OK", format!("/r{i}")));
+        }
+        // Idle for less than idle_timeout: still served.
+        idle_past_parking().await;
+        stream
+            .write_all(b"GET /again HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .unwrap();
+        let (_, body) = response(&mut stream, &mut buffered).await.unwrap();
+        assert_eq!(body, "/again", "{requests} request(s) before");
+        // Then idle: closed at idle_timeout (3 s), well before the 30 s
+        // of header_read_timeout.
+        closes(&mut stream, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|e| panic!("{requests} request(s) before: {e}"));
+    }
+}

@@ -188,7 +188,7 @@ impl std::fmt::Debug for CallerUpgrade {
 }
 
 /// Where one connection's current exchange stands.
-struct Cycle {
+pub struct Cycle {
     /// The connection's writes, and whether bytes came in since the latest
     /// request's head (or its body's end): the next head under way.
     writes: Arc<Writes>,
@@ -204,6 +204,20 @@ struct Cycle {
 }
 
 impl Cycle {
+    /// A new connection's, over `writes`. Made as the connection is
+    /// accepted, with what else it keeps for its life: made at its first
+    /// request (as it was), in the middle of other connections' requests,
+    /// each kept a page of theirs resident once they were freed.
+    pub fn new(writes: Arc<Writes>) -> Arc<Self> {
+        Arc::new(Self {
+            writes,
+            answered: AtomicBool::new(false),
+            unread: AtomicBool::new(false),
+            switched: AtomicBool::new(false),
+            upgrade: Mutex::new(None),
+        })
+    }
+
     /// Whether hyper, pending, can only be waiting for the next request.
     fn idle(&self) -> bool {
         self.answered.load(Ordering::Relaxed)
@@ -564,7 +578,8 @@ where
 pub struct Serving<'a> {
     pub builder: &'a http1::Builder,
     pub drain: &'a Drain,
-    pub writes: &'a Arc<Writes>,
+    /// The connection's, made as it was accepted ([`Cycle::new`]).
+    pub cycle: &'a Arc<Cycle>,
     pub write_timeout: Duration,
     pub idle_timeout: Duration,
 }
@@ -588,14 +603,8 @@ impl Serving<'_> {
         B::Data: Send,
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        let cycle = Arc::new(Cycle {
-            writes: self.writes.clone(),
-            answered: AtomicBool::new(false),
-            unread: AtomicBool::new(false),
-            switched: AtomicBool::new(false),
-            upgrade: Mutex::new(None),
-        });
-        let mut stream = WriteStall::new(stream, self.write_timeout, self.writes.clone());
+        let cycle = self.cycle.clone();
+        let mut stream = WriteStall::new(stream, self.write_timeout, cycle.writes.clone());
         let mut service = Cycled {
             inner: service,
             cycle: cycle.clone(),

@@ -311,7 +311,10 @@ async fn an_idle_keep_alive_connection_closes_after_idle_timeout_not_header_read
             let req = format!("GET /r{i} HTTP/1.1\r\nHost: a\r\n\r\n");
             stream.write_all(req.as_bytes()).await.unwrap();
             let (status, body) = response(&mut stream, &mut buffered).await.unwrap();
-            assert_eq!((status.as_str(), body), ("HTTP/1.1 200 OK", format!("/r{i}")));
+            assert_eq!(
+                (status.as_str(), body),
+                ("HTTP/1.1 200 OK", format!("/r{i}"))
+            );
         }
         // Idle for less than idle_timeout: still served.
         idle_past_parking().await;

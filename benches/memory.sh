@@ -4,8 +4,11 @@
 #   idle      RSS after one request
 #   busy 64   peak RSS (VmHWM) under 64 busy connections (oha, N requests)
 #   per idle connection, with 1,000 and with 10,000 keep-alive connections
-#             that each made one request and then sat idle for 5 s: (RSS - idle) / N
-#   after     RSS 5 s after those connections closed
+#             that each made one request and then sat idle for 5 s: (RSS - start) / N,
+#             start measured after a warm-up round of 50 such connections, so that
+#             the code they run, paged in the first time (0.25 KiB a connection
+#             of 1,000), is not counted as what each holds
+#   after     RSS 5 s after those connections closed, against the same start
 # nginx: one worker, no master; herdguard: --threads 1 (both one thread of work).
 #
 #   benches/memory.sh
@@ -61,6 +64,9 @@ for proxy in $PROXIES; do
   stop
   for n in $COUNTS; do
     start "$proxy"
+    # Warm-up: 50 connections, one request each, idle for 2 s, closed.
+    (sleep 2; echo) | timeout 60 python3 benches/idle.py "$PORT" 50 >/dev/null
+    sleep 2
     before=$(rss "$PID")
     coproc IDLE { timeout 120 python3 benches/idle.py "$PORT" "$n"; }
     read -r -t 120 line <&"${IDLE[0]}"; [ "$line" = open ] || { echo "idle connections failed" >&2; exit 1; }

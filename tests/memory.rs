@@ -38,12 +38,18 @@ fn raise_open_files() -> u64 {
     limit.cur
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn idle_connections_memory_comes_back_once_they_close() {
+/// Up to `want` connections, as many as the open-file limit leaves room for
+/// beside everything else the test and the proxy hold (500 at least).
+fn connections_allowed(want: usize) -> usize {
     let files = raise_open_files();
-    // Leave room for everything else the test and the proxy hold.
-    let n = 3000.min(files.saturating_sub(200) as usize);
+    let n = want.min(files.saturating_sub(200) as usize);
     assert!(n >= 500, "an open-file limit of {files} is too low to test");
+    n
+}
+
+/// The real binary in front of an upstream that answers `ok`, with room for
+/// 5,000 connections.
+async fn proxy_with_room() -> (Upstream, Binary) {
     let up = ok_upstream("ok").await;
     let hg = Binary::start_with(
         "max_connections = 5000",
@@ -53,6 +59,27 @@ async fn idle_connections_memory_comes_back_once_they_close() {
         ),
     )
     .await;
+    (up, hg)
+}
+
+/// Reads off `s` up to the end of a response head.
+async fn read_head(s: &mut tokio::net::TcpStream) {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        let read = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+            .await
+            .expect("an answer within 10 s")
+            .unwrap();
+        assert!(read > 0, "closed before its answer");
+        got.extend_from_slice(&buf[..read]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_memory_comes_back_once_they_close() {
+    let n = connections_allowed(3000);
+    let (_up, hg) = proxy_with_room().await;
     let start = hg.rss_kib();
 
     let mut conns = Vec::with_capacity(n);
@@ -64,16 +91,7 @@ async fn idle_connections_memory_comes_back_once_they_close() {
         conns.push(s);
     }
     for s in &mut conns {
-        let mut got = Vec::new();
-        let mut buf = [0u8; 1024];
-        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-            let read = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
-                .await
-                .expect("an answer within 10 s")
-                .unwrap();
-            assert!(read > 0, "closed before its answer");
-            got.extend_from_slice(&buf[..read]);
-        }
+        read_head(s).await;
     }
     // Answered, they sit idle: each soon holds its socket and little
     // else, and the burst's buffers (the callers' and the upstream
@@ -139,18 +157,8 @@ async fn idle_connections_memory_comes_back_once_they_close() {
 /// 2-3 with them given back at once; 9 and 2 in the release build).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_answered_one_after_another_each_hold_little() {
-    let files = raise_open_files();
-    let n = 2000.min(files.saturating_sub(200) as usize);
-    assert!(n >= 500, "an open-file limit of {files} is too low to test");
-    let up = ok_upstream("ok").await;
-    let hg = Binary::start_with(
-        "max_connections = 5000",
-        &format!(
-            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
-            up.url()
-        ),
-    )
-    .await;
+    let n = connections_allowed(2000);
+    let (_up, hg) = proxy_with_room().await;
     let start = hg.rss_kib();
     let mut conns = Vec::with_capacity(n);
     for _ in 0..n {
@@ -158,16 +166,7 @@ async fn connections_answered_one_after_another_each_hold_little() {
         s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
             .await
             .unwrap();
-        let mut got = Vec::new();
-        let mut buf = [0u8; 1024];
-        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-            let read = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
-                .await
-                .expect("an answer within 10 s")
-                .unwrap();
-            assert!(read > 0, "closed before its answer");
-            got.extend_from_slice(&buf[..read]);
-        }
+        read_head(&mut s).await;
         conns.push(s);
     }
     let held = hg.rss_kib();

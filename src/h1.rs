@@ -615,7 +615,10 @@ impl Serving<'_> {
         // Not yet seen busy: taken back as soon as it answers.
         let mut park_after = Duration::ZERO;
         let stream = loop {
-            (stream, service) = match self.exchange(stream, service, &cycle, park_after).await {
+            // Kept idle with hyper's connection up for at most the idle
+            // timeout: that time counts toward it.
+            let kept = park_after.min(self.idle_timeout);
+            (stream, service) = match self.exchange(stream, service, &cycle, kept).await {
                 Ended::Idle(parts) => resumed(parts),
                 Ended::Switched(parts) => match switched(parts, &cycle) {
                     Some(stream) => break stream,
@@ -633,7 +636,7 @@ impl Serving<'_> {
             let next = tokio::select! {
                 biased;
                 () = self.drain.started() => None,
-                () = tokio::time::sleep(self.idle_timeout) => None,
+                () = tokio::time::sleep(self.idle_timeout.saturating_sub(kept)) => None,
                 read = std::future::poll_fn(|cx| stream.get_mut().inner.poll_readable(cx)) => read.ok(),
             };
             match next {

@@ -205,9 +205,9 @@ pub struct Cycle {
 
 impl Cycle {
     /// A new connection's, over `writes`. Made as the connection is
-    /// accepted, with what else it keeps for its life: made at its first
-    /// request (as it was), in the middle of other connections' requests,
-    /// each kept a page of theirs resident once they were freed.
+    /// accepted, with the rest of what it keeps for its life: made at its
+    /// first request, as it used to be, it sat among other connections'
+    /// requests and kept a page of theirs resident once they were freed.
     pub fn new(writes: Arc<Writes>) -> Arc<Self> {
         Arc::new(Self {
             writes,

@@ -291,8 +291,9 @@ impl Proxy {
     /// The request comes boxed, and goes down boxed until it is taken
     /// apart: an `async fn` keeps room for each argument twice (the
     /// argument, and the local it is moved into) for as long as it runs,
-    /// and the request (272 bytes) went down three levels, 1.6 KiB of each
-    /// request's future (6.0 KiB) for copies moved out of.
+    /// and the request (272 bytes) went down three levels: 1.8 KiB of each
+    /// request's future for copies moved out of (6,032 bytes then, 4,176
+    /// now).
     pub async fn handle(
         &self,
         req: Box<Request<CallerBody>>,

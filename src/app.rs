@@ -693,8 +693,6 @@ struct Serve<'a> {
     builders: &'a Builders,
     drain: &'a Drain,
     conduct: &'a Arc<Conduct>,
-    /// For an HTTP/1.1 connection (see [`crate::h1::Cycle::new`]).
-    cycle: &'a Arc<crate::h1::Cycle>,
     write_timeout: Duration,
     /// For a TLS caller's handshake, and then for its first bytes.
     header_read_timeout: Duration,
@@ -741,7 +739,7 @@ impl Serve<'_> {
         let serving = crate::h1::Serving {
             builder: &self.builders.h1,
             drain: self.drain,
-            cycle: self.cycle,
+            cycle: &self.conduct.cycle,
             write_timeout: self.write_timeout,
             idle_timeout: self.conduct.idle_timeout,
         };
@@ -944,7 +942,6 @@ async fn accept_loop<M, S, B>(
         let evicted = silent.push(limits.max_connections);
         let _ = stream.set_nodelay(true);
         let conduct = Arc::new(Conduct::new(limits.idle_timeout, limits.write_timeout));
-        let cycle = crate::h1::Cycle::new(conduct.written.clone());
         let service = make_service(peer, &conduct);
         let (builders, drain) = (builders.clone(), drain.clone());
         let (wait, write_timeout) = (limits.header_read_timeout, limits.write_timeout);
@@ -979,7 +976,6 @@ async fn accept_loop<M, S, B>(
                 builders: &builders,
                 drain: &drain,
                 conduct: &conduct,
-                cycle: &cycle,
                 write_timeout,
                 header_read_timeout: wait,
             };

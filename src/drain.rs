@@ -135,6 +135,9 @@ pub struct Conduct {
     pub idle_timeout: Duration,
     /// When bytes last went out to the caller (kept by the write side).
     pub written: Arc<crate::stall::Writes>,
+    /// Where its current HTTP/1.1 exchange stands (see
+    /// [`crate::h1::Cycle::new`]): made here, as the connection is accepted.
+    pub cycle: Arc<crate::h1::Cycle>,
     /// Once asked to close, the connection is closed outright after this
     /// long with no byte going out.
     write_timeout: Duration,
@@ -144,6 +147,7 @@ impl Conduct {
     pub const TOLERATED: u32 = 100;
 
     pub fn new(idle_timeout: Duration, write_timeout: Duration) -> Self {
+        let written = Arc::<crate::stall::Writes>::default();
         Self {
             abandoned: Default::default(),
             answered: Default::default(),
@@ -152,7 +156,8 @@ impl Conduct {
             open: Default::default(),
             last: Stamp::new(),
             idle_timeout,
-            written: Arc::default(),
+            cycle: crate::h1::Cycle::new(written.clone()),
+            written,
             write_timeout,
         }
     }

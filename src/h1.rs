@@ -203,6 +203,16 @@ pub struct Cycle {
     upgrade: Mutex<Option<oneshot::Sender<Upgraded>>>,
 }
 
+impl std::fmt::Debug for Cycle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cycle")
+            .field("answered", &self.answered)
+            .field("unread", &self.unread)
+            .field("switched", &self.switched)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Cycle {
     /// A new connection's, over `writes`. Made as the connection is
     /// accepted, with the rest of what it keeps for its life: made at its
@@ -616,7 +626,7 @@ impl Serving<'_> {
         let mut park_after = Duration::ZERO;
         let stream = loop {
             // Kept idle with hyper's connection up for at most the idle
-            // timeout: that time counts toward it.
+            // timeout: that time counts toward it (below).
             let kept = park_after.min(self.idle_timeout);
             (stream, service) = match self.exchange(stream, service, &cycle, kept).await {
                 Ended::Idle(parts) => resumed(parts),
@@ -636,7 +646,9 @@ impl Serving<'_> {
             let next = tokio::select! {
                 biased;
                 () = self.drain.started() => None,
-                () = tokio::time::sleep(self.idle_timeout.saturating_sub(kept)) => None,
+                // Not `kept`: a future keeps room for what lives across
+                // its waits, and a task's room for its connection's life.
+                () = tokio::time::sleep(self.idle_timeout.saturating_sub(park_after)) => None,
                 read = std::future::poll_fn(|cx| stream.get_mut().inner.poll_readable(cx)) => read.ok(),
             };
             match next {

@@ -62,6 +62,15 @@ async fn proxy_with_room() -> (Upstream, Binary) {
     (up, hg)
 }
 
+/// A new connection to the proxy, with a GET sent on it.
+async fn connect_and_get(hg: &Binary) -> tokio::net::TcpStream {
+    let mut s = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    s
+}
+
 /// Reads off `s` up to the end of a response head.
 async fn read_head(s: &mut tokio::net::TcpStream) {
     let mut got = Vec::new();
@@ -84,11 +93,7 @@ async fn idle_connections_memory_comes_back_once_they_close() {
 
     let mut conns = Vec::with_capacity(n);
     for _ in 0..n {
-        let mut s = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
-        s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
-            .await
-            .unwrap();
-        conns.push(s);
+        conns.push(connect_and_get(&hg).await);
     }
     for s in &mut conns {
         read_head(s).await;
@@ -162,10 +167,7 @@ async fn connections_answered_one_after_another_each_hold_little() {
     let start = hg.rss_kib();
     let mut conns = Vec::with_capacity(n);
     for _ in 0..n {
-        let mut s = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
-        s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
-            .await
-            .unwrap();
+        let mut s = connect_and_get(&hg).await;
         read_head(&mut s).await;
         conns.push(s);
     }

@@ -412,8 +412,10 @@ fn host_and_port(value: &[u8]) -> bool {
 /// connection's life: each kept a page of theirs resident once they were
 /// freed.
 pub fn ip_value(ip: IpAddr) -> HeaderValue {
+    // An address's text is digits, dots, colons and hex letters: always a
+    // valid value; were it not, `unknown` (RFC 7239's word) stands in.
     let text = bytes::Bytes::from_owner(ip.to_string().into_bytes());
-    HeaderValue::from_maybe_shared(text).expect("an IP address is a valid header value")
+    HeaderValue::from_maybe_shared(text).unwrap_or_else(|_| HeaderValue::from_static("unknown"))
 }
 
 #[cfg(test)]
@@ -594,6 +596,25 @@ mod tests {
             h,
             map(&[("upgrade", "websocket"), ("connection", "upgrade")])
         );
+    }
+
+    #[test]
+    fn an_ip_value_is_the_address_text_for_every_kind_of_address() {
+        for text in [
+            "127.0.0.1",
+            "0.0.0.0",
+            "255.255.255.255",
+            "::1",
+            "::",
+            "fe80::1",
+            "::ffff:10.1.2.3",
+            "2001:db8:ffff:ffff:ffff:ffff:ffff:ffff",
+        ] {
+            let ip: IpAddr = text.parse().unwrap();
+            let value = ip_value(ip);
+            assert_eq!(value.to_str().unwrap(), ip.to_string(), "{text}");
+            assert_eq!(value.clone(), value, "{text}: a clone says the same");
+        }
     }
 
     #[test]

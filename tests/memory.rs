@@ -181,3 +181,145 @@ async fn connections_answered_one_after_another_each_hold_little() {
     drop(conns);
     hg.terminate().await;
 }
+
+/// A section of an ELF file: its name, address and size.
+struct Section {
+    name: String,
+    addr: u64,
+    size: u64,
+}
+
+fn le(bytes: &[u8], at: usize, len: usize) -> u64 {
+    let mut value = 0u64;
+    for (i, b) in bytes[at..at + len].iter().enumerate() {
+        value |= u64::from(*b) << (8 * i);
+    }
+    value
+}
+
+fn c_str(bytes: &[u8], at: usize) -> String {
+    let end = bytes[at..].iter().position(|b| *b == 0).unwrap();
+    String::from_utf8_lossy(&bytes[at..at + end]).into_owned()
+}
+
+/// The sections of a 64-bit little-endian ELF file, and its functions
+/// (name and address) from its symbol table.
+fn elf_sections_and_functions(elf: &[u8]) -> (Vec<Section>, Vec<(String, u64)>) {
+    assert_eq!(
+        &elf[..6],
+        b"\x7fELF\x02\x01",
+        "a 64-bit little-endian ELF file"
+    );
+    let (shoff, shentsize) = (le(elf, 0x28, 8) as usize, le(elf, 0x3a, 2) as usize);
+    let (shnum, shstrndx) = (le(elf, 0x3c, 2) as usize, le(elf, 0x3e, 2) as usize);
+    let header = |i: usize| &elf[shoff + i * shentsize..shoff + (i + 1) * shentsize];
+    let names_at = le(header(shstrndx), 0x18, 8) as usize;
+    let sections: Vec<Section> = (0..shnum)
+        .map(|i| Section {
+            name: c_str(elf, names_at + le(header(i), 0, 4) as usize),
+            addr: le(header(i), 0x10, 8),
+            size: le(header(i), 0x20, 8),
+        })
+        .collect();
+    let mut functions = Vec::new();
+    for i in (0..shnum).filter(|&i| le(header(i), 4, 4) == 2) {
+        let (offset, size) = (
+            le(header(i), 0x18, 8) as usize,
+            le(header(i), 0x20, 8) as usize,
+        );
+        let strings = le(header(le(header(i), 0x28, 4) as usize), 0x18, 8) as usize;
+        for sym in elf[offset..offset + size].chunks_exact(24) {
+            if sym[4] & 0xf == 2 && le(sym, 8, 8) != 0 {
+                functions.push((c_str(elf, strings + le(sym, 0, 4) as usize), le(sym, 8, 8)));
+            }
+        }
+    }
+    (sections, functions)
+}
+
+/// `pattern` (where `*` stands for any run of characters) matches `name`.
+fn glob(pattern: &str, name: &str) -> bool {
+    let mut parts = pattern.split('*');
+    let first = parts.next().unwrap_or("");
+    let Some(mut rest) = name.strip_prefix(first) else {
+        return false;
+    };
+    let parts: Vec<&str> = parts.collect();
+    for (i, part) in parts.iter().enumerate() {
+        if i + 1 == parts.len() {
+            return rest.ends_with(part);
+        }
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    rest.is_empty()
+}
+
+/// The code a proxy runs is linked together ahead of the rest
+/// (`src/hot-text.ld`, README "Memory"): a hot function lies in `.text.hot`,
+/// one only the storm lab runs lies after it; and the script still names
+/// the functions of this code (else `benches/hot-text.sh` must be run
+/// again). Checked on the binary the tests run, linked as a release is.
+#[test]
+fn the_code_a_proxy_runs_is_linked_together_ahead_of_the_rest() {
+    if option_env!("HERDGUARD_HOT_TEXT_LINKED").is_none() {
+        eprintln!("linked without src/hot-text.ld (the linker is not LLD): nothing to check");
+        return;
+    }
+    let elf = std::fs::read(env!("CARGO_BIN_EXE_herdguard")).unwrap();
+    let (sections, functions) = elf_sections_and_functions(&elf);
+    let section = |name: &str| sections.iter().find(|s| s.name == name).unwrap();
+    let (hot, text) = (section(".text.hot"), section(".text"));
+    assert!(hot.size > 0 && hot.addr + hot.size <= text.addr);
+    let is_hot = |addr: u64| (hot.addr..hot.addr + hot.size).contains(&addr);
+    let placed = |prefix: &str| -> Vec<bool> {
+        let found: Vec<bool> = functions
+            .iter()
+            .filter(|(name, _)| name.starts_with(prefix))
+            .map(|(_, addr)| is_hot(*addr))
+            .collect();
+        assert!(!found.is_empty(), "no function {prefix}* in the binary");
+        found
+    };
+    // httparse reads every request head; the storm lab's plot only runs
+    // under `herdguard lab`.
+    assert!(placed("_ZN8httparse25parse_headers_iter_uninit17h")
+        .iter()
+        .all(|h| *h));
+    assert!(placed("_ZN9herdguard3lab4plot").iter().all(|h| !*h));
+
+    // The script's second list names functions without their hashes, and
+    // so matches a debug build too: most of its names are still here.
+    let script = include_str!("../src/hot-text.ld");
+    let names: Vec<&str> = script
+        .split("    *(\n")
+        .nth(2)
+        .expect("the script's second list")
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix(".text.*"))
+        .collect();
+    let missing: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|p| !functions.iter().any(|(name, _)| glob(p, name)))
+        .collect();
+    assert!(
+        missing.len() * 5 <= names.len(),
+        "src/hot-text.ld names {} of {} functions this binary lacks (run benches/hot-text.sh), e.g. {:?}",
+        missing.len(),
+        names.len(),
+        &missing[..missing.len().min(5)]
+    );
+}
+
+#[test]
+fn glob_takes_a_star_for_any_run_of_characters() {
+    assert!(glob("_ZN5hyper*", "_ZN5hyper4conn17h0123E"));
+    assert!(glob("_RNvCs*_3std3now", "_RNvCsjrHSEGnQ3l9_3std3now"));
+    assert!(glob("exact", "exact"));
+    assert!(!glob("exact", "exactly"));
+    assert!(!glob("_RNvCs*_3std3now", "_RNvCsjr_3core3now"));
+    assert!(!glob("a*b*c", "acb"));
+}

@@ -1,0 +1,64 @@
+//! Build script: the herdguard binary is linked with `src/hot-text.ld`,
+//! which puts the functions a proxy runs next to each other at the start of
+//! its code, ahead of what only a rare path or another command uses. The
+//! kernel maps a binary's code in by the 64 KiB around each page that runs,
+//! so code that ran spread over the whole binary kept most of it resident:
+//! 6.2-6.5 MiB of a 10.3-10.5 MiB peak under load; packed, 4.2 of 8.3
+//! (README, "Memory"). `benches/hot-text.sh` writes the script.
+//!
+//! Only when the linker is LLD, Rust's own on x86_64 Linux since 1.90 (or
+//! chosen with `-fuse-ld=lld`): GNU ld also takes the script, but matched
+//! its patterns for 12 minutes where LLD takes a second.
+//! `HERDGUARD_HOT_TEXT=0` links without it, `=1` with it whatever the linker.
+
+use std::env;
+use std::path::Path;
+use std::process::Command;
+
+fn main() {
+    println!("cargo::rerun-if-changed=src/hot-text.ld");
+    println!("cargo::rerun-if-env-changed=HERDGUARD_HOT_TEXT");
+    let wanted = match env::var("HERDGUARD_HOT_TEXT").as_deref() {
+        Ok("0") => false,
+        Ok("1") => true,
+        _ => linker_is_lld(),
+    };
+    if wanted {
+        // Tells tests/hot_text.rs to look for the hot part in the binary.
+        println!("cargo::rustc-env=HERDGUARD_HOT_TEXT_LINKED=1");
+        let root = env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
+        let script = Path::new(&root).join("src/hot-text.ld");
+        // Two arguments, so that no character of the path is read as a separator.
+        println!("cargo::rustc-link-arg-bin=herdguard=-T");
+        println!("cargo::rustc-link-arg-bin=herdguard={}", script.display());
+    }
+}
+
+/// Whether this build links with LLD: asked for in RUSTFLAGS, or Rust's
+/// default for the target (x86_64 Linux from 1.90) and no other linker named.
+fn linker_is_lld() -> bool {
+    let flags = env::var("CARGO_ENCODED_RUSTFLAGS").unwrap_or_default();
+    let flags: Vec<&str> = flags.split('\x1f').collect();
+    if flags.iter().any(|f| f.ends_with("-fuse-ld=lld")) {
+        return true;
+    }
+    let other_linker = env::var_os("RUSTC_LINKER").is_some()
+        || flags
+            .iter()
+            .any(|f| f.contains("-fuse-ld=") || f.contains("linker=") || f.contains("linker-f"));
+    let default_target = env::var("TARGET").is_ok_and(|t| t == "x86_64-unknown-linux-gnu");
+    !other_linker && default_target && rustc_minor().is_some_and(|minor| minor >= 90)
+}
+
+/// The minor version of the rustc building this crate (`1.95.0` -> 95).
+fn rustc_minor() -> Option<u32> {
+    let rustc = env::var_os("RUSTC")?;
+    let out = Command::new(rustc).arg("-vV").output().ok()?;
+    let text = String::from_utf8(out.stdout).ok()?;
+    let release = text.lines().find_map(|l| l.strip_prefix("release: "))?;
+    let mut parts = release.split('.');
+    match (parts.next(), parts.next()) {
+        (Some("1"), Some(minor)) => minor.parse().ok(),
+        _ => None,
+    }
+}

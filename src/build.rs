@@ -3,7 +3,7 @@
 //! its code, ahead of what only a rare path or another command uses. The
 //! kernel maps a binary's code in by the 64 KiB around each page that runs,
 //! so code that ran spread over the whole binary kept most of it resident:
-//! 6.2-6.5 MiB of a 10.3-10.5 MiB peak under load; packed, 4.2 of 8.3
+//! 6.2-6.6 MiB of a 10.1-10.8 MiB peak under load; packed, 4.2 of 8.1-8.6
 //! (README, "Memory"). `benches/hot-text.sh` writes the script.
 //!
 //! Only when the linker is LLD, Rust's own on x86_64 Linux since 1.90 (or

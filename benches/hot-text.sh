@@ -4,11 +4,12 @@
 # (README, "Memory": the code's pages are most of the resident set, and
 # spread over the whole binary they were all paged in).
 #
-# Runs the release binary under callgrind through what a sidecar does: start
-# from a config, proxy GETs and POSTs over 64 keep-alive connections, h2c,
-# a route whose upstream fails (retries, backoff, breaker), a thousand idle
-# connections, a metrics scrape, a reload (SIGHUP), and a graceful stop;
-# then lists every function of the binary that ran.
+# Runs the release binary under callgrind, with one thread and with two,
+# through what a sidecar does: start from a config, proxy GETs and POSTs
+# over 64 keep-alive connections, h2c, a route whose upstream fails
+# (retries, backoff, breaker), a thousand idle connections, a metrics
+# scrape, a reload (SIGHUP), and a graceful stop; then lists every function
+# of the binary that ran.
 #
 # Each function is written twice: by its exact symbol, so that with this
 # toolchain and Cargo.lock what ran lies packed together; and by its name
@@ -39,38 +40,52 @@ nginx -c "$WORK/upstream.conf" & PIDS+=($!)
 herdguard_conf herdguard $HG_PORT $HG_ADMIN $UP_PORT 3
 wait_port $UP_PORT
 
-RUST_LOG=info valgrind --tool=callgrind --demangle=no --dump-instr=no \
-  --callgrind-out-file="$WORK/callgrind.out" \
-  "$BIN" --config "$WORK/herdguard.toml" --threads 1 >"$WORK/hg.log" 2>&1 &
-HG=$!
-wait_port $HG_PORT
-URL="http://127.0.0.1:$HG_PORT"
-oha --no-tui --output-format quiet -n 20000 -c 64 "$URL/busy"
-oha --no-tui --output-format quiet -n 2000 -c 16 -m POST -d "$(head -c 2000 /dev/zero | tr '\0' x)" "$URL/post"
-for _ in $(seq 1 20); do curl -s -o /dev/null --max-time 10 --http2-prior-knowledge "$URL/h2c"; done
-for _ in $(seq 1 20); do curl -s -o /dev/null --max-time 10 "$URL/flaky"; done
-echo | python3 benches/idle.py $HG_PORT 1000 >/dev/null
-curl -s -o /dev/null --max-time 10 "http://127.0.0.1:$HG_ADMIN/metrics"
-kill -HUP $HG
-for _ in $(seq 1 50); do grep -q "config reloaded" "$WORK/hg.log" && break; sleep 0.2; done
-grep -q "config reloaded" "$WORK/hg.log" || echo "warning: the reload was not seen in 10 s" >&2
-oha --no-tui --output-format quiet -n 2000 -c 16 "$URL/after-reload"
-kill -TERM $HG; wait $HG || true
+# profile THREADS: the run, with the runtime of one thread (current-thread
+# scheduler, as in the benches) or of more (the multi-thread one, as in the
+# manifests); its profile in $WORK/callgrind.THREADS.
+profile() {
+  : > "$WORK/hg.log"
+  RUST_LOG=info valgrind --tool=callgrind --demangle=no --dump-instr=no \
+    --callgrind-out-file="$WORK/callgrind.$1" \
+    "$BIN" --config "$WORK/herdguard.toml" --threads "$1" >"$WORK/hg.log" 2>&1 &
+  local hg=$! url="http://127.0.0.1:$HG_PORT"
+  wait_port $HG_PORT
+  oha --no-tui --output-format quiet -n 20000 -c 64 "$url/busy"
+  oha --no-tui --output-format quiet -n 2000 -c 16 -m POST -d "$(head -c 2000 /dev/zero | tr '\0' x)" "$url/post"
+  for _ in $(seq 1 20); do curl -s -o /dev/null --max-time 10 --http2-prior-knowledge "$url/h2c"; done
+  for _ in $(seq 1 20); do curl -s -o /dev/null --max-time 10 "$url/flaky"; done
+  echo | python3 benches/idle.py $HG_PORT 1000 >/dev/null
+  curl -s -o /dev/null --max-time 10 "http://127.0.0.1:$HG_ADMIN/metrics"
+  kill -HUP $hg
+  for _ in $(seq 1 50); do grep -q "config reloaded" "$WORK/hg.log" && break; sleep 0.2; done
+  grep -q "config reloaded" "$WORK/hg.log" || echo "warning: the reload was not seen in 10 s" >&2
+  oha --no-tui --output-format quiet -n 2000 -c 16 "$url/after-reload"
+  kill -TERM $hg; wait $hg || true
+}
+profile 1
+profile 2
 
 nm --defined-only "$BIN" | awk 'NF == 3 && $2 ~ /^[tT]$/ { print $3 }' > "$WORK/symbols"
-python3 - "$WORK/callgrind.out" "$WORK/symbols" "$OUT" <<'PY'
+python3 - "$WORK/symbols" "$OUT" "$WORK"/callgrind.* <<'PY'
 import re, sys
 
-profile, symbols, out = sys.argv[1:]
+symbols, out, *profiles = sys.argv[1:]
 defined = set(open(symbols).read().split())
-# Every function named in the profile ran: callgrind names a function (`fn=`)
+# Every function named in a profile ran: callgrind names a function (`fn=`)
 # or a callee (`cfn=`) the first time it is met, and only what was executed.
-named = set()
-for line in open(profile, errors="replace"):
-    m = re.match(r"^c?fn=\(\d+\) (.*)$", line.rstrip("\n"))
-    if m:
-        named.add(m.group(1))
-ran = sorted(named & defined)
+ran_in = {}  # function -> the runs (1 thread, 2) it ran in
+for run, profile in enumerate(sorted(profiles)):
+    for line in open(profile, errors="replace"):
+        m = re.match(r"^c?fn=\(\d+\) (.*)$", line.rstrip("\n"))
+        if m and m.group(1) in defined:
+            ran_in.setdefault(m.group(1), set()).add(run)
+ran = sorted(ran_in)
+# What ran in every run first, then what ran only with one thread, then
+# only with two: each process touches one stretch, not two interleaved.
+groups = {}
+for name in ran:
+    groups.setdefault(tuple(sorted(ran_in[name])), []).append(name)
+blocks = [groups[k] for k in sorted(groups, key=lambda k: (-len(k), k))]
 
 def without_hashes(name):
     legacy = re.match(r"^(_ZN.*17h)[0-9a-f]{16}E", name)
@@ -78,19 +93,20 @@ def without_hashes(name):
         return legacy.group(1) + "*"
     return re.sub(r"Cs[0-9A-Za-z]+_", "Cs*_", name)
 
-loose = [p for p in dict.fromkeys(without_hashes(n) for n in ran) if p not in named]
+loose = [p for p in dict.fromkeys(without_hashes(n) for n in ran) if p not in ran_in]
 with open(out, "w") as f:
     f.write(
         "/* Generated by benches/hot-text.sh: the functions that ran while the release\n"
-        "   binary proxied, then the same names without their hashes. `.text.*`\n"
-        "   takes a function's section whether LLVM named it `.text.` or, for a cold\n"
-        "   one, `.text.unlikely.`. One list per block: the linker matches a block's\n"
-        "   patterns in one pass over the sections (a block per function took 8 s\n"
-        "   more to link a debug build). src/build.rs passes this file to the linker\n"
-        "   (README, \"Memory\"). Do not edit. */\n"
+        "   binary proxied (what ran with one thread and with two, then what ran\n"
+        "   with one only, then with two only), then the same names without their\n"
+        "   hashes. `.text.*` takes a function's section whether LLVM named it\n"
+        "   `.text.` or, for a cold one, `.text.unlikely.`. One list per block: the\n"
+        "   linker matches a block's patterns in one pass over the sections (a block\n"
+        "   per function took 8 s more to link a debug build). src/build.rs passes\n"
+        "   this file to the linker (README, \"Memory\"). Do not edit. */\n"
         "SECTIONS\n{\n  .text.hot :\n  {\n"
     )
-    for block in (ran, loose):
+    for block in blocks + [loose]:
         f.write("    *(\n")
         for n in block:
             f.write(f"      .text.*{n}\n")

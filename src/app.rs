@@ -28,6 +28,17 @@ use crate::proxy::{BuildError, Caller, Proxy, Runtime};
 /// HTTP/2 streams one caller connection may have open at once.
 const MAX_STREAMS: u32 = 100;
 
+/// The most of an unfinished HTTP/1 request head (its request line and
+/// header fields) a caller connection may have buffered: past it, hyper
+/// answers 431 and the request is never forwarded. hyper checks when a read
+/// leaves the head unfinished, so a head read in large pieces may reach
+/// twice this. hyper's default (about 400 KB) let each caller connection
+/// hold that much while its head arrived, for up to `header_read_timeout`:
+/// 400 connections sending 390 KB heads held 158 MiB. Envoy allows 60 KiB,
+/// nginx 32 KiB (4 lines of 8 KiB), HAProxy 16 KiB. Also the most hyper
+/// reads at once from a caller.
+const MAX_REQUEST_HEAD: usize = 64 * 1024;
+
 /// Why the proxy could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -889,6 +900,7 @@ async fn accept_loop<M, S, B>(
     let mut h1 = http1::Builder::new();
     h1.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(MAX_REQUEST_HEAD)
         .keep_alive(true);
     let mut h2 = http2::Builder::new(TokioExecutor::new());
     // One connection's streams may each hold an upstream slot: at most 100

@@ -6,10 +6,13 @@
 //! 6.2-6.6 MiB of a 10.1-10.8 MiB peak under load; packed, 4.2 of 8.1-8.6
 //! (README, "Memory"). `benches/hot-text.sh` writes the script.
 //!
-//! Only when the linker is LLD, Rust's own on x86_64 Linux since 1.90 (or
-//! chosen with `-fuse-ld=lld`): GNU ld also takes the script, but matched
-//! its patterns for 12 minutes where LLD takes a second.
-//! `HERDGUARD_HOT_TEXT=0` links without it, `=1` with it whatever the linker.
+//! Only when the linker is LLD: Rust's own on x86_64 Linux since 1.90, when
+//! the toolchain ships it (rustup's do; a distribution's may not), or chosen
+//! with `-fuse-ld=lld`. GNU ld also takes the script, but matched its
+//! patterns for 12 minutes where LLD takes a second; mold does not take
+//! such scripts. `HERDGUARD_HOT_TEXT=0` links without it (say so when the
+//! linker is swapped behind rustc's back, as `mold -run` does), `=1` with it
+//! whatever the linker.
 
 use std::env;
 use std::path::Path;
@@ -35,7 +38,8 @@ fn main() {
 }
 
 /// Whether this build links with LLD: asked for in RUSTFLAGS, or Rust's
-/// default for the target (x86_64 Linux from 1.90) and no other linker named.
+/// default for the target (x86_64 Linux from 1.90, with the `rust-lld` the
+/// toolchain ships) and no other linker named.
 fn linker_is_lld() -> bool {
     let flags = env::var("CARGO_ENCODED_RUSTFLAGS").unwrap_or_default();
     let flags: Vec<&str> = flags.split('\x1f').collect();
@@ -47,14 +51,34 @@ fn linker_is_lld() -> bool {
             .iter()
             .any(|f| f.contains("-fuse-ld=") || f.contains("linker=") || f.contains("linker-f"));
     let default_target = env::var("TARGET").is_ok_and(|t| t == "x86_64-unknown-linux-gnu");
-    !other_linker && default_target && rustc_minor().is_some_and(|minor| minor >= 90)
+    !other_linker
+        && default_target
+        && rustc_minor().is_some_and(|minor| minor >= 90)
+        && ships_lld().unwrap_or(false)
+}
+
+/// The output of the rustc building this crate, run with `args`.
+fn rustc(args: &[&str]) -> Option<String> {
+    let rustc = env::var_os("RUSTC")?;
+    let out = Command::new(rustc).args(args).output().ok()?;
+    String::from_utf8(out.stdout).ok()
+}
+
+/// Whether the toolchain has the LLD that rustc links with by default
+/// (`<sysroot>/lib/rustlib/<host>/bin/gcc-ld/ld.lld`).
+fn ships_lld() -> Option<bool> {
+    let sysroot = rustc(&["--print", "sysroot"])?;
+    let host = env::var("HOST").ok()?;
+    let lld = Path::new(sysroot.trim())
+        .join("lib/rustlib")
+        .join(host)
+        .join("bin/gcc-ld/ld.lld");
+    Some(lld.exists())
 }
 
 /// The minor version of the rustc building this crate (`1.95.0` -> 95).
 fn rustc_minor() -> Option<u32> {
-    let rustc = env::var_os("RUSTC")?;
-    let out = Command::new(rustc).arg("-vV").output().ok()?;
-    let text = String::from_utf8(out.stdout).ok()?;
+    let text = rustc(&["-vV"])?;
     let release = text.lines().find_map(|l| l.strip_prefix("release: "))?;
     let mut parts = release.split('.');
     match (parts.next(), parts.next()) {

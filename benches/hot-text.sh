@@ -6,10 +6,11 @@
 #
 # Runs the release binary under callgrind, with one thread and with two,
 # through what a sidecar does: start from a config, proxy GETs and POSTs
-# over 64 keep-alive connections, h2c, a route whose upstream fails
-# (retries, backoff, breaker), a thousand idle connections, a metrics
-# scrape, a reload (SIGHUP), and a graceful stop; then lists every function
-# of the binary that ran.
+# over 64 keep-alive connections, h2c under load, a route whose upstream
+# fails (retries, backoff, breaker) and one where nothing listens, 4 MB
+# bodies both ways (chunked too), malformed and hostile requests, a thousand
+# idle connections, the admin endpoints, a reload (SIGHUP), and a graceful
+# stop; then lists every function of the binary that ran.
 #
 # Each function is written twice: by its exact symbol, so that with this
 # toolchain and Cargo.lock what ran lies packed together; and by its name
@@ -25,20 +26,68 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-src/hot-text.ld}
-UP_PORT=18701 HG_PORT=18702 HG_ADMIN=18703
+UP_PORT=18701 HG_PORT=18702 HG_ADMIN=18703 DEAD_PORT=18704
 
 . benches/common.sh
 install_tools valgrind:valgrind nginx:nginx-light curl:curl python3:python3
 cargo build --release --quiet
 BIN=./target/release/herdguard
-ports_free $UP_PORT $HG_PORT $HG_ADMIN
+ports_free $UP_PORT $HG_PORT $HG_ADMIN $DEAD_PORT
 scratch_and_pinning
 
+head -c 4000000 /dev/urandom > "$WORK/big.bin"
 nginx_conf upstream $UP_PORT on "" \
-  'location / { return 200 "hello from upstream\n"; } location /flaky { return 503 "down\n"; }'
+  "location / { return 200 \"hello from upstream\n\"; } location /flaky { return 503 \"down\n\"; }
+   location /file { alias $WORK/big.bin; } location /upload { return 200 \"taken\n\"; }"
 nginx -c "$WORK/upstream.conf" & PIDS+=($!)
-herdguard_conf herdguard $HG_PORT $HG_ADMIN $UP_PORT 3
+# Two routes: /dead to a port where nothing listens (connections refused,
+# retried), the rest to nginx.
+cat > "$WORK/herdguard.toml" <<CONF
+[listen]
+address = "127.0.0.1:$HG_PORT"
+[admin]
+address = "127.0.0.1:$HG_ADMIN"
+[upstreams.up]
+endpoints = ["http://127.0.0.1:$UP_PORT"]
+[upstreams.dead]
+endpoints = ["http://127.0.0.1:$DEAD_PORT"]
+[[routes]]
+name = "dead"
+upstream = "dead"
+match = { path_prefix = "/dead" }
+[[routes]]
+name = "all"
+upstream = "up"
+retry = { attempts = 3 }
+CONF
 wait_port $UP_PORT
+
+# odd PORT: requests a careless or hostile caller sends, one connection each.
+odd() {
+  python3 - "$1" <<'PY'
+import socket, sys
+port = int(sys.argv[1])
+for raw in [
+    b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 200000 + b"\r\n\r\n",
+    b"GET / HTTP/1.1\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(500)) + b"Host: x\r\n\r\n",
+    b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!",
+    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"A" * 100,
+    b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n",
+    b"CONNECT 127.0.0.1:1 HTTP/1.1\r\nHost: 127.0.0.1:1\r\n\r\n",
+    b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello",
+]:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        s.sendall(raw)
+        s.recv(4096)
+    except OSError:
+        pass
+    s.close()
+PY
+}
 
 # profile THREADS: the run, with the runtime of one thread (current-thread
 # scheduler, as in the benches) or of more (the multi-thread one, as in the
@@ -53,9 +102,17 @@ profile() {
   oha --no-tui --output-format quiet -n 20000 -c 64 "$url/busy"
   oha --no-tui --output-format quiet -n 2000 -c 16 -m POST -d "$(head -c 2000 /dev/zero | tr '\0' x)" "$url/post"
   for _ in $(seq 1 20); do curl -s -o /dev/null --max-time 10 --http2-prior-knowledge "$url/h2c"; done
+  oha --no-tui --output-format quiet --http2 -n 5000 -c 16 -p 1 "$url/h2"
   for _ in $(seq 1 20); do curl -s -o /dev/null --max-time 10 "$url/flaky"; done
+  for _ in 1 2 3; do curl -s -o /dev/null --max-time 10 "$url/dead"; done
+  curl -s -o /dev/null --max-time 30 --data-binary @"$WORK/big.bin" "$url/upload"
+  curl -s -o /dev/null --max-time 30 -T "$WORK/big.bin" -H "Transfer-Encoding: chunked" "$url/upload"
+  curl -s -o /dev/null --max-time 30 "$url/file"
+  odd $HG_PORT
   echo | python3 benches/idle.py $HG_PORT 1000 >/dev/null
-  curl -s -o /dev/null --max-time 10 "http://127.0.0.1:$HG_ADMIN/metrics"
+  for p in metrics healthz readyz config breakers nope; do
+    curl -s -o /dev/null --max-time 10 "http://127.0.0.1:$HG_ADMIN/$p"
+  done
   kill -HUP $hg
   for _ in $(seq 1 50); do grep -q "config reloaded" "$WORK/hg.log" && break; sleep 0.2; done
   grep -q "config reloaded" "$WORK/hg.log" || echo "warning: the reload was not seen in 10 s" >&2

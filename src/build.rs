@@ -27,10 +27,9 @@ fn main() {
         _ => linker_is_lld(),
     };
     if wanted {
-        // Tells tests/hot_text.rs to look for the hot part in the binary.
+        // Tells tests/memory.rs to look for the packed code in the binary.
         println!("cargo::rustc-env=HERDGUARD_HOT_TEXT_LINKED=1");
-        let root = env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
-        let script = Path::new(&root).join("src/hot-text.ld");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/hot-text.ld");
         // Two arguments, so that no character of the path is read as a separator.
         println!("cargo::rustc-link-arg-bin=herdguard=-T");
         println!("cargo::rustc-link-arg-bin=herdguard={}", script.display());

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Build and run choices, measured side by side in one run: the shipped
-# build (panic = "abort", glibc's malloc trimmed) against panic = "unwind",
-# mimalloc (purging at once), mimalloc's delayed purge, and the shipped build
-# with the access log on (written to a file). For each: binary size, closed-loop
+# build (panic = "abort", glibc's malloc trimmed) against panic = "unwind"
+# and the shipped build with the access log on (written to a file). For each: binary size, closed-loop
 # req/s and p99 through the proxy (wrk, 64 connections, CPU-pinned as in
 # proxy.sh), peak RSS under that load, and RSS after a reload from 10,000
 # routes back to 2. Reported as ratios to the shipped build.
@@ -21,24 +20,17 @@ UP_PORT=18281 HG_PORT=18283 HG_ADMIN=18284
 install_tools wrk:wrk nginx:nginx-light
 ports_free $UP_PORT $HG_PORT $HG_ADMIN
 
-VARIANTS=${VARIANTS:-shipped unwind mimalloc delayed-purge access-log}
+VARIANTS=${VARIANTS:-shipped unwind access-log}
 echo "building the variants (release, fat LTO: a few minutes each)..." >&2
 [ "${SKIP_BUILD:-}" ] || cargo build --release --quiet
 case " $VARIANTS " in *" unwind "*)
   CARGO_PROFILE_RELEASE_PANIC=unwind cargo build --release --quiet --target-dir target/choice-unwind ;; esac
-case " $VARIANTS " in *" mimalloc "*|*" delayed-purge "*)
-  cargo build --release --quiet --features mimalloc --target-dir target/choice-mimalloc ;; esac
 declare -A BIN=(
   [shipped]=target/release/herdguard
   [unwind]=target/choice-unwind/release/herdguard
-  [mimalloc]=target/choice-mimalloc/release/herdguard
-  [delayed-purge]=target/choice-mimalloc/release/herdguard
   [access-log]=target/release/herdguard
 )
-# delayed-purge: the mimalloc build with mimalloc's own purge delay (10 ms,
-# then only when the owning thread allocates) instead of purging at once
-# (see purge_freed_memory_at_once in src/main.rs).
-declare -A ENVS=([delayed-purge]="MIMALLOC_PURGE_DELAY=10")
+declare -A ENVS=()
 # access-log: the shipped binary with [access_log] on (text), its lines
 # written to a file, to measure what the log costs per request.
 declare -A EXTRA=([access-log]=$'[access_log]\nenabled = true\n')

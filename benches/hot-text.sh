@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Writes src/hot-text.ld, the linker script that puts the functions a
+# Writes deploy/hot-text.ld, the linker script that puts the functions a
 # running proxy executes next to each other at the start of the code
-# (README, "Memory": the code's pages are most of the resident set, and
+# (docs/memory.md: the code's pages are most of the resident set, and
 # spread over the whole binary they were all paged in).
 #
 # Runs the release binary under callgrind, with one thread and with two,
@@ -19,13 +19,13 @@
 # when the exact symbols no longer match, every instance of a function that
 # ran still lands in the hot part, with its siblings after what ran.
 #
-#   benches/hot-text.sh            # rewrites src/hot-text.ld; rebuild to use it
+#   benches/hot-text.sh            # rewrites deploy/hot-text.ld; deploy/release-build.sh uses it
 #
 # Installs valgrind and nginx from Debian, and oha with cargo, when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-OUT=${OUT:-src/hot-text.ld}
+OUT=${OUT:-deploy/hot-text.ld}
 UP_PORT=18701 HG_PORT=18702 HG_ADMIN=18703 DEAD_PORT=18704
 
 . benches/common.sh
@@ -159,8 +159,8 @@ with open(out, "w") as f:
         "   hashes. `.text.*` takes a function's section whether LLVM named it\n"
         "   `.text.` or, for a cold one, `.text.unlikely.`. One list per block: the\n"
         "   linker matches a block's patterns in one pass over the sections (a block\n"
-        "   per function took 8 s more to link a debug build). src/build.rs passes\n"
-        "   this file to the linker (README, \"Memory\"). Do not edit. */\n"
+        "   per function took 8 s more to link a debug build). deploy/release-build.sh\n"
+        "   passes this file to the linker (docs/memory.md). Do not edit. */\n"
         "SECTIONS\n{\n  .text.hot :\n  {\n"
     )
     for block in blocks + [loose]:

@@ -11,7 +11,6 @@ pub mod config;
 pub mod demo;
 pub mod drain;
 pub mod h1;
-pub mod lab;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;

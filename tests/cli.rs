@@ -126,12 +126,7 @@ fn version_and_help() {
 
 #[test]
 fn counts_of_zero_are_usage_errors() {
-    for args in [
-        &["demo", "--callers", "0"][..],
-        &["lab", "outage", "--callers", "0"],
-        &["lab", "backoff", "--clients", "10,0"],
-        &["lab", "backoff", "--trials", "0"],
-    ] {
+    for args in [&["demo", "--callers", "0"][..]] {
         let out = Command::new(BIN).args(args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");

@@ -331,5 +331,11 @@ fn dockerfile_is_multi_stage_and_runs_as_non_root() {
         .expect("a USER line");
     assert!(!user.contains("root") || user.contains("nonroot"));
     assert!(user.contains("65532"), "{user}");
-    assert!(text.contains("cargo build --release --locked"));
+    // The release step the image runs builds from the lock file.
+    assert!(text.contains("RUN deploy/release-build.sh"), "{text}");
+    let script = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/release-build.sh"),
+    )
+    .unwrap();
+    assert!(script.contains("cargo rustc --release --locked --bin herdguard"));
 }

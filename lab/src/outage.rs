@@ -34,8 +34,8 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::app::Server;
-use crate::config::Config;
+use herdguard::app::Server;
+use herdguard::config::Config;
 
 /// What to run.
 #[derive(Debug, Clone)]

@@ -16,8 +16,8 @@ use std::time::Duration;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::config::Jitter;
-use crate::policy::{Backoff, BackoffState};
+use herdguard::config::Jitter;
+use herdguard::policy::{Backoff, BackoffState};
 
 /// How a client waits before trying again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

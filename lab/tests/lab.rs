@@ -1,15 +1,15 @@
-//! `herdguard lab plot`, and the plots the other lab commands write: drawn
+//! `herdguard-lab plot`, and the plots the other lab commands write: drawn
 //! from the data alone, so the committed plots must be what the committed
 //! CSV files give.
 
 use std::path::Path;
 use std::process::Command;
 
-use herdguard::lab::backoff::{self, Strategy};
-use herdguard::lab::{outage, plot};
+use herdguard_lab::backoff::{self, Strategy};
+use herdguard_lab::{outage, plot};
 
-fn herdguard() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_herdguard"))
+fn lab() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_herdguard-lab"))
 }
 
 /// (stroke colour, number of points) of each polyline with more than two
@@ -31,14 +31,14 @@ fn legend_has(svg: &str, label: &str) -> bool {
 }
 
 fn docs_lab() -> &'static Path {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/lab"))
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/lab"))
 }
 
 #[test]
 fn committed_plots_are_what_the_committed_data_gives() {
     let out = tempfile::tempdir().unwrap();
-    let status = herdguard()
-        .args(["lab", "plot", "--from"])
+    let status = lab()
+        .args(["plot", "--from"])
         .arg(docs_lab())
         .arg("--out")
         .arg(out.path())
@@ -50,7 +50,7 @@ fn committed_plots_are_what_the_committed_data_gives() {
         let committed = std::fs::read_to_string(docs_lab().join(name)).unwrap();
         assert!(
             drawn == committed,
-            "docs/lab/{name} is stale: run `herdguard lab plot --from docs/lab`"
+            "docs/lab/{name} is stale: run `cargo run -p herdguard-lab -- plot --from docs/lab`"
         );
     }
 }
@@ -117,8 +117,8 @@ fn a_broken_csv_file_names_its_file_and_line() {
         "strategy,clients,work,time_ms\nfull-jitter,10,41.8,445.7\nfull-jitter,ten,1,1\n",
     )
     .unwrap();
-    let out = herdguard()
-        .args(["lab", "plot", "--from"])
+    let out = lab()
+        .args(["plot", "--from"])
         .arg(dir.path())
         .output()
         .unwrap();
@@ -131,8 +131,8 @@ fn a_broken_csv_file_names_its_file_and_line() {
     assert!(!dir.path().join("backoff.svg").exists());
 
     let empty = tempfile::tempdir().unwrap();
-    let out = herdguard()
-        .args(["lab", "plot", "--from"])
+    let out = lab()
+        .args(["plot", "--from"])
         .arg(empty.path())
         .output()
         .unwrap();
@@ -143,16 +143,8 @@ fn a_broken_csv_file_names_its_file_and_line() {
 #[test]
 fn lab_backoff_writes_its_table_csv_and_plot() {
     let dir = tempfile::tempdir().unwrap();
-    let out = herdguard()
-        .args([
-            "lab",
-            "backoff",
-            "--clients",
-            "5,10",
-            "--trials",
-            "2",
-            "--out",
-        ])
+    let out = lab()
+        .args(["backoff", "--clients", "5,10", "--trials", "2", "--out"])
         .arg(dir.path())
         .output()
         .unwrap();
@@ -165,4 +157,18 @@ fn lab_backoff_writes_its_table_csv_and_plot() {
         svg,
         plot::backoff(&backoff::parse_csv(&csv).unwrap()).unwrap()
     );
+}
+
+#[test]
+fn counts_of_zero_are_usage_errors() {
+    for args in [
+        &["outage", "--callers", "0"][..],
+        &["backoff", "--clients", "10,0"],
+        &["backoff", "--trials", "0"],
+    ] {
+        let out = lab().args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("must be at least 1"), "{args:?}: {err}");
+    }
 }

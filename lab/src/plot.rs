@@ -5,8 +5,8 @@
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use super::backoff::{Row, Strategy};
-use super::outage::Second;
+use crate::backoff::{Row, Strategy};
+use crate::outage::Second;
 
 #[derive(Debug, thiserror::Error)]
 #[error("cannot draw the plot: {0}")]

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The release build that ships: target/release/herdguard linked with
+# deploy/hot-text.ld, which puts the functions a running proxy executes next
+# to each other ahead of the rest of the code. The kernel maps a binary's
+# code in by the 64 KiB around each page that runs, so hot code spread over
+# the whole binary keeps most of it resident; packed, the peak at 64 busy
+# connections is about 2 MiB lower (docs/memory.md has the figures and how
+# to measure them again).
+#
+#   deploy/release-build.sh            # what deploy/Dockerfile runs
+#   HOT_TEXT=0 deploy/release-build.sh # a plain release build
+#
+# The script is passed only when the linker is LLD (Rust's default on
+# x86_64 Linux since 1.90 when the toolchain ships rust-lld): GNU ld takes
+# it too but needs minutes to match its patterns, and mold ignores it.
+# After the build, the layout is checked: the request head parser lies in
+# `.text.hot`, and most of the script's hash-free names still exist (when
+# they do not, run benches/hot-text.sh again and commit its output).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SCRIPT=deploy/hot-text.ld
+BIN=target/release/herdguard
+
+ships_lld() {
+    local sysroot host
+    sysroot=$(rustc --print sysroot) || return 1
+    host=$(rustc -vV | sed -n 's/^host: //p')
+    [ "$host" = x86_64-unknown-linux-gnu ] && [ -x "$sysroot/lib/rustlib/$host/bin/gcc-ld/ld.lld" ]
+}
+
+if [ "${HOT_TEXT:-1}" = 0 ] || ! ships_lld; then
+    echo "release-build: linking without $SCRIPT (HOT_TEXT=0, or the toolchain has no rust-lld)" >&2
+    cargo build --release --locked --bin herdguard
+    exit 0
+fi
+
+# `cargo rustc` hands the link arguments to the herdguard binary alone; two
+# arguments, so that no character of the path is read as a separator.
+cargo rustc --release --locked --bin herdguard -- \
+    -C link-arg=-T -C "link-arg=$PWD/$SCRIPT"
+
+# The layout, checked on what was built.
+hot=$(readelf -SW "$BIN" | awk '$2 == ".text.hot" { print $4, $6 }')
+[ -n "$hot" ] || { echo "release-build: $BIN has no .text.hot section" >&2; exit 1; }
+read -r hot_addr hot_size <<<"$hot"
+symbols=$(mktemp)
+trap 'rm -f "$symbols"' EXIT
+nm --defined-only "$BIN" >"$symbols"
+python3 - "$SCRIPT" "$hot_addr" "$hot_size" "$symbols" <<'PY'
+import fnmatch, sys
+script, start, size = sys.argv[1], int(sys.argv[2], 16), int(sys.argv[3], 16)
+functions = {}
+for line in open(sys.argv[4]):
+    parts = line.split()
+    if len(parts) == 3 and parts[1] in "tT":
+        functions[parts[2]] = int(parts[0], 16)
+hot = lambda addr: start <= addr < start + size
+parser = [a for n, a in functions.items() if n.startswith("_ZN8httparse25parse_headers_iter_uninit17h")]
+if not parser or not all(hot(a) for a in parser):
+    sys.exit("release-build: httparse's head parser is not in .text.hot")
+names = [l.strip()[len(".text.*"):] for l in open(script).read().rsplit("    *(\n", 1)[1].splitlines()
+         if l.strip().startswith(".text.*")]
+missing = [p for p in names if not any(fnmatch.fnmatchcase(n, p) for n in functions)]
+if len(missing) * 5 > len(names):
+    sys.exit(f"release-build: {script} names {len(missing)} of {len(names)} functions this binary "
+             f"lacks (run benches/hot-text.sh again), e.g. {missing[:5]}")
+print(f"release-build: herdguard linked with {script}: "
+      f".text.hot {size // 1024} KiB, {len(names) - len(missing)} of {len(names)} names present",
+      file=sys.stderr)
+PY

@@ -28,9 +28,9 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, MissedTickBehavior};
 
-use crate::access_log;
 use crate::app::Server;
 use crate::config::Config;
+use crate::observe::access_log;
 
 #[derive(Debug, Clone)]
 pub struct Params {
@@ -396,7 +396,7 @@ pub async fn run(
     let mut config = Config::for_upstream(&format!("http://{upstream}"), localhost, localhost)
         .map_err(|e| std::io::Error::other(e.to_string()))?;
     if let Some(path) = &p.access_log {
-        crate::access_log::write_to(path)?;
+        crate::observe::access_log::write_to(path)?;
         config.access_log.enabled = true;
     }
     let server = Server::start(config).await.map_err(std::io::Error::other)?;

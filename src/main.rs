@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 use herdguard::app::Server;
 use herdguard::config::{Checked, Config};
 use herdguard::demo;
-use herdguard::telemetry::{self, LogFormat};
+use herdguard::observe::telemetry::{self, LogFormat};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info, warn};
 
@@ -351,7 +351,7 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
     }
     server.shutdown();
     server.wait().await;
-    herdguard::access_log::flush(std::time::Duration::from_secs(2));
+    herdguard::observe::access_log::flush(std::time::Duration::from_secs(2));
     info!("stopped");
     ExitCode::SUCCESS
 }

@@ -1,7 +1,9 @@
 //! Retries and skipped retries are logged with their reasons. Alone in its
-//! own test binary: it installs a log subscriber for its thread, and tracing's
-//! per-callsite interest cache must not race with other tests' threads.
+//! own test binary, outside `tests/it`: it installs a log subscriber for its
+//! thread, and tracing's per-callsite interest cache must not race with other
+//! tests' threads.
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use std::sync::{Arc, Mutex};

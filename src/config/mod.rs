@@ -3,6 +3,7 @@
 
 mod load;
 pub mod schema;
+pub mod tls;
 pub mod units;
 mod validate;
 

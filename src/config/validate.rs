@@ -26,7 +26,8 @@ type Report<'a> = dyn FnMut(KeyPath, String) + 'a;
 /// and the files, mid-rotation, may not match for a moment.
 pub(super) fn tls_files(config: &Config, report: &mut Report<'_>) {
     if let Some(tls) = &config.listen.tls {
-        if let Err(e) = crate::tls::Tls::new(&tls.cert, &tls.key, tls.client_ca.as_deref()) {
+        if let Err(e) = crate::config::tls::Tls::new(&tls.cert, &tls.key, tls.client_ca.as_deref())
+        {
             report(KeyPath::root().key("listen").key("tls"), e.to_string());
         }
     }

@@ -9,8 +9,8 @@ use rand::Rng;
 
 use crate::policy::{CallerFault, Outcome, Refusal, UpstreamFault};
 
-use super::body::ResponseBody;
 use super::headers::X_HERDGUARD_ERROR;
+use super::ResponseBody;
 use crate::policy::GrpcStatus;
 
 /// Why the proxy answered instead of the upstream.
@@ -184,4 +184,46 @@ pub fn grpc_shaped(resp: Response<ResponseBody>) -> Response<ResponseBody> {
         h.insert("grpc-message", message);
     }
     Response::from_parts(parts, ResponseBody::local(bytes::Bytes::new()))
+}
+/// The answer to an `OPTIONS` or `TRACE` with `Max-Forwards: 0`: this hop is
+/// its final recipient, and answers itself. `OPTIONS` gets the methods the
+/// proxy forwards; `TRACE` its own request head back as `message/http`,
+/// without the fields that carry credentials.
+pub fn max_forwards_reached<B>(req: &http::Request<B>) -> Option<http::Response<ResponseBody>> {
+    if crate::wire::headers::max_forwards(req.method(), req.headers())? != 0 {
+        return None;
+    }
+    let mut resp = if req.method() == http::Method::TRACE {
+        let mut echo = format!("TRACE {} {:?}\r\n", req.uri(), req.version()).into_bytes();
+        for (name, value) in req.headers() {
+            if [
+                http::header::AUTHORIZATION,
+                http::header::COOKIE,
+                http::header::PROXY_AUTHORIZATION,
+            ]
+            .contains(name)
+            {
+                continue;
+            }
+            echo.extend_from_slice(name.as_str().as_bytes());
+            echo.extend_from_slice(b": ");
+            echo.extend_from_slice(value.as_bytes());
+            echo.extend_from_slice(b"\r\n");
+        }
+        let mut resp = http::Response::new(ResponseBody::local(echo));
+        resp.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("message/http"),
+        );
+        resp
+    } else {
+        let mut resp = http::Response::new(ResponseBody::local(bytes::Bytes::new()));
+        resp.headers_mut().insert(
+            http::header::ALLOW,
+            http::HeaderValue::from_static("GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS, TRACE"),
+        );
+        resp
+    };
+    crate::wire::headers::add_via(resp.headers_mut(), http::Version::HTTP_11);
+    Some(resp)
 }

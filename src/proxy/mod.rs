@@ -1,33 +1,27 @@
 //! The proxy service: route a request, forward it upstream under the header
 //! rules, and stream the response back.
 
-mod attempt;
-mod body;
 mod error;
-pub mod headers;
-mod pool;
-mod replay;
-pub mod tunnel;
-mod upstream;
+mod response;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use crate::h1::{CallerBody, CallerUpgrade};
+use crate::wire::{CallerBody, CallerUpgrade};
 use arc_swap::ArcSwap;
 use http::header::HOST;
 use http::{HeaderValue, Method, Request, Response, StatusCode, Version};
 use tokio::time::Instant;
 
-pub use body::{caller_fault, BoxError, Progress, RequestBody, ResponseBody};
-pub use error::LocalError;
-pub use pool::{PoolError, Pooled};
-pub use replay::ReplayBody;
-pub use upstream::{InFlight, SendError, Upstream, UpstreamError};
+pub use error::{max_forwards_reached, LocalError};
+pub use response::ResponseBody;
 
-use crate::access_log::{AccessLog, Entry, Logged};
+use crate::upstream::{attempt, Upstream, UpstreamError};
+use crate::wire::headers;
+
 use crate::config::{Config, RouteConfig};
-use crate::metrics::{self, Metrics, RouteMetrics};
+use crate::observe::access_log::{AccessLog, Entry, Logged};
+use crate::observe::metrics::{self, Metrics, RouteMetrics};
 use crate::policy::breaker::{Breaker, SharedBreaker};
 use crate::policy::route::{Matcher, RequestInfo};
 use crate::policy::{Budget, CallerFault, Policy};
@@ -133,7 +127,7 @@ impl Runtime {
             .collect::<Result<_, _>>()?;
         let access_log = AccessLog::new(
             &config.access_log,
-            registry.counter(crate::access_log::DROPPED, &[]),
+            registry.counter(crate::observe::access_log::DROPPED, &[]),
         );
         Ok(Self {
             config,
@@ -254,7 +248,7 @@ pub struct Proxy {
     runtime: ArcSwap<Runtime>,
     metrics: Arc<Metrics>,
     /// Upgraded connections open, for the drain.
-    tunnels: Arc<tunnel::OpenTunnels>,
+    tunnels: Arc<crate::upstream::tunnel::OpenTunnels>,
 }
 
 impl Proxy {
@@ -281,7 +275,7 @@ impl Proxy {
     }
 
     /// Upgraded connections (WebSockets) open now, under any config.
-    pub fn tunnels(&self) -> &Arc<tunnel::OpenTunnels> {
+    pub fn tunnels(&self) -> &Arc<crate::upstream::tunnel::OpenTunnels> {
         &self.tunnels
     }
 
@@ -348,7 +342,7 @@ impl Proxy {
                 return resp;
             }
         };
-        if let Some(resp) = headers::max_forwards_reached(&req) {
+        if let Some(resp) = error::max_forwards_reached(&req) {
             metrics::unrouted(&self.metrics, resp.status());
             return resp;
         }
@@ -429,7 +423,7 @@ async fn forward(
     caller: &Caller,
     start: Instant,
     mut log: Option<&mut Entry>,
-    tunnels: &Arc<tunnel::OpenTunnels>,
+    tunnels: &Arc<crate::upstream::tunnel::OpenTunnels>,
 ) -> Response<ResponseBody> {
     // Only a connection that can hand its caller's side over is upgraded.
     let upgrade = headers::requested_upgrade(req.version(), req.headers())
@@ -603,7 +597,13 @@ async fn forward(
         if let (Some(caller), Some(place)) = (caller_upgrade, tunnel_place) {
             let upstream_side = hyper::upgrade::on(&mut resp);
             let tracked = tunnels.track();
-            tokio::spawn(tunnel::relay(caller, upstream_side, slot, place, tracked));
+            tokio::spawn(crate::upstream::tunnel::relay(
+                caller,
+                upstream_side,
+                slot,
+                place,
+                tracked,
+            ));
             let (mut parts, _) = resp.into_parts();
             finish_headers(&mut parts.headers, true, attempts);
             return Response::from_parts(parts, ResponseBody::local(bytes::Bytes::new()));
@@ -640,19 +640,4 @@ fn finish_headers(h: &mut http::HeaderMap, upgrade: bool, attempts: HeaderValue)
     headers::strip_hop_by_hop(h, upgrade);
     headers::add_via(h, Version::HTTP_11);
     h.insert(&headers::X_HERDGUARD_ATTEMPTS, attempts);
-}
-
-/// An error and its causes on one line.
-pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let message = s.to_string();
-        if !text.contains(&message) {
-            text.push_str(": ");
-            text.push_str(&message);
-        }
-        source = s.source();
-    }
-    text
 }

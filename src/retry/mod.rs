@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::debug;
 
-use crate::metrics::RouteMetrics;
+use crate::observe::metrics::RouteMetrics;
 use crate::policy::breaker::{
     Admit, Outcome as BreakerOutcome, SharedBreaker, Snapshot, State as BreakerState, Transition,
 };
@@ -722,7 +722,7 @@ mod tests {
 
     use super::*;
     use crate::config::schema::{BreakerConfig, Jitter, RetryConfig};
-    use crate::metrics::Metrics;
+    use crate::observe::metrics::Metrics;
     use crate::policy::UpstreamFault;
 
     /// Attempts that end as scripted, answering with their number: each

@@ -1,0 +1,350 @@
+//! Binds the listeners, runs the accept loops, and drains on shutdown.
+//!
+//! `start` returns once both listeners are bound, with their real addresses,
+//! so tests can run the whole proxy in-process on `127.0.0.1:0`.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::service::service_fn;
+use hyper::Request;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use crate::config::Config;
+use crate::listen::{accept_loop, local_addr, stopped, Abandoned, Limits};
+use crate::observe::metrics::Metrics;
+use crate::proxy::{BuildError, Caller, Proxy, Runtime};
+use crate::wire::CallerBody;
+
+mod admin;
+mod reload;
+
+pub use reload::Reloader;
+
+/// Why the proxy could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot listen on {what} address {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    #[error("listen.tls: {0}")]
+    Tls(#[from] crate::config::tls::TlsError),
+}
+
+/// State shared by the proxy and admin listeners.
+pub struct Shared {
+    pub proxy: Arc<Proxy>,
+    /// Set once shutdown begins: /readyz turns 503.
+    pub draining: AtomicBool,
+    /// Held while a reload builds and swaps: one at a time, so a reload
+    /// never builds on a runtime another is about to replace.
+    reloading: std::sync::Mutex<()>,
+    /// Held while `/metrics` is rendered: one scrape at a time.
+    pub(crate) rendering: Arc<tokio::sync::Mutex<()>>,
+}
+
+/// A running proxy.
+pub struct Server {
+    proxy_addr: SocketAddr,
+    admin_addr: SocketAddr,
+    shared: Arc<Shared>,
+    shutdown: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl Server {
+    /// Builds the runtime from `config`, binds both listeners and starts serving.
+    pub async fn start(config: Config) -> Result<Server, StartError> {
+        let metrics = Metrics::new();
+        let config = Arc::new(config);
+        let runtime = Runtime::build(config.clone(), &metrics)?;
+        let proxy = Arc::new(Proxy::new(runtime, metrics));
+
+        let bind = |what, addr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Bind { what, addr, source })
+        };
+        let tls = match &config.listen.tls {
+            Some(c) => Some(crate::config::tls::Tls::new(
+                &c.cert,
+                &c.key,
+                c.client_ca.as_deref(),
+            )?),
+            None => None,
+        };
+        let listener = bind("listen", config.listen.address).await?;
+        let admin_listener = bind("admin", config.admin.address).await?;
+        let proxy_addr = local_addr(&listener);
+        let admin_addr = local_addr(&admin_listener);
+
+        let shared = Arc::new(Shared {
+            proxy,
+            draining: AtomicBool::new(false),
+            reloading: std::sync::Mutex::new(()),
+            rendering: Arc::default(),
+        });
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let mut drain_rx = shutdown_rx.clone();
+        let shutdown_rx_upkeep = shutdown_rx.clone();
+        let (admin_stop, admin_stop_rx) = watch::channel(false);
+        let drain_timeout = config.listen.drain_timeout;
+
+        if let Some(tls) = &tls {
+            tls.watch(Duration::from_secs(1), shutdown_rx.clone());
+        }
+        let tls_on = tls.is_some();
+        let proxy_loop = {
+            let proxy = shared.proxy.clone();
+            let limits = Limits {
+                tls: tls.as_ref().map(|t| t.acceptor.clone()),
+                max_connections: config.listen.max_connections,
+                header_read_timeout: config.listen.header_read_timeout,
+                write_timeout: config.listen.write_timeout,
+                idle_timeout: config.listen.idle_timeout,
+                drain_timeout: config.listen.drain_timeout,
+            };
+            accept_loop(
+                "listen",
+                listener,
+                limits,
+                shutdown_rx,
+                move |peer, conduct| {
+                    let proxy = proxy.clone();
+                    let caller = Arc::new(Caller::new(peer, tls_on));
+                    let conduct = conduct.clone();
+                    service_fn(move |req: Request<CallerBody>| {
+                        let proxy = proxy.clone();
+                        let caller = caller.clone();
+                        let conduct = conduct.clone();
+                        // The request on the heap, and the future boxed:
+                        // hyper keeps room for one request's future per
+                        // connection for as long as the connection lives,
+                        // and an idle one needs none; see `Proxy::handle`
+                        // for the request.
+                        let req = Box::new(req);
+                        Box::pin(async move {
+                            // Dropped unanswered only when the caller abandoned the request.
+                            conduct.begun();
+                            let pending = Abandoned(Some(conduct));
+                            let resp = proxy.handle(req, &caller).await;
+                            pending.answered(&resp);
+                            Ok::<_, Infallible>(resp)
+                        })
+                    })
+                },
+            )
+        };
+        let admin_loop = {
+            let shared = shared.clone();
+            // Probes and scrapes send their few bytes at once: a short
+            // header time and room for many makes starving them (slowloris)
+            // cost an attacker about 85 new connections a second.
+            let limits = Limits {
+                tls: None,
+                max_connections: 256,
+                header_read_timeout: Duration::from_secs(3),
+                write_timeout: Duration::from_secs(10),
+                idle_timeout: Duration::from_secs(10),
+                drain_timeout: Duration::from_secs(1),
+            };
+            accept_loop(
+                "admin",
+                admin_listener,
+                limits,
+                admin_stop_rx,
+                move |peer, _| {
+                    let shared = shared.clone();
+                    service_fn(move |req: Request<CallerBody>| {
+                        let shared = shared.clone();
+                        Box::pin(async move {
+                            Ok::<_, Infallible>(admin::serve(&shared, peer, &req).await)
+                        })
+                    })
+                },
+            )
+        };
+        let upkeep = {
+            let proxy = shared.proxy.clone();
+            let metrics = proxy.metrics().clone();
+            let mut stop = shutdown_rx_upkeep;
+            async move {
+                // Histograms keep raw samples until folded into their
+                // buckets: folded once a thread has recorded a thousand
+                // (see `metrics::FOLD_AT`), and once a second. Upstream
+                // connections are swept once a second.
+                let mut tick = tokio::time::interval(Duration::from_secs(1));
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        _ = stopped(&mut stop) => break,
+                        () = metrics.samples_piled_up() => metrics.upkeep(),
+                        _ = tick.tick() => {
+                            metrics.upkeep();
+                            proxy.runtime().sweep();
+                        }
+                    }
+                }
+            }
+        };
+        let task = {
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                let upkeep = tokio::spawn(upkeep);
+                let admin = tokio::spawn(admin_loop);
+                // Readiness turns 503 as soon as shutdown is asked for.
+                let draining = async {
+                    stopped(&mut drain_rx).await;
+                    shared.draining.store(true, Ordering::Release);
+                    // Upgraded connections have left hyper's hands: the
+                    // drain waits for them as for connections.
+                    let tunnels = shared.proxy.tunnels();
+                    let open = tunnels.count();
+                    if open > 0 {
+                        info!(tunnels = open, timeout = ?drain_timeout, "draining upgraded connections");
+                    }
+                    if !tunnels.closed_within(drain_timeout).await {
+                        warn!(
+                            tunnels = tunnels.count(),
+                            timeout = ?drain_timeout,
+                            "drain timeout passed with upgraded connections still open; closing them"
+                        );
+                    }
+                };
+                tokio::join!(proxy_loop, draining);
+                let _ = admin_stop.send(true);
+                let _ = admin.await;
+                let _ = upkeep.await;
+            })
+        };
+        let runtime = tokio::runtime::Handle::current();
+        let scheduler = match runtime.runtime_flavor() {
+            tokio::runtime::RuntimeFlavor::CurrentThread => "current-thread",
+            _ => "multi-thread",
+        };
+        let threads = runtime.metrics().num_workers();
+        info!(listen = %proxy_addr, admin = %admin_addr, routes = config.routes.len(), threads, scheduler, "herdguard serving");
+        Ok(Server {
+            proxy_addr,
+            admin_addr,
+            shared,
+            shutdown,
+            task,
+        })
+    }
+
+    pub fn proxy_addr(&self) -> SocketAddr {
+        self.proxy_addr
+    }
+
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    pub fn proxy(&self) -> &Arc<Proxy> {
+        &self.shared.proxy
+    }
+
+    /// Replaces routes and policies with those of `config` (see [`Reloader::reload`]).
+    pub fn reload(&self, config: Config) -> Result<(), BuildError> {
+        self.reloader().reload(config)
+    }
+
+    /// Reads, checks and applies a config file (see [`Reloader::reload_file`]).
+    pub fn reload_file(&self, path: &Path) -> Result<(), String> {
+        self.reloader().reload_file(path)
+    }
+
+    /// A handle that reloads this server from other tasks (signal handlers).
+    pub fn reloader(&self) -> Reloader {
+        Reloader {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Watches `path` and reloads when its content changes and then stays the
+    /// same for one more `every` (so a file being written is not read half
+    /// way). Runs until the server shuts down.
+    pub fn watch(&self, path: PathBuf, every: Duration) -> JoinHandle<()> {
+        let reloader = self.reloader();
+        let mut stop = self.shutdown.subscribe();
+        // What is there now is what runs: read before returning, so that a
+        // change made right after this call is seen as a change.
+        let mut loaded = std::fs::read(&path).ok();
+        tokio::spawn(async move {
+            let mut seen = loaded.clone();
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = stopped(&mut stop) => return,
+                    _ = tick.tick() => {}
+                }
+                let now = tokio::fs::read(&path).await.ok();
+                if now.is_some() && now == seen && now != loaded {
+                    info!(path = %path.display(), "config file changed");
+                    let _ = reloader.reload_file_in_background(path.clone()).await;
+                    loaded = now.clone();
+                }
+                seen = now;
+            }
+        })
+    }
+
+    /// Turns `/readyz` to 503 (what a SIGTERM does first); the listener
+    /// goes on serving until [`shutdown`](Self::shutdown).
+    pub fn not_ready(&self) {
+        self.shared.draining.store(true, Ordering::Release);
+    }
+
+    /// `listen.drain_delay` of the running config.
+    pub fn drain_delay(&self) -> Duration {
+        self.shared.proxy.runtime().config.listen.drain_delay
+    }
+
+    /// Stops accepting and lets in-flight requests finish, up to `drain_timeout`.
+    pub fn shutdown(&self) {
+        let _ = self.shutdown.send(true);
+    }
+
+    /// Waits until the proxy has drained and both listeners are closed.
+    pub async fn wait(self) {
+        let _ = self.task.await;
+    }
+}
+
+/// Runs `work` on a thread that ends with it, and waits for it without
+/// holding up the runtime's workers. For work that frees much memory
+/// (dropping a big config, rendering its series): glibc's malloc keeps up
+/// to seven freed blocks of each small size for the thread that freed
+/// them (its tcache), so a thread that lives on pins hundreds of blocks
+/// scattered over pages that could otherwise go back to the system (a
+/// reload from 10,000 routes back to 2 kept 3.5-5 MB of them resident on
+/// the blocking pool's threads, which a once-a-second read of the config
+/// file kept alive). A thread that ends hands its blocks back.
+pub(crate) async fn on_own_thread<T: Send + 'static>(
+    name: &str,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> std::io::Result<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let _ = tx.send(work());
+        })?;
+    rx.await
+        .map_err(|_| std::io::Error::other("the thread ended without an answer"))
+}

@@ -1,0 +1,569 @@
+//! What talks to callers: the accept loop and its limits, HTTP/1.1 and
+//! HTTP/2 serving, TLS, eviction of silent connections and the drain.
+
+pub mod drain;
+pub mod h1;
+mod sniff;
+pub mod stall;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::server::conn::{http1, http2};
+use hyper::Request;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tracing::{debug, info, warn};
+
+use crate::listen::drain::{Conduct, Drain};
+use crate::listen::h1::{Readable, Rewind};
+use crate::wire::CallerBody;
+
+/// HTTP/2 streams one caller connection may have open at once.
+const MAX_STREAMS: u32 = 100;
+
+/// The most of an unfinished HTTP/1 request head (its request line and
+/// header fields) a caller connection may have buffered: past it, hyper
+/// answers 431 and the request is never forwarded. hyper checks when a read
+/// leaves the head unfinished, so a head read in large pieces may reach
+/// twice this. hyper's default (about 400 KB) let each caller connection
+/// hold that much while its head arrived, for up to `header_read_timeout`:
+/// 400 connections sending 390 KB heads held 158 MiB. Envoy allows 60 KiB,
+/// nginx 32 KiB (4 lines of 8 KiB), HAProxy 16 KiB. Also the most hyper
+/// reads at once from a caller.
+const MAX_REQUEST_HEAD: usize = 64 * 1024;
+
+/// Resolves once `stop` turns true (or its sender is gone).
+pub async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// A request being answered: tells its connection's [`Conduct`] whether it
+/// was answered or abandoned (dropped before its answer).
+pub(crate) struct Abandoned(pub(crate) Option<Arc<Conduct>>);
+
+impl Abandoned {
+    /// The request got its answer. One the proxy shed at once (its limits
+    /// or its breaker) does not count as answered: a connection that opens
+    /// and resets streams faster than the upstream can take them would
+    /// otherwise earn, from its own shed streams, the credit that keeps it
+    /// from being expelled.
+    pub(crate) fn answered<B>(mut self, resp: &http::Response<B>) {
+        if let Some(conduct) = self.0.take() {
+            let shed = resp
+                .headers()
+                .get(&crate::wire::headers::X_HERDGUARD_ERROR)
+                .is_some_and(|e| e == "overloaded" || e == "circuit-open");
+            match shed {
+                true => conduct.shed(),
+                false => conduct.answered(),
+            }
+        }
+    }
+}
+
+impl Drop for Abandoned {
+    fn drop(&mut self) {
+        if let Some(conduct) = self.0.take() {
+            conduct.abandoned();
+        }
+    }
+}
+
+/// The connections of a listener that have sent nothing yet, oldest
+/// first: when the listener is full, the oldest is closed for a caller
+/// waiting to connect. Each is woken through its `Notify`, held while it
+/// waits for its first bytes (a dead entry has spoken or closed).
+#[derive(Default)]
+struct Silent {
+    waiting: std::sync::Mutex<std::collections::VecDeque<std::sync::Weak<tokio::sync::Notify>>>,
+}
+
+impl Silent {
+    /// Registers a new connection; it must hold the `Notify` until it has
+    /// spoken. Entries gone are dropped from the front as new ones come,
+    /// and all of them once the list is twice `max`: a connection that
+    /// stays silent at the front cannot make the list grow with every
+    /// connection accepted behind it (at most `max` are live, each holding
+    /// a slot), so it stays within `2 * max`.
+    fn push(&self, max: usize) -> Arc<tokio::sync::Notify> {
+        let notify = Arc::new(tokio::sync::Notify::new());
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        while waiting.front().is_some_and(|w| w.strong_count() == 0) {
+            waiting.pop_front();
+        }
+        if waiting.len() >= max.saturating_mul(2) {
+            waiting.retain(|w| w.strong_count() > 0);
+        }
+        waiting.push_back(Arc::downgrade(&notify));
+        notify
+    }
+
+    /// Closes the oldest connection still silent; false if there is none.
+    fn evict_oldest(&self) -> bool {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(oldest) = waiting.pop_front() {
+            if let Some(notify) = oldest.upgrade() {
+                notify.notify_one();
+                return true;
+            }
+        }
+        false
+    }
+}
+
+/// What a new connection's first bytes say.
+#[derive(Debug, PartialEq, Eq)]
+enum Opening {
+    /// Enough to tell its protocol: serve it, with HTTP/2 if `h2`.
+    Speaks { h2: bool },
+    /// Nothing (or part of an HTTP/2 preface) within `header_read_timeout`,
+    /// or closed; or evicted or drained before it said anything.
+    Silent,
+    /// `PRI ` and then not the HTTP/2 preface (RFC 9113 §3.4: a connection
+    /// error, answered with GOAWAY `PROTOCOL_ERROR`).
+    BadPreface,
+}
+
+/// Whether the caller sends enough to tell its protocol within `wait`: a
+/// first byte, and all of the HTTP/2 preface when it starts like one.
+async fn opening(stream: &tokio::net::TcpStream, wait: Duration) -> Opening {
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    let told = async {
+        let mut buf = [0u8; PREFACE.len()];
+        loop {
+            match stream.peek(&mut buf).await {
+                Ok(0) | Err(_) => return Opening::Silent,
+                Ok(n) if buf[..n] == PREFACE[..n] && n == PREFACE.len() => {
+                    return Opening::Speaks { h2: true }
+                }
+                Ok(n) if buf[..n] != PREFACE[..n] => {
+                    return match n >= 4 && buf[..4] == PREFACE[..4] {
+                        true => Opening::BadPreface,
+                        false => Opening::Speaks { h2: false },
+                    };
+                }
+                // Part of a preface: peeking again at once would spin on the
+                // same bytes, so look again shortly.
+                Ok(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        }
+    };
+    tokio::time::timeout(wait, told)
+        .await
+        .unwrap_or(Opening::Silent)
+}
+
+/// Answers an invalid HTTP/2 preface with GOAWAY `PROTOCOL_ERROR` (last
+/// stream 0) and closes.
+async fn refuse_preface(mut stream: tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt as _;
+    const GOAWAY: [u8; 17] = [
+        0, 0, 8, // length
+        0x7, 0, // GOAWAY, no flags
+        0, 0, 0, 0, // stream 0
+        0, 0, 0, 0, // last stream id
+        0, 0, 0, 1, // PROTOCOL_ERROR
+    ];
+    let write = async {
+        let _ = stream.write_all(&GOAWAY).await;
+        let _ = stream.shutdown().await;
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
+}
+
+pub(crate) fn local_addr(listener: &TcpListener) -> SocketAddr {
+    listener
+        .local_addr()
+        .expect("a bound listener has an address")
+}
+
+/// The connection builders of one listener, shared by its connections.
+struct Builders {
+    h1: http1::Builder,
+    h2: http2::Builder<TokioExecutor>,
+}
+
+/// What serves one accepted connection, plain or TLS.
+struct Serve<'a> {
+    builders: &'a Builders,
+    drain: &'a Drain,
+    conduct: &'a Arc<Conduct>,
+    write_timeout: Duration,
+    /// For a TLS caller's handshake, and then for its first bytes.
+    header_read_timeout: Duration,
+}
+
+type ServeError = Box<dyn std::error::Error + Send + Sync>;
+
+impl Serve<'_> {
+    /// HTTP/1.1 (see [`crate::h1`]) or, if `h2`, HTTP/2 over `stream`, its
+    /// writes watched for stalls, the connection watched for the drain,
+    /// idleness and expulsion. `None`: closed outright (see
+    /// [`crate::listen::drain::Watched`]).
+    async fn connection<I, S, B>(
+        &self,
+        stream: Rewind<I>,
+        h2: bool,
+        service: S,
+    ) -> Option<Result<(), ServeError>>
+    where
+        I: Readable,
+        S: hyper::service::Service<
+                Request<CallerBody>,
+                Response = http::Response<B>,
+                Error = Infallible,
+            > + Unpin
+            + Send
+            + 'static,
+        S::Future: Unpin + Send + 'static,
+        B: http_body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        if h2 {
+            let io = TokioIo::new(crate::listen::stall::WriteStall::new(
+                stream,
+                self.write_timeout,
+                self.conduct.written.clone(),
+            ));
+            return self
+                .h2(io, service)
+                .await
+                .map(|ended| ended.map_err(Into::into));
+        }
+        let serving = crate::listen::h1::Serving {
+            builder: &self.builders.h1,
+            drain: self.drain,
+            cycle: &self.conduct.cycle,
+            write_timeout: self.write_timeout,
+            idle_timeout: self.conduct.idle_timeout,
+        };
+        Some(serving.serve(stream, service).await.map_err(Into::into))
+    }
+
+    /// An HTTP/2 connection, watched, on the heap: its state is large, and
+    /// an HTTP/1.1 connection's task would otherwise keep room for it.
+    fn h2<I, S, B>(
+        &self,
+        io: TokioIo<crate::listen::stall::WriteStall<Rewind<I>>>,
+        service: S,
+    ) -> std::pin::Pin<Box<impl std::future::Future<Output = Option<Result<(), hyper::Error>>> + '_>>
+    where
+        I: Readable,
+        S: hyper::service::Service<
+                Request<CallerBody>,
+                Response = http::Response<B>,
+                Error = Infallible,
+            > + Unpin
+            + Send
+            + 'static,
+        S::Future: Unpin + Send + 'static,
+        B: http_body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let conn = self
+            .builders
+            .h2
+            .serve_connection(io, crate::listen::h1::Streams(service));
+        Box::pin(self.drain.watch(conn, self.conduct))
+    }
+
+    /// [`connection`](Self::connection) inside TLS: the handshake, and the
+    /// first bytes after it, each within `wait`.
+    async fn tls<S, B>(
+        &self,
+        acceptor: tokio_rustls::TlsAcceptor,
+        stream: tokio::net::TcpStream,
+        service: S,
+        evicted: Arc<tokio::sync::Notify>,
+        what: &'static str,
+        peer: SocketAddr,
+    ) -> Option<Result<(), ServeError>>
+    where
+        S: hyper::service::Service<
+                Request<CallerBody>,
+                Response = http::Response<B>,
+                Error = Infallible,
+            > + Unpin
+            + Send
+            + 'static,
+        S::Future: Unpin + Send + 'static,
+        B: http_body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let wait = self.header_read_timeout;
+        let opened = async {
+            let stream = match tokio::time::timeout(wait, acceptor.accept(stream)).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(e)) => {
+                    debug!(listener = what, %peer, error = %e, "TLS handshake failed");
+                    return None;
+                }
+                Err(_) => {
+                    debug!(listener = what, %peer, "TLS handshake not done within header_read_timeout");
+                    return None;
+                }
+            };
+            // The protocol the handshake agreed is the one spoken: an
+            // HTTP/2 preface after `http/1.1`, or anything else after `h2`,
+            // is refused.
+            let agreed = match stream.get_ref().1.alpn_protocol() {
+                Some(b"h2") => Some(true),
+                Some(b"http/1.1") => Some(false),
+                _ => None,
+            };
+            let first = sniff::first_bytes(stream, tokio::time::Instant::now() + wait).await;
+            if first.is_none() {
+                debug!(listener = what, %peer, "connection closed: nothing sent after the TLS handshake within header_read_timeout");
+            }
+            first.map(|stream| (agreed, stream))
+        };
+        // Until its first bytes inside TLS, the connection has asked for
+        // nothing: a new caller at max_connections or the drain closes it,
+        // its handshake included (or a caller could hold its slot with one).
+        let opened = tokio::select! {
+            biased;
+            opened = opened => opened,
+            () = evicted.notified() => {
+                debug!(listener = what, %peer, "connection closed before it sent anything inside TLS: a new caller needed its slot");
+                None
+            }
+            () = self.drain.started() => {
+                debug!(listener = what, %peer, "connection closed before it sent anything inside TLS: the drain started");
+                None
+            }
+        };
+        // Spoken or closed: off the list of silent connections.
+        drop(evicted);
+        let Some((agreed, stream)) = opened else {
+            return Some(Ok(()));
+        };
+        let h2 = sniff::speaks_h2(stream.prefix()).unwrap_or(false);
+        if agreed.is_some_and(|agreed| agreed != h2) {
+            debug!(listener = what, %peer, "connection closed: the caller does not speak the protocol ALPN agreed");
+            return Some(Ok(()));
+        }
+        self.connection(stream, h2, service).await
+    }
+}
+
+pub(crate) struct Limits {
+    /// Callers speak TLS first.
+    pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
+    pub(crate) max_connections: usize,
+    pub(crate) header_read_timeout: Duration,
+    pub(crate) write_timeout: Duration,
+    pub(crate) idle_timeout: Duration,
+    pub(crate) drain_timeout: Duration,
+}
+
+/// Accepts connections until `stop`, serving each with HTTP/1.1 or h2c
+/// (upgrades allowed), then waits up to `drain_timeout` for them to finish.
+pub(crate) async fn accept_loop<M, S, B>(
+    what: &'static str,
+    listener: TcpListener,
+    limits: Limits,
+    mut stop: watch::Receiver<bool>,
+    make_service: M,
+) where
+    M: Fn(SocketAddr, &Arc<Conduct>) -> S,
+    S: hyper::service::Service<
+            Request<CallerBody>,
+            Response = http::Response<B>,
+            Error = Infallible,
+        > + Unpin
+        + Send
+        + 'static,
+    S::Future: Unpin + Send + 'static,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let mut h1 = http1::Builder::new();
+    h1.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(MAX_REQUEST_HEAD)
+        .keep_alive(true);
+    let mut h2 = http2::Builder::new(TokioExecutor::new());
+    // One connection's streams may each hold an upstream slot: at most 100
+    // at once (nginx allows 128; h2's default is no limit).
+    h2.timer(TokioTimer::new())
+        .max_concurrent_streams(MAX_STREAMS);
+    let builders = Arc::new(Builders { h1, h2 });
+    let drain = Drain::new();
+    // A connection holds a permit until it closes: when all are back, all
+    // connections are closed.
+    let permits = Arc::new(Semaphore::new(limits.max_connections));
+
+    let silent = Silent::default();
+
+    loop {
+        let (stream, peer) = tokio::select! {
+            biased;
+            _ = stopped(&mut stop) => break,
+            accepted = listener.accept() => match accepted {
+                Ok(pair) => pair,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off briefly, then go on.
+                    warn!(listener = what, error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                // Full: the new caller takes the slot of the oldest
+                // connection that has sent nothing yet, if any, so
+                // connections that make no request cannot starve those
+                // that would (the kubelet's probes on the admin listener
+                // first); else it waits for one to close.
+                if silent.evict_oldest() {
+                    debug!(listener = what, %peer, "at max_connections: the oldest connection that has sent nothing is closed for a new one");
+                }
+                tokio::select! {
+                    biased;
+                    _ = stopped(&mut stop) => break,
+                    permit = permits.clone().acquire_owned() => match permit {
+                        Ok(permit) => permit,
+                        // Never closed; were it, no more connections.
+                        Err(_) => break,
+                    },
+                }
+            }
+        };
+        let evicted = silent.push(limits.max_connections);
+        let _ = stream.set_nodelay(true);
+        let conduct = Arc::new(Conduct::new(limits.idle_timeout, limits.write_timeout));
+        let service = make_service(peer, &conduct);
+        let (builders, drain) = (builders.clone(), drain.clone());
+        let (wait, write_timeout) = (limits.header_read_timeout, limits.write_timeout);
+        let tls = limits.tls.clone();
+        // This future is what every connection keeps for its life, in a
+        // tokio task cell aligned to 128 bytes: at 1,048 bytes the cell is
+        // 1,152; 32 more made it 1,280 (`-Zprint-type-sizes`). What a
+        // connection needs besides goes in `conduct`.
+        tokio::spawn(async move {
+            // A connection that says nothing must not hold its slot: hyper's
+            // header timer starts only once it knows the protocol, and it
+            // learns that from the first bytes.
+            // Nor its slot past a drain: with no request, there is nothing
+            // to finish (bytes already there are served first).
+            let opened = tokio::select! {
+                biased;
+                opened = opening(&stream, wait) => opened,
+                () = evicted.notified() => Opening::Silent,
+                () = drain.started() => Opening::Silent,
+            };
+            let h2 = match opened {
+                Opening::Speaks { h2 } => h2,
+                Opening::Silent => {
+                    debug!(listener = what, %peer, "connection closed: it sent nothing within header_read_timeout, before a new caller needed its slot, or before the drain");
+                    drop(permit);
+                    return;
+                }
+                Opening::BadPreface => {
+                    debug!(listener = what, %peer, "connection closed: invalid HTTP/2 preface");
+                    refuse_preface(stream).await;
+                    drop(permit);
+                    return;
+                }
+            };
+            let serve = Serve {
+                builders: &builders,
+                drain: &drain,
+                conduct: &conduct,
+                write_timeout,
+                header_read_timeout: wait,
+            };
+            let served = match tls {
+                None => {
+                    drop(evicted);
+                    serve
+                        .connection(Rewind::new(bytes::Bytes::new(), stream), h2, service)
+                        .await
+                }
+                // The handshake must be done within the time the request
+                // head has: a caller that starts one and stalls holds nothing.
+                // And the first bytes inside it too, or it could sit silent
+                // after its handshake for as long as it liked.
+                // On the heap: a TLS connection's state is large, and a
+                // plain connection's task would otherwise keep room for it.
+                Some(acceptor) => {
+                    Box::pin(serve.tls(acceptor, stream, service, evicted, what, peer)).await
+                }
+            };
+            match served {
+                Some(Ok(())) => {}
+                Some(Err(e)) => {
+                    debug!(listener = what, %peer, error = %e, "connection ended with an error")
+                }
+                None => debug!(
+                    listener = what,
+                    %peer,
+                    "connection closed: asked to close, it sent nothing for write_timeout"
+                ),
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    drain.start();
+    let open = limits.max_connections - permits.available_permits();
+    if open > 0 {
+        info!(listener = what, connections = open, timeout = ?limits.drain_timeout, "draining");
+    }
+    let all = u32::try_from(limits.max_connections).expect("validated: at most u32::MAX");
+    if tokio::time::timeout(limits.drain_timeout, permits.acquire_many(all))
+        .await
+        .is_err()
+    {
+        let left = limits.max_connections - permits.available_permits();
+        warn!(
+            listener = what,
+            connections = left,
+            timeout = ?limits.drain_timeout,
+            "drain timeout passed with connections still open; closing them"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_silent_connection_held_at_the_front_does_not_grow_the_list() {
+        let silent = Silent::default();
+        let _oldest = silent.push(4);
+        // Thousands accepted behind it, each speaking at once.
+        for _ in 0..10_000 {
+            drop(silent.push(4));
+        }
+        let len = silent.waiting.lock().unwrap().len();
+        assert!(len <= 8, "{len} entries");
+        // The one still silent is evicted, then none is left.
+        assert!(silent.evict_oldest());
+        assert!(!silent.evict_oldest());
+    }
+
+    #[tokio::test]
+    async fn the_oldest_still_silent_is_woken_first() {
+        let silent = Silent::default();
+        let (first, second) = (silent.push(8), silent.push(8));
+        drop(first); // it spoke
+        let third = silent.push(8);
+        assert!(silent.evict_oldest());
+        // The second is woken (its wake is kept for it), the third is not.
+        second.notified().await;
+        let woken = tokio::time::timeout(Duration::ZERO, third.notified()).await;
+        assert!(woken.is_err(), "the newer one stays");
+    }
+}

@@ -1,0 +1,235 @@
+//! A caller connection whose writes make no progress for `write_timeout`
+//! fails, so that what it holds (a response body, the upstream slot and
+//! connection behind it) is let go.
+//!
+//! Why: a caller that stops reading a large response keeps its response
+//! body, its upstream connection and its in-flight slot for ever; enough of
+//! them shed every other caller as `overloaded`. A response that keeps
+//! flowing, however slowly, is never cut: only a write that stays pending
+//! for the whole `write_timeout` is.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use pin_project_lite::pin_project;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::{Instant, Sleep};
+
+use crate::wire::stamp::Stamp;
+
+/// What the connection's owner can read of its writes.
+#[derive(Debug, Default)]
+pub struct Writes {
+    /// When bytes last went out: a connection asked to close that sends
+    /// nothing is not waited for (see `drain::Watched`).
+    last: Stamp,
+    /// The latest write or flush is waiting for the caller to read.
+    blocked: AtomicBool,
+    /// Bytes came in since the owner last cleared this: on an HTTP/1.1
+    /// connection, the start of a request still under way.
+    heard: AtomicBool,
+}
+
+impl Writes {
+    pub fn last(&self) -> Instant {
+        self.last.last()
+    }
+
+    /// Whether the latest write or flush is pending: bytes are still on
+    /// their way out.
+    pub fn blocked(&self) -> bool {
+        self.blocked.load(Ordering::Relaxed)
+    }
+
+    /// Whether bytes came in since [`Writes::unhear`].
+    pub fn heard(&self) -> bool {
+        self.heard.load(Ordering::Acquire)
+    }
+
+    pub fn unhear(&self) {
+        self.heard.store(false, Ordering::Release);
+    }
+}
+
+pin_project! {
+    pub struct WriteStall<T> {
+        #[pin]
+        inner: T,
+        writes: Arc<Writes>,
+        timeout: Duration,
+        // Armed while a write is pending; made on the first stall only.
+        timer: Option<Pin<Box<Sleep>>>,
+        stalled: bool,
+    }
+}
+
+impl<T> WriteStall<T> {
+    pub fn new(inner: T, timeout: Duration, writes: Arc<Writes>) -> Self {
+        Self {
+            inner,
+            writes,
+            timeout,
+            timer: None,
+            stalled: false,
+        }
+    }
+
+    pub fn get_mut(&mut self) -> &mut T {
+        &mut self.inner
+    }
+
+    pub fn into_inner(self) -> T {
+        self.inner
+    }
+}
+
+/// Turns a pending write into an error once it has been pending `timeout`.
+fn watch<R>(
+    polled: Poll<io::Result<R>>,
+    timeout: Duration,
+    timer: &mut Option<Pin<Box<Sleep>>>,
+    stalled: &mut bool,
+    writes: &Writes,
+    cx: &mut Context<'_>,
+) -> Poll<io::Result<R>> {
+    if polled.is_ready() {
+        if *stalled {
+            *stalled = false;
+            writes.blocked.store(false, Ordering::Relaxed);
+        }
+        return polled;
+    }
+    let deadline = Instant::now() + timeout;
+    let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+    if !*stalled {
+        *stalled = true;
+        writes.blocked.store(true, Ordering::Relaxed);
+        timer.as_mut().reset(deadline);
+    }
+    match timer.as_mut().poll(cx) {
+        Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "the caller read nothing for write_timeout",
+        ))),
+        Poll::Pending => Poll::Pending,
+    }
+}
+
+use std::future::Future as _;
+
+impl<T: AsyncRead> AsyncRead for WriteStall<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.project();
+        let before = buf.filled().len();
+        let polled = this.inner.poll_read(cx, buf);
+        if buf.filled().len() > before {
+            this.writes.heard.store(true, Ordering::Release);
+        }
+        polled
+    }
+}
+
+impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.project();
+        let polled = this.inner.poll_write(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            this.writes.last.touch();
+        }
+        watch(
+            polled,
+            *this.timeout,
+            this.timer,
+            this.stalled,
+            this.writes,
+            cx,
+        )
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.project();
+        let polled = this.inner.poll_write_vectored(cx, bufs);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            this.writes.last.touch();
+        }
+        watch(
+            polled,
+            *this.timeout,
+            this.timer,
+            this.stalled,
+            this.writes,
+            cx,
+        )
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.project();
+        let polled = this.inner.poll_flush(cx);
+        watch(
+            polled,
+            *this.timeout,
+            this.timer,
+            this.stalled,
+            this.writes,
+            cx,
+        )
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.project().inner.poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_write_pending_for_the_whole_timeout_fails_and_a_slow_one_does_not() {
+        // A pipe with room for 64 bytes that nobody reads.
+        let (ours, mut theirs) = tokio::io::duplex(64);
+        let mut w = WriteStall::new(ours, Duration::from_secs(1), Arc::default());
+        w.write_all(&[0u8; 64]).await.unwrap();
+        let started = Instant::now();
+        let err = w.write_all(&[0u8; 64]).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(started.elapsed(), Duration::from_secs(1));
+
+        // A reader that takes 64 bytes every 600 ms: slow, never stalled.
+        let (ours, mut theirs2) = tokio::io::duplex(64);
+        drop(theirs.shutdown().await);
+        let reader = tokio::spawn(async move {
+            use tokio::io::AsyncReadExt;
+            let mut buf = [0u8; 64];
+            let mut total = 0;
+            while total < 640 {
+                tokio::time::sleep(Duration::from_millis(600)).await;
+                total += theirs2.read(&mut buf).await.unwrap();
+            }
+        });
+        let mut w = WriteStall::new(ours, Duration::from_secs(1), Arc::default());
+        w.write_all(&[0u8; 640]).await.unwrap();
+        reader.await.unwrap();
+    }
+}

@@ -1,0 +1,661 @@
+//! One attempt over the wire: the proxy's side of [`retry::Attempts`].
+//!
+//! It takes the in-flight slot, picks the endpoint, builds the request from
+//! the kept head and a replay of the body, and times the attempt: per-try
+//! time starts once the request is sent whole (as Envoy starts its timers
+//! once the downstream request is complete), so a slow uploader is never an
+//! upstream timeout; the request's `timeout` bounds it all. Then it tells
+//! whose fault a failure was — the caller's body, the deadline or the
+//! upstream — and feeds the adaptive limit.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::uri::PathAndQuery;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, Version};
+use hyper::body::Incoming;
+
+use crate::wire::CallerBody;
+use tokio::time::Instant;
+
+use crate::observe::access_log::Entry;
+use crate::policy::outlier::Verdict;
+use crate::policy::retry::retry_after;
+use crate::policy::GrpcStatus;
+use crate::policy::{CallerFault, Outcome, UpstreamFault};
+use crate::retry::{self, Attempt};
+
+use super::body::{Progress, RequestBody};
+use super::replay::ReplayBody;
+use super::{InFlight, Upstream};
+use crate::wire::error_chain;
+use crate::wire::headers::X_HERDGUARD_ATTEMPT;
+
+/// The upstream's response, with the slot it holds until its body is done.
+pub type Answer = (Response<Incoming>, InFlight);
+
+/// A request on its way upstream: its head kept for every attempt.
+pub struct Forward<'a> {
+    upstream: &'a Arc<Upstream>,
+    method: Method,
+    path_and_query: Option<&'a PathAndQuery>,
+    /// Taken whole by the last attempt; copied for the others.
+    headers: Option<HeaderMap>,
+    /// Whether more than one attempt may be made.
+    retrying: bool,
+    /// Whether a failed attempt may be repeated once it reached the
+    /// upstream (idempotent or keyed): such requests probe ejected endpoints.
+    repeatable: bool,
+    /// An outer hop numbers the attempts: this one does not.
+    inner_hop: bool,
+    body: AttemptBody,
+    /// The endpoint of the last attempt.
+    endpoint: Option<usize>,
+    /// The last two attempts and their endpoints: a hedge race's two.
+    racing: [(u32, usize); 2],
+    /// The slot `reserve` took for the next attempt.
+    slot: Option<InFlight>,
+    timeout: Duration,
+    /// The caller asked to upgrade: only then is a 101 an answer.
+    upgrade: bool,
+    /// The route's `host_rewrite`: sent as `Host` instead of the endpoint's.
+    host: Option<HeaderValue>,
+    /// The access log line, when the log is on.
+    log: Option<&'a mut Entry>,
+    /// A gRPC call: judged by its `grpc-status`.
+    grpc: bool,
+    /// The gRPC caller's own deadline (its `grpc-timeout`): each attempt
+    /// passes on the time left to it. None: no deadline is invented (the
+    /// upstream would end a long stream at it).
+    grpc_deadline: Option<Instant>,
+}
+
+enum AttemptBody {
+    Empty,
+    Replay(ReplayBody),
+    /// Sent once, never retried: taken by the first attempt.
+    Once(Option<CallerBody>),
+}
+
+impl<'a> Forward<'a> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        upstream: &'a Arc<Upstream>,
+        method: Method,
+        path_and_query: Option<&'a PathAndQuery>,
+        headers: HeaderMap,
+        body: CallerBody,
+        retrying: bool,
+        repeatable: bool,
+        inner_hop: bool,
+        max_replay_body: u64,
+        timeout: Duration,
+        upgrade: bool,
+    ) -> Self {
+        use http_body::Body as _;
+        let body = if body.is_end_stream() {
+            AttemptBody::Empty
+        } else if retrying {
+            AttemptBody::Replay(ReplayBody::new(body, max_replay_body))
+        } else {
+            AttemptBody::Once(Some(body))
+        };
+        Self {
+            upstream,
+            method,
+            path_and_query,
+            headers: Some(headers),
+            retrying,
+            repeatable: retrying && repeatable,
+            inner_hop,
+            body,
+            endpoint: None,
+            racing: [(0, 0); 2],
+            slot: None,
+            timeout,
+            upgrade,
+            host: None,
+            log: None,
+            grpc: false,
+            grpc_deadline: None,
+        }
+    }
+
+    /// Treats the request as a gRPC call: a trailers-only answer is judged
+    /// by its `grpc-status` and its pushback honoured; with the caller's own
+    /// `deadline`, each attempt sends upstream the time left to it as
+    /// `grpc-timeout` (never `per_try_timeout`, which bounds only the wait
+    /// for response headers: a stream goes on long after).
+    pub fn grpc(&mut self, on: bool, deadline: Option<Instant>) {
+        self.grpc = on;
+        self.grpc_deadline = deadline.filter(|_| on);
+    }
+
+    /// Keeps `entry` (the request's access log line) told of each attempt
+    /// and its endpoint as they are made.
+    pub fn log_into(&mut self, entry: Option<&'a mut Entry>) {
+        self.log = entry;
+    }
+
+    /// Sends `host` as every attempt's `Host`, whatever the endpoint.
+    pub fn host_rewrite(&mut self, host: Option<HeaderValue>) {
+        self.host = host;
+    }
+
+    /// Reads a body the caller declared small enough to keep whole before
+    /// any attempt is made, as nginx buffers request bodies: then no
+    /// upstream slot or breaker probe waits on the caller's upload, and
+    /// every attempt's time is the upstream's alone. Larger bodies, and
+    /// bodies of unknown length, stream as they come.
+    pub async fn prefetch(&mut self, deadline: Instant) -> Result<(), (CallerFault, String)> {
+        use http_body_util::BodyExt as _;
+        let AttemptBody::Replay(replay) = &self.body else {
+            return Ok(());
+        };
+        if !replay.fits() {
+            return Ok(());
+        }
+        let mut reader = replay.replay();
+        let read = async {
+            while let Some(frame) = reader.frame().await {
+                frame.map_err(|e| (super::body::caller_fault(&*e), e.to_string()))?;
+            }
+            Ok(())
+        };
+        match tokio::time::timeout_at(deadline, read).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err((fault, why))) => Err((
+                fault,
+                match fault {
+                    CallerFault::MalformedBody => format!("the request body is malformed: {why}"),
+                    _ => "the caller's request body ended before it was complete".to_owned(),
+                },
+            )),
+            Err(_) => Err((
+                CallerFault::StalledBody,
+                format!(
+                    "the request body stalled: it was not complete when the request's timeout ({:?}) ran out",
+                    self.timeout
+                ),
+            )),
+        }
+    }
+
+    /// The request of attempt `n`, with the progress of its body if it has one.
+    fn request(
+        &mut self,
+        n: u32,
+        host: &HeaderValue,
+        grpc_left: Option<Duration>,
+    ) -> (Request<RequestBody>, Option<Arc<Progress>>) {
+        let (body, progress) = match &mut self.body {
+            AttemptBody::Empty => (RequestBody::empty(), None),
+            AttemptBody::Replay(replay) => {
+                let progress = Arc::new(Progress::default());
+                (
+                    RequestBody::replay(replay.replay(), progress.clone()),
+                    Some(progress),
+                )
+            }
+            AttemptBody::Once(once) => match once.take() {
+                Some(body) => {
+                    let progress = Arc::new(Progress::default());
+                    (RequestBody::stream(body, progress.clone()), Some(progress))
+                }
+                None => (RequestBody::empty(), None),
+            },
+        };
+        let mut req = Request::new(body);
+        *req.method_mut() = self.method.clone();
+        *req.version_mut() = Version::HTTP_11;
+        // Set on the kept headers before they are copied: a copy has no
+        // room to spare, and adding a field to it would reallocate.
+        let mut headers = match self.headers.take() {
+            Some(mut h) => {
+                h.insert(
+                    http::header::HOST,
+                    self.host.as_ref().unwrap_or(host).clone(),
+                );
+                if let Some(left) = grpc_left {
+                    h.insert(
+                        "grpc-timeout",
+                        crate::wire::headers::grpc_timeout_value(left),
+                    );
+                }
+                if !self.inner_hop {
+                    h.insert(&X_HERDGUARD_ATTEMPT, attempt_value(n));
+                }
+                if self.retrying {
+                    let copy = h.clone();
+                    self.headers = Some(h);
+                    copy
+                } else {
+                    h
+                }
+            }
+            None => HeaderMap::new(),
+        };
+        std::mem::swap(req.headers_mut(), &mut headers);
+        (req, progress)
+    }
+}
+
+impl<'a> retry::Attempts for Forward<'a> {
+    type Answer = Answer;
+
+    fn reserve(&mut self) -> Result<(), String> {
+        if self.slot.is_none() {
+            self.slot = Some(self.upstream.try_acquire().ok_or_else(|| {
+                format!(
+                    "upstream {} is at its in-flight limit ({})",
+                    self.upstream.name,
+                    self.upstream.limit()
+                )
+            })?);
+        }
+        Ok(())
+    }
+
+    fn send(
+        &mut self,
+        n: u32,
+        per_try: Duration,
+        deadline: Instant,
+        probe: bool,
+    ) -> impl Future<Output = Attempt<Answer>> + use<'a> {
+        // What needs `self` is done here, before anything is sent: the
+        // attempt that goes then borrows nothing of it, so a hedge can be
+        // sent while it runs.
+        let upstream: &'a Arc<Upstream> = self.upstream;
+        let slot = match self.slot.take() {
+            Some(slot) => Some(slot),
+            None => upstream.try_acquire(),
+        };
+        let ready = slot.map(|slot| {
+            let picked = upstream.pick(self.endpoint, self.repeatable, probe);
+            self.endpoint = Some(picked.index);
+            self.racing = [self.racing[1], (n, picked.index)];
+            if let Some(log) = self.log.as_deref_mut() {
+                log.attempts = n;
+                log.endpoint = Some(picked.endpoint().label.clone());
+            }
+            let grpc_left = self
+                .grpc_deadline
+                .map(|d| d.saturating_duration_since(Instant::now()));
+            let (req, progress) = self.request(n, &picked.endpoint().host, grpc_left);
+            (slot, picked, req, progress)
+        });
+        let judge = Judge {
+            upgrade: self.upgrade,
+            grpc: self.grpc,
+            grpc_deadline: self.grpc_deadline.is_some(),
+            timeout: self.timeout,
+        };
+        let path_and_query = self.path_and_query;
+        async move {
+            let Some((mut slot, picked, req, progress)) = ready else {
+                return Attempt {
+                    outcome: Outcome::Refused(crate::policy::Refusal::Overloaded),
+                    answer: None,
+                    retry_after: None,
+                    detail: format!("upstream {} is at its in-flight limit", upstream.name),
+                    elapsed: Duration::ZERO,
+                    note: None,
+                };
+            };
+            let (index, target) = (picked.index, picked.endpoint());
+            let sent_at = Instant::now();
+            // Pinned where it is made: moved into `timed`, the request's
+            // future would keep room for it twice.
+            let (timed, sent_whole) = timed(
+                std::pin::pin!(target.send(path_and_query, req)),
+                progress.as_deref(),
+                per_try,
+                deadline,
+            )
+            .await;
+            let elapsed = sent_at.elapsed();
+            let name = &upstream.name;
+            let (outcome, mut answer, detail) = match timed {
+                    // HTTP allows three digits; a status from 600 up means nothing.
+                    // A switch of protocols nobody asked for breaks the caller's connection.
+                    Timed::Done(Ok((resp, _)))
+                        if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS && !judge.upgrade =>
+                    {
+                        (
+                            Outcome::Upstream(UpstreamFault::BadResponse),
+                            None,
+                            format!("upstream {name} switched protocols unasked (101)"),
+                        )
+                    }
+                    // A transfer coding other than chunked (gzip, say): hyper
+                    // took the chunks off, and the caller would get coded bytes
+                    // with nothing saying so.
+                    Timed::Done(Ok((resp, _))) if crate::wire::headers::check_framing(resp.headers()).is_err() => (
+                        Outcome::Upstream(UpstreamFault::BadResponse),
+                        None,
+                        format!("upstream {name} answered with a transfer coding other than chunked"),
+                    ),
+                    Timed::Done(Ok((resp, _))) if resp.status().as_u16() > 599 => (
+                        Outcome::Upstream(UpstreamFault::BadResponse),
+                        None,
+                        format!(
+                            "upstream {name} answered with status {}, outside 100-599",
+                            resp.status().as_u16()
+                        ),
+                    ),
+                    Timed::Done(Ok((resp, conn))) => {
+                        if let Some(conn) = conn {
+                            slot.hold(index, conn);
+                        }
+                        let outcome = match judge.grpc.then(|| trailers_only_status(&resp)).flatten() {
+                            // The caller's own deadline, passed on, ran out: the
+                            // caller set it, the upstream is not to blame.
+                            Some(GrpcStatus::DEADLINE_EXCEEDED) if judge.grpc_deadline => {
+                                Outcome::Deadline
+                            }
+                            Some(status) if status != GrpcStatus::OK => Outcome::Grpc(status),
+                            _ => Outcome::Response(resp.status()),
+                        };
+                        (outcome, Some((resp, slot)), String::new())
+                    }
+                    Timed::Done(Err(e)) => {
+                        let fault = progress.as_deref().and_then(|p| {
+                            // An upstream that gives up on a body that stopped
+                            // coming (its read timeout) is right to: the stall is
+                            // the caller's.
+                            p.caller_fault()
+                                .or(p.waiting_on_caller().then_some(CallerFault::StalledBody))
+                        });
+                        let outcome = match fault {
+                            Some(fault) => Outcome::Caller(fault),
+                            None => Outcome::Upstream(e.fault()),
+                        };
+                        let detail = match fault {
+                            Some(CallerFault::MalformedBody) => {
+                                format!("the request body is malformed: {}", error_chain(&e))
+                            }
+                            Some(CallerFault::StalledBody) => format!(
+                                "the request body stopped coming, and upstream {name} gave up on it: {}",
+                                error_chain(&e)
+                            ),
+                            Some(CallerFault::Gone) => {
+                                "the caller's request body ended before it was complete".to_owned()
+                            }
+                            None => format!("upstream {name} failed: {}", error_chain(&e)),
+                        };
+                        (outcome, None, detail)
+                    }
+                    Timed::PerTry => (
+                        Outcome::Upstream(UpstreamFault::Timeout),
+                        None,
+                        format!("upstream {name} sent no response headers within {per_try:?} of the request being sent"),
+                    ),
+                    Timed::Deadline => (
+                        Outcome::Deadline,
+                        None,
+                        format!("the request's timeout ({:?}) ran out before upstream {name} answered", judge.timeout),
+                    ),
+                    Timed::Stalled => (
+                        Outcome::Caller(CallerFault::StalledBody),
+                        None,
+                        format!("the request body stalled: it was not complete when the request's timeout ({:?}) ran out", judge.timeout),
+                    ),
+                };
+            // The upstream's latency runs from when it had the whole request:
+            // a slow upload is the caller's time, not the upstream's.
+            let latency = sent_whole.elapsed();
+            upstream.observe(outcome, latency);
+            let note = picked.kind.note();
+            // An answer whose body is still to come is the endpoint's success
+            // only once the body ends whole: that is settled by the body.
+            match &mut answer {
+                Some((resp, slot))
+                    if Verdict::of(outcome) == Verdict::Success
+                        && !http_body::Body::is_end_stream(resp.body()) =>
+                {
+                    slot.answered_by(picked, latency)
+                }
+                _ => picked.settle(outcome, latency),
+            }
+            if answer.is_none() {
+                tracing::debug!(upstream = %name, outcome = outcome.label(), error = %detail, "upstream attempt failed");
+            }
+            let retry_after = answer.as_ref().and_then(|(resp, _)| match judge.grpc {
+                true => crate::wire::headers::grpc_pushback(resp.headers()),
+                false => retry_after(resp.headers()),
+            });
+            Attempt {
+                outcome,
+                answer,
+                retry_after,
+                detail,
+                elapsed,
+                note,
+            }
+        }
+    }
+
+    fn ended_with(&mut self, n: u32) {
+        // After a hedge race, the log names the endpoint that answered.
+        let Some(&(_, index)) = self.racing.iter().find(|(m, _)| *m == n) else {
+            return;
+        };
+        if let Some(log) = self.log.as_deref_mut() {
+            log.endpoint = Some(self.upstream.endpoint_label(index));
+        }
+    }
+
+    fn hedgeable(&self) -> bool {
+        // An upgrade is a connection to keep, not an answer to race for.
+        !self.upgrade
+    }
+
+    fn body_whole(&self) -> bool {
+        match &self.body {
+            AttemptBody::Empty => true,
+            AttemptBody::Once(_) => false,
+            AttemptBody::Replay(replay) => replay.whole(),
+        }
+    }
+
+    async fn replayable(&mut self, deadline: Instant) -> bool {
+        let replay = match &self.body {
+            AttemptBody::Empty => return true,
+            AttemptBody::Once(once) => return once.is_some(),
+            AttemptBody::Replay(replay) => replay,
+        };
+        loop {
+            if let Some(known) = replay.replayable() {
+                return known;
+            }
+            // An earlier attempt's connection still holds the body: wait
+            // for it to let go, but not past the deadline.
+            let released = std::future::poll_fn(|cx| replay.poll_released(cx));
+            if tokio::time::timeout_at(deadline, released).await.is_err() {
+                return false;
+            }
+        }
+    }
+
+    fn park(&self, answer: &mut Answer) {
+        answer.1.park();
+    }
+
+    fn body_pending(&self, answer: &Answer) -> bool {
+        !http_body::Body::is_end_stream(answer.0.body())
+    }
+}
+
+/// What an attempt needs to know, past the moment it is sent, to judge
+/// its end: copied out of the [`Forward`], so that the attempt borrows none of it.
+#[derive(Clone, Copy)]
+struct Judge {
+    /// The caller asked to upgrade: only then is a 101 an answer.
+    upgrade: bool,
+    /// A gRPC call: judged by its `grpc-status`.
+    grpc: bool,
+    /// The gRPC caller set its own deadline, passed on upstream.
+    grpc_deadline: bool,
+    /// The request's `timeout`, for the messages.
+    timeout: Duration,
+}
+
+/// How the timers ended an attempt.
+enum Timed<T> {
+    Done(T),
+    /// No answer within the per-try time after the request was sent.
+    PerTry,
+    /// The request's deadline cut the attempt short: it had less than half
+    /// its per-try time (what [`Policy::min_retry_time`] asks of a retry).
+    ///
+    /// [`Policy::min_retry_time`]: crate::policy::Policy::min_retry_time
+    Deadline,
+    /// The deadline came while the body was waiting on the caller.
+    Stalled,
+}
+
+/// Runs `send` under the attempt's timers: until the body is sent, only the
+/// deadline; from then on, `per_try` too.
+///
+/// When the deadline ends an attempt, whose fault that was: the caller's,
+/// if its body was still waiting on the caller (a stalled upload); the
+/// upstream's (a timeout), if the attempt had at least half its per-try
+/// time; otherwise the deadline's, which cut it short.
+async fn timed<F: Future>(
+    mut send: std::pin::Pin<&mut F>,
+    progress: Option<&Progress>,
+    per_try: Duration,
+    deadline: Instant,
+) -> (Timed<F::Output>, Instant) {
+    let start = Instant::now();
+    let fair = per_try / 2;
+    let sent = match progress {
+        Some(p) if !p.is_sent() => {
+            tokio::select! {
+                biased;
+                out = &mut send => return (Timed::Done(out), start),
+                () = p.sent() => Instant::now(),
+                () = tokio::time::sleep_until(deadline) => {
+                    let late = if p.waiting_on_caller() {
+                        Timed::Stalled
+                    } else if deadline.saturating_duration_since(start) >= fair {
+                        Timed::PerTry
+                    } else {
+                        Timed::Deadline
+                    };
+                    return (late, start);
+                }
+            }
+        }
+        _ => start,
+    };
+    let (until, late) = match sent.checked_add(per_try) {
+        Some(end) if end < deadline => (end, Timed::PerTry),
+        _ if deadline.saturating_duration_since(sent) >= fair => (deadline, Timed::PerTry),
+        _ => (deadline, Timed::Deadline),
+    };
+    match tokio::time::timeout_at(until, send).await {
+        Ok(out) => (Timed::Done(out), sent),
+        Err(_) => (late, sent),
+    }
+}
+
+/// `x-herdguard-attempt: N`, without formatting for the usual small N.
+pub(crate) fn attempt_value(n: u32) -> http::HeaderValue {
+    const SMALL: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
+    match SMALL.get(n as usize) {
+        Some(s) => http::HeaderValue::from_static(s),
+        None => http::HeaderValue::from(n),
+    }
+}
+
+/// The gRPC status of a trailers-only answer (HTTP 200, `grpc-status` in
+/// the headers, nothing to follow); `None` for any other answer, whose
+/// status comes in trailers after messages and so can never be retried.
+fn trailers_only_status(resp: &Response<Incoming>) -> Option<GrpcStatus> {
+    if resp.status() != http::StatusCode::OK || !http_body::Body::is_end_stream(resp.body()) {
+        return None;
+    }
+    // Missing, twice, or not a status: a broken answer, as a gRPC client
+    // reads it (INTERNAL), never a success.
+    let mut values = resp.headers().get_all("grpc-status").iter();
+    Some(match (values.next(), values.next()) {
+        (Some(one), None) => GrpcStatus::parse(one.as_bytes()).unwrap_or(GrpcStatus::INTERNAL),
+        _ => GrpcStatus::INTERNAL,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::body::{SENT, WAITING};
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// How `timed` ends an attempt that never answers, given the upload's
+    /// state when the timers fire.
+    async fn ends(progress: Option<&Progress>, per_try: Duration, left: Duration) -> &'static str {
+        let deadline = Instant::now() + left;
+        match timed(
+            std::pin::pin!(std::future::pending::<()>()),
+            progress,
+            per_try,
+            deadline,
+        )
+        .await
+        .0
+        {
+            Timed::Done(()) => "done",
+            Timed::PerTry => "per-try",
+            Timed::Deadline => "deadline",
+            Timed::Stalled => "stalled",
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn whose_fault_the_timers_make_it() {
+        let per_try = 400 * MS;
+        // No body: per-try time runs from the start.
+        assert_eq!(ends(None, per_try, 1000 * MS).await, "per-try");
+        // Cut short by the deadline, with less than half of per-try: the deadline's.
+        assert_eq!(ends(None, per_try, 150 * MS).await, "deadline");
+        // Half or more of it: the upstream had its fair chance.
+        assert_eq!(ends(None, per_try, 250 * MS).await, "per-try");
+
+        // A body still waiting on its caller when the deadline comes: a stall.
+        let waiting = Progress::default();
+        waiting.set(WAITING);
+        assert_eq!(ends(Some(&waiting), per_try, 1000 * MS).await, "stalled");
+        // A body the upstream does not take (not waiting on the caller).
+        let pushing = Progress::default();
+        assert_eq!(ends(Some(&pushing), per_try, 1000 * MS).await, "per-try");
+        assert_eq!(ends(Some(&pushing), per_try, 100 * MS).await, "deadline");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn per_try_time_starts_once_the_body_is_sent() {
+        let progress = Arc::new(Progress::default());
+        progress.set(WAITING);
+        let uploader = progress.clone();
+        // The caller uploads for 900 ms; per-try time is 400 ms.
+        tokio::spawn(async move {
+            tokio::time::sleep(900 * MS).await;
+            uploader.set(SENT);
+        });
+        let answer = async {
+            // The upstream answers 300 ms after the upload ends.
+            progress.sent().await;
+            tokio::time::sleep(300 * MS).await;
+        };
+        let deadline = Instant::now() + 10_000 * MS;
+        let (got, sent) = timed(std::pin::pin!(answer), Some(&progress), 400 * MS, deadline).await;
+        assert_eq!(
+            sent.elapsed(),
+            300 * MS,
+            "the upstream's time is from the upload's end"
+        );
+        assert!(matches!(got, Timed::Done(())), "not a timeout");
+    }
+}

@@ -1,0 +1,246 @@
+//! Body types of the proxy: what is sent upstream and what goes back to the
+//! caller. Both stream; neither buffers a whole body.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+use tokio::sync::Notify;
+
+use crate::policy::CallerFault;
+
+use super::replay::ReplayBody;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+pin_project! {
+    /// A request body sent upstream. One with content tells its attempt's
+    /// [`Progress`] how the upload goes.
+    pub struct RequestBody {
+        #[pin]
+        inner: Inner,
+        progress: Option<Arc<Progress>>,
+    }
+}
+
+pin_project! {
+    #[project = InnerProj]
+    enum Inner {
+        Empty,
+        // Both boxed: every request is moved through hyper's dispatch queue,
+        // whose blocks hold 32 requests each, two blocks per upstream
+        // connection; a replay buffer inline would make each request four
+        // times the size, the caller's body a quarter more.
+        Stream { body: Pin<Box<crate::wire::CallerBody>> },
+        Replay { body: Pin<Box<ReplayBody>> },
+    }
+}
+
+impl RequestBody {
+    pub fn empty() -> Self {
+        Self {
+            inner: Inner::Empty,
+            progress: None,
+        }
+    }
+
+    /// The caller's body, streamed once.
+    pub fn stream(body: crate::wire::CallerBody, progress: Arc<Progress>) -> Self {
+        Self {
+            inner: Inner::Stream {
+                body: Box::pin(body),
+            },
+            progress: Some(progress),
+        }
+    }
+
+    /// One replay of the caller's body.
+    pub fn replay(body: ReplayBody, progress: Arc<Progress>) -> Self {
+        Self {
+            inner: Inner::Replay {
+                body: Box::pin(body),
+            },
+            progress: Some(progress),
+        }
+    }
+
+    fn inner_end(inner: &Inner) -> bool {
+        match inner {
+            Inner::Empty => true,
+            Inner::Stream { body } => body.is_end_stream(),
+            Inner::Replay { body } => body.is_end_stream(),
+        }
+    }
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        let polled = match this.inner.as_mut().project() {
+            InnerProj::Empty => Poll::Ready(None),
+            InnerProj::Stream { body } => body.as_mut().poll_frame(cx).map_err(BoxError::from),
+            InnerProj::Replay { body } => body.as_mut().poll_frame(cx),
+        };
+        let polled = polled.map(|frame| frame.map(|f| f.map(clean)));
+        if let Some(progress) = this.progress {
+            match &polled {
+                Poll::Pending => progress.set(WAITING),
+                Poll::Ready(None) => progress.set(SENT),
+                Poll::Ready(Some(Ok(_))) => {
+                    if Self::inner_end(&this.inner.as_ref()) {
+                        progress.set(SENT);
+                    } else {
+                        progress.clear(WAITING);
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => progress.fail(caller_fault(&**e)),
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        let end = Self::inner_end(&self.inner);
+        if end {
+            if let Some(progress) = &self.progress {
+                progress.set(SENT);
+            }
+        }
+        end
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.inner {
+            Inner::Empty => SizeHint::with_exact(0),
+            Inner::Stream { body } => body.size_hint(),
+            Inner::Replay { body } => body.size_hint(),
+        }
+    }
+}
+
+/// A frame as it may be passed on: a trailer section cleaned of what may
+/// not be in one.
+pub(crate) fn clean(mut frame: Frame<Bytes>) -> Frame<Bytes> {
+    if let Some(trailers) = frame.trailers_mut() {
+        crate::wire::headers::clean_trailers(trailers);
+    }
+    frame
+}
+
+pub(super) const SENT: u8 = 1;
+pub(super) const WAITING: u8 = 2;
+const GONE: u8 = 4;
+const MALFORMED: u8 = 8;
+
+/// How one attempt's upload goes, as its body sees it: whether the body was
+/// sent whole, whether it is waiting on the caller, and how the caller's
+/// body failed, if it did. The attempt's timers read it: per-try time starts
+/// once the body is sent; a request still waiting on its caller when the
+/// deadline comes is the caller's stall.
+#[derive(Debug, Default)]
+pub struct Progress {
+    flags: AtomicU8,
+    sent: Notify,
+}
+
+impl Progress {
+    /// The body was read to its end and handed to the connection.
+    pub fn is_sent(&self) -> bool {
+        self.flags.load(Ordering::Acquire) & SENT != 0
+    }
+
+    /// Waits until [`is_sent`](Self::is_sent).
+    pub async fn sent(&self) {
+        loop {
+            let notified = self.sent.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_sent() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// The body's last poll found no data from the caller yet.
+    pub fn waiting_on_caller(&self) -> bool {
+        self.flags.load(Ordering::Acquire) & (WAITING | SENT) == WAITING
+    }
+
+    /// How the caller's body failed, if it did.
+    pub fn caller_fault(&self) -> Option<CallerFault> {
+        let flags = self.flags.load(Ordering::Acquire);
+        if flags & MALFORMED != 0 {
+            Some(CallerFault::MalformedBody)
+        } else if flags & GONE != 0 {
+            Some(CallerFault::Gone)
+        } else {
+            None
+        }
+    }
+
+    pub(super) fn set(&self, flag: u8) {
+        let before = self.flags.fetch_or(flag, Ordering::AcqRel);
+        if flag & SENT != 0 && before & SENT == 0 {
+            self.sent.notify_waiters();
+        }
+    }
+
+    pub(super) fn clear(&self, flag: u8) {
+        self.flags.fetch_and(!flag, Ordering::AcqRel);
+    }
+
+    fn fail(&self, fault: CallerFault) {
+        self.clear(WAITING);
+        self.set(match fault {
+            CallerFault::MalformedBody => MALFORMED,
+            CallerFault::Gone | CallerFault::StalledBody => GONE,
+        });
+    }
+}
+
+/// Whose fault a failed read of the caller's body was, from its error: a
+/// body that broke the protocol is malformed; one that ended early, or
+/// whose connection or stream went away, is a caller gone.
+pub fn caller_fault(e: &(dyn std::error::Error + 'static)) -> CallerFault {
+    let mut source = Some(e);
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            return match io.kind() {
+                std::io::ErrorKind::InvalidData | std::io::ErrorKind::InvalidInput => {
+                    CallerFault::MalformedBody
+                }
+                _ => CallerFault::Gone,
+            };
+        }
+        if let Some(h) = e.downcast_ref::<hyper::Error>() {
+            if h.is_parse() {
+                return CallerFault::MalformedBody;
+            }
+        }
+        if let Some(h2) = e.downcast_ref::<h2::Error>() {
+            let broken = h2.reason().is_some_and(|r| {
+                r == h2::Reason::PROTOCOL_ERROR
+                    || r == h2::Reason::FLOW_CONTROL_ERROR
+                    || r == h2::Reason::FRAME_SIZE_ERROR
+            });
+            return if broken {
+                CallerFault::MalformedBody
+            } else {
+                CallerFault::Gone
+            };
+        }
+        source = e.source();
+    }
+    CallerFault::Gone
+}

@@ -1,0 +1,767 @@
+//! An upstream: its endpoints, round-robin balancing, the in-flight count
+//! that sheds load above `max_in_flight`, and two ways to send: plain HTTP/1.1
+//! endpoints get their own lean connection pool (`pool.rs`); TLS (rustls,
+//! ring provider) and HTTP/2 go through hyper-util's pooled client.
+
+pub mod attempt;
+pub mod body;
+pub mod pool;
+pub mod replay;
+pub mod tunnel;
+
+pub use body::{caller_fault, BoxError, Progress, RequestBody};
+pub use pool::{PoolError, Pooled};
+pub use replay::ReplayBody;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{HeaderValue, Request, Response, Uri};
+use hyper::body::Incoming;
+use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::{ClientConfig, RootCertStore};
+use tokio::time::Instant;
+
+use crate::config::{Http2Mode, UpstreamConfig};
+use crate::observe::metrics::{Metrics, UpstreamMetrics};
+use crate::policy::limit::{Limiter, Sample};
+use crate::policy::outlier::{Event, Outliers, Pick, PickKind, State as OutlierState, Verdict};
+use crate::policy::{Outcome, UpstreamFault};
+
+use self::pool::H1Pool;
+use self::tunnel::Tunnels;
+
+pub type HttpClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
+
+/// Why an upstream could not be built from its (validated) config.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("upstreams.{upstream}.endpoints: needs at least one endpoint")]
+    NoEndpoints { upstream: String },
+    #[error("upstreams.{upstream}.endpoints: {endpoint:?} is not scheme://host[:port]")]
+    Endpoint { upstream: String, endpoint: String },
+    #[error("upstreams.{upstream}.adaptive_concurrency: {message}")]
+    Limit { upstream: String, message: String },
+    #[error("upstreams.{upstream}.outlier.{key}: {message}")]
+    Outlier {
+        upstream: String,
+        key: &'static str,
+        message: String,
+    },
+    #[error("upstreams.{upstream}.{key}: {message}")]
+    Tls {
+        upstream: String,
+        key: &'static str,
+        message: String,
+    },
+}
+
+/// Why an attempt got no response.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    #[error(transparent)]
+    Pool(PoolError),
+    #[error(transparent)]
+    Client(hyper_util::client::legacy::Error),
+}
+
+impl SendError {
+    /// No connection was made: nothing reached the upstream.
+    pub fn is_connect(&self) -> bool {
+        match self {
+            SendError::Pool(e) => e.is_connect(),
+            SendError::Client(e) => e.is_connect(),
+        }
+    }
+
+    /// Which of the upstream's failures this is, as `retry_on` names them.
+    /// (A failure of the caller's body is told apart before this is asked:
+    /// see `Progress::caller_fault`.)
+    pub fn fault(&self) -> UpstreamFault {
+        if self.is_connect() {
+            return UpstreamFault::ConnectFailure;
+        }
+        if let SendError::Pool(PoolError::Stale { .. }) = self {
+            return UpstreamFault::StaleConnection;
+        }
+        let mut source: Option<&(dyn std::error::Error + 'static)> = match self {
+            SendError::Pool(e) => Some(e),
+            SendError::Client(e) => Some(e),
+        };
+        while let Some(s) = source {
+            if let Some(h) = s.downcast_ref::<hyper::Error>() {
+                // The request was never written: its pooled connection closed first.
+                if h.is_canceled() {
+                    return UpstreamFault::ConnectFailure;
+                }
+                // The response's head broke HTTP: it would only break again.
+                if h.is_parse() || h.is_parse_too_large() || h.is_parse_status() {
+                    return UpstreamFault::BadResponse;
+                }
+            }
+            if let Some(h2) = s.downcast_ref::<h2::Error>() {
+                if h2.reason() == Some(h2::Reason::REFUSED_STREAM) {
+                    return UpstreamFault::RefusedStream;
+                }
+            }
+            source = s.source();
+        }
+        UpstreamFault::Reset
+    }
+}
+
+/// One `scheme://host:port` of an upstream, pre-parsed.
+pub struct Endpoint {
+    /// As the config writes it: the `endpoint` label of its metrics.
+    pub label: Arc<str>,
+    scheme: Scheme,
+    authority: Authority,
+    /// The `Host` header sent to this endpoint.
+    pub host: HeaderValue,
+    /// The endpoint's path (`http://host/api/v1` → `/api/v1`), prefixed
+    /// to every path forwarded to it; `None` for `/` or none.
+    base: Option<Box<str>>,
+    transport: Transport,
+}
+
+/// How requests reach an endpoint.
+enum Transport {
+    /// Plain HTTP/1.1: its own connection pool.
+    Pool(H1Pool),
+    /// TLS or HTTP/2: hyper-util's client, shared by the upstream's endpoints.
+    Client(Arc<HttpClient>),
+}
+
+impl Endpoint {
+    /// Plain HTTP/1.1 endpoints get their own pool; the others share the
+    /// upstream's TLS/HTTP/2 client, built (system roots loaded) only for them.
+    fn parse(
+        name: &str,
+        url: &str,
+        config: &UpstreamConfig,
+        client: &mut dyn FnMut() -> Result<Arc<HttpClient>, UpstreamError>,
+    ) -> Result<Self, UpstreamError> {
+        let bad = || UpstreamError::Endpoint {
+            upstream: name.to_owned(),
+            endpoint: url.to_owned(),
+        };
+        let uri: Uri = url.parse().map_err(|_| bad())?;
+        let (Some(authority), Some(scheme)) = (uri.authority().cloned(), uri.scheme().cloned())
+        else {
+            return Err(bad());
+        };
+        let transport = if scheme == Scheme::HTTP && config.http2 != Http2Mode::Always {
+            Transport::Pool(H1Pool::new(
+                authority.clone(),
+                config.connect_timeout,
+                config.pool_idle_timeout,
+                config.pool_max_idle,
+            ))
+        } else {
+            Transport::Client(client()?)
+        };
+        let base = uri.path().trim_end_matches('/');
+        Ok(Self {
+            label: url.into(),
+            scheme,
+            base: (!base.is_empty()).then(|| base.into()),
+            host: HeaderValue::from_str(authority.as_str()).map_err(|_| bad())?,
+            authority,
+            transport,
+        })
+    }
+
+    /// Sends one attempt to this endpoint. A pooled connection comes back
+    /// with the response, to be held until its body is done with. (Not an
+    /// `async fn`: one would keep the request twice, as its argument and
+    /// as a local, for as long as the attempt lasts.)
+    pub fn send(
+        &self,
+        path_and_query: Option<&PathAndQuery>,
+        mut req: Request<RequestBody>,
+    ) -> Sending<impl Future<Output = Result<(Response<Incoming>, Pooled), PoolError>> + '_> {
+        let based;
+        let path_and_query = match (&self.base, path_and_query) {
+            (Some(base), Some(pq)) if pq.path().starts_with('/') => {
+                based = with_base(base, pq);
+                based.as_ref().or(Some(pq))
+            }
+            (Some(base), None) => {
+                based = with_base(base, &PathAndQuery::from_static("/"));
+                based.as_ref()
+            }
+            // `OPTIONS *` asks about the server, not a path: no base.
+            _ => path_and_query,
+        };
+        match &self.transport {
+            Transport::Pool(pool) => {
+                *req.uri_mut() = pool::origin_form(path_and_query);
+                Sending::Pool {
+                    send: pool.send(req),
+                }
+            }
+            Transport::Client(client) => {
+                *req.uri_mut() = self.uri(path_and_query);
+                Sending::Client {
+                    send: client.request(req),
+                }
+            }
+        }
+    }
+
+    /// The absolute URI of `path_and_query` on this endpoint.
+    fn uri(&self, path_and_query: Option<&PathAndQuery>) -> Uri {
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = Some(self.scheme.clone());
+        parts.authority = Some(self.authority.clone());
+        parts.path_and_query = Some(
+            path_and_query
+                .cloned()
+                .unwrap_or_else(|| PathAndQuery::from_static("/")),
+        );
+        Uri::from_parts(parts).expect("scheme, authority and path are all set")
+    }
+}
+pin_project_lite::pin_project! {
+    /// One attempt on its way: through herdguard's HTTP/1.1 pool, or
+    /// hyper-util's client (TLS, HTTP/2).
+    #[project = SendingProj]
+    pub enum Sending<P> {
+        Pool { #[pin] send: P },
+        Client { #[pin] send: hyper_util::client::legacy::ResponseFuture },
+    }
+}
+
+impl<P> Future for Sending<P>
+where
+    P: Future<Output = Result<(Response<Incoming>, Pooled), PoolError>>,
+{
+    type Output = Result<(Response<Incoming>, Option<Pooled>), SendError>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        match self.project() {
+            SendingProj::Pool { send } => send.poll(cx).map(|sent| {
+                sent.map(|(resp, conn)| (resp, Some(conn)))
+                    .map_err(SendError::Pool)
+            }),
+            SendingProj::Client { send } => send
+                .poll(cx)
+                .map(|sent| sent.map(|resp| (resp, None)).map_err(SendError::Client)),
+        }
+    }
+}
+
+/// `base` and the request's path, joined: `/api/v1` and `/items?x=1` give
+/// `/api/v1/items?x=1`, and `?x=1` (an empty path) gives `/api/v1/?x=1`. `None` only if the join is not a valid path, which
+/// two valid parts cannot make (the path is then sent as it came).
+fn with_base(base: &str, pq: &PathAndQuery) -> Option<PathAndQuery> {
+    // Dot segments resolved first: `/a/../../etc` must not climb out of the base.
+    let path = crate::policy::route::without_dot_segments(pq.path());
+    let mut joined = String::with_capacity(base.len() + pq.as_str().len() + 1);
+    joined.push_str(base);
+    joined.push_str(&path);
+    if let Some(query) = pq.query() {
+        joined.push('?');
+        joined.push_str(query);
+    }
+    PathAndQuery::try_from(joined).ok()
+}
+
+pub struct Upstream {
+    pub name: Arc<str>,
+    endpoints: Box<[Endpoint]>,
+    next: AtomicUsize,
+    /// Shared with the upstream of the same name a reload replaced, so
+    /// that requests still in flight there count here too.
+    in_flight: Arc<AtomicUsize>,
+    /// Each endpoint's health; `None` when there is one endpoint or
+    /// ejection is off. `any_out` mirrors it for a lock-free pick while
+    /// every endpoint serves.
+    outliers: Option<Mutex<Outliers>>,
+    any_out: AtomicBool,
+    max_in_flight: usize,
+    /// The adaptive limit, when on; `limit` mirrors it for lock-free admission.
+    limiter: Option<Mutex<Limiter>>,
+    limit: AtomicUsize,
+    pub metrics: UpstreamMetrics,
+    /// Upgraded connections: counted apart from requests in flight.
+    pub tunnels: Arc<Tunnels>,
+}
+
+impl Upstream {
+    pub fn new(
+        name: &str,
+        config: &UpstreamConfig,
+        registry: &Metrics,
+        in_flight: Option<Arc<AtomicUsize>>,
+    ) -> Result<Arc<Self>, UpstreamError> {
+        let limiter = match &config.adaptive_concurrency {
+            a if a.enabled => Some(Limiter::try_new(a, config.max_in_flight).map_err(|e| {
+                UpstreamError::Limit {
+                    upstream: name.to_owned(),
+                    message: e.to_string(),
+                }
+            })?),
+            _ => None,
+        };
+        let mut shared = None;
+        let mut shared_client = || match &shared {
+            Some(c) => Ok(Arc::clone(c)),
+            None => Ok(shared.insert(Arc::new(client(name, config)?)).clone()),
+        };
+        let endpoints = config
+            .endpoints
+            .iter()
+            .map(|e| Endpoint::parse(name, e, config, &mut shared_client))
+            .collect::<Result<Box<[_]>, _>>()?;
+        if endpoints.is_empty() {
+            return Err(UpstreamError::NoEndpoints {
+                upstream: name.to_owned(),
+            });
+        }
+        let outliers = Outliers::try_new(&config.outlier, endpoints.len(), Instant::now())
+            .map_err(|e| UpstreamError::Outlier {
+                upstream: name.to_owned(),
+                key: e.key(),
+                message: e.to_string(),
+            })?;
+        let labels: Vec<&str> = config.endpoints.iter().map(String::as_str).collect();
+        Ok(Arc::new(Self {
+            name: name.into(),
+            endpoints,
+            next: AtomicUsize::new(0),
+            outliers: (config.outlier.enabled && labels.len() > 1).then(|| Mutex::new(outliers)),
+            any_out: AtomicBool::new(false),
+            in_flight: in_flight.unwrap_or_default(),
+            max_in_flight: config.max_in_flight,
+            limit: AtomicUsize::new(
+                limiter
+                    .as_ref()
+                    .map_or(config.max_in_flight, Limiter::limit),
+            ),
+            limiter: limiter.map(Mutex::new),
+            metrics: UpstreamMetrics::new(registry, name, &labels),
+            tunnels: Tunnels::new(config.max_tunnels, config.tunnel_idle_timeout),
+        }))
+    }
+
+    /// The endpoint for an attempt: round robin over the endpoints in
+    /// rotation; a retry takes the one after the endpoint that failed, so
+    /// it goes elsewhere when it can without shifting the rotation of first
+    /// attempts. An ejected endpoint whose time is up gets one probe (see
+    /// [`Outliers::pick`]). `retryable`: whether this request may be
+    /// retried elsewhere if the attempt fails.
+    /// `breaker_probe`: the route's breaker holds the upstream failing and
+    /// lets this request through to find out: it goes to the endpoints in
+    /// turn, ejected or not, so a healed endpoint that was ejected is found.
+    pub fn pick(
+        &self,
+        previous: Option<usize>,
+        retryable: bool,
+        breaker_probe: bool,
+    ) -> Picked<'_> {
+        let len = self.endpoints.len();
+        let turn = match previous {
+            Some(_) => 0,
+            None => self.next.fetch_add(1, Ordering::Relaxed),
+        };
+        let pick = match &self.outliers {
+            Some(o) if self.any_out.load(Ordering::Acquire) => {
+                let mut o = o.lock().unwrap_or_else(|e| e.into_inner());
+                let pick = o.pick(Instant::now(), turn, previous, retryable, breaker_probe);
+                self.any_out.store(o.any_out(), Ordering::Release);
+                pick
+            }
+            _ => Pick {
+                index: match previous {
+                    Some(p) => (p + 1) % len,
+                    None => turn % len,
+                },
+                kind: PickKind::Serving,
+            },
+        };
+        Picked {
+            upstream: self,
+            index: pick.index,
+            kind: pick.kind,
+            settled: false,
+        }
+    }
+
+    /// Feeds how an attempt to an endpoint ended to its health; counts and
+    /// logs an ejection or a return.
+    fn settle(&self, index: usize, kind: PickKind, verdict: Verdict, latency: Option<Duration>) {
+        let Some(outliers) = &self.outliers else {
+            return;
+        };
+        if verdict == Verdict::Neutral && kind != PickKind::Probe {
+            return;
+        }
+        let event = {
+            let mut o = outliers.lock().unwrap_or_else(|e| e.into_inner());
+            let event = o.record(
+                Instant::now(),
+                index,
+                kind,
+                verdict,
+                latency,
+                &mut rand::rng(),
+            );
+            self.any_out.store(o.any_out(), Ordering::Release);
+            event
+        };
+        let endpoint = |i: usize| self.endpoints.get(i).map_or("?", |e| e.label.as_ref());
+        match event {
+            Some(Event::Ejected { index, length, why }) => {
+                // The `ejected` gauge is set from the state at scrape time.
+                if let Some(m) = self.metrics.endpoints.get(index) {
+                    m.ejections.increment(1);
+                }
+                tracing::warn!(
+                    upstream = %self.name,
+                    endpoint = endpoint(index),
+                    why = why.as_str(),
+                    for_ms = length.as_millis() as u64,
+                    "endpoint ejected"
+                );
+            }
+            Some(Event::Returned { index }) => {
+                tracing::info!(upstream = %self.name, endpoint = endpoint(index), "endpoint back in rotation");
+            }
+            None => {}
+        }
+    }
+
+    /// Each endpoint's label and health, for /breakers.
+    pub fn endpoints_snapshot(&self) -> Vec<serde_json::Value> {
+        let health = self.outliers.as_ref().map(|o| {
+            o.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .snapshot(Instant::now())
+        });
+        self.endpoints
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let mut v = match health.as_ref().and_then(|h| h.get(i)) {
+                    Some(s) => serde_json::to_value(s).unwrap_or_default(),
+                    None => serde_json::json!({ "state": "serving" }),
+                };
+                v["endpoint"] = e.label.as_ref().into();
+                v
+            })
+            .collect()
+    }
+
+    /// The in-flight count, for the upstream that replaces this one.
+    /// The label of endpoint `index` (as written in `endpoints`).
+    pub fn endpoint_label(&self, index: usize) -> Arc<str> {
+        self.endpoints
+            .get(index)
+            .map_or_else(|| Arc::from("?"), |e| e.label.clone())
+    }
+
+    pub fn in_flight_counter(&self) -> Arc<AtomicUsize> {
+        self.in_flight.clone()
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Requests allowed in flight now: the adaptive limit, or `max_in_flight`.
+    pub fn limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    pub fn max_in_flight(&self) -> usize {
+        self.max_in_flight
+    }
+
+    /// Feeds an attempt's outcome to the adaptive limit, as [`Sample::of`] maps it.
+    pub fn observe(&self, outcome: Outcome, elapsed: std::time::Duration) {
+        let Some(sample) = Sample::of(outcome, elapsed) else {
+            return;
+        };
+        if let Some(limiter) = &self.limiter {
+            let mut limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
+            limiter.update(sample, self.in_flight(), tokio::time::Instant::now());
+            self.limit.store(limiter.limit(), Ordering::Relaxed);
+        }
+    }
+
+    /// Closes connections that closed or idled out (once a second).
+    /// Also lets a limit left low by a past spell come back once the
+    /// upstream has been quiet (see [`Limiter::relax`]).
+    pub fn sweep(&self) {
+        for e in &self.endpoints {
+            if let Transport::Pool(pool) = &e.transport {
+                pool.sweep();
+            }
+        }
+        if let Some(limiter) = &self.limiter {
+            let mut limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
+            limiter.relax(tokio::time::Instant::now());
+            self.limit.store(limiter.limit(), Ordering::Relaxed);
+        }
+    }
+
+    /// Sets the gauges from live values (at scrape time, not per request).
+    pub fn refresh_gauges(&self) {
+        self.metrics.in_flight.set(self.in_flight() as f64);
+        self.metrics.limit.set(self.limit() as f64);
+        self.metrics.tunnels.set(self.tunnels.open() as f64);
+        if let Some(o) = &self.outliers {
+            let o = o.lock().unwrap_or_else(|e| e.into_inner());
+            for (i, m) in self.metrics.endpoints.iter().enumerate() {
+                let out = !matches!(o.state(i), Some(OutlierState::Serving) | None);
+                m.ejected.set(if out { 1.0 } else { 0.0 });
+            }
+        }
+    }
+
+    /// Takes a slot for one request, or `None` when the upstream is full.
+    pub fn try_acquire(self: &Arc<Self>) -> Option<InFlight> {
+        let prior = self.in_flight.fetch_add(1, Ordering::AcqRel);
+        if prior >= self.limit.load(Ordering::Relaxed) {
+            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+            self.metrics.shed.increment(1);
+            return None;
+        }
+        Some(InFlight {
+            upstream: self.clone(),
+            conn: None,
+            endpoint: None,
+            counted: true,
+        })
+    }
+}
+
+/// The endpoint picked for one attempt. Settle it with the attempt's
+/// outcome; a probe dropped unsettled (its caller went away) tells nothing,
+/// and leaves the endpoint due for another probe.
+pub struct Picked<'a> {
+    upstream: &'a Upstream,
+    pub index: usize,
+    pub kind: PickKind,
+    settled: bool,
+}
+
+impl Picked<'_> {
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.upstream.endpoints[self.index]
+    }
+
+    /// Leaves the verdict to whoever reads the answer's body: the index
+    /// and the kind of pick, to settle later.
+    fn defer(mut self, latency: Duration) -> (usize, PickKind, Duration) {
+        self.settled = true;
+        (self.index, self.kind, latency)
+    }
+
+    /// `latency`: from the request sent whole to the response's head.
+    pub fn settle(mut self, outcome: Outcome, latency: Duration) {
+        self.settled = true;
+        self.upstream
+            .settle(self.index, self.kind, Verdict::of(outcome), Some(latency));
+    }
+}
+
+impl Drop for Picked<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.upstream
+                .settle(self.index, self.kind, Verdict::Neutral, None);
+        }
+    }
+}
+
+/// A slot held while a request is in flight to its upstream, response body
+/// included, with the pooled connection the response came on.
+pub struct InFlight {
+    upstream: Arc<Upstream>,
+    conn: Option<(usize, Pooled)>,
+    /// The endpoint that answered and how it was picked, while its answer
+    /// is not yet settled: that waits for the end of the body.
+    endpoint: Option<(usize, PickKind, Duration)>,
+    /// Whether it still counts toward the upstream's in-flight requests.
+    counted: bool,
+}
+
+impl InFlight {
+    /// Keeps `conn`, the connection of endpoint `index`, until the slot is
+    /// let go; then it goes back to its pool.
+    pub fn hold(&mut self, index: usize, conn: Pooled) {
+        self.conn = Some((index, conn));
+    }
+
+    /// The endpoint of `picked` answered the request this slot is for; its
+    /// health hears how when the body ends.
+    pub fn answered_by(&mut self, picked: Picked<'_>, latency: Duration) {
+        self.endpoint = Some(picked.defer(latency));
+    }
+
+    /// The body came whole: a success of the endpoint that sent it.
+    pub fn body_done(&mut self) {
+        if let Some((index, kind, latency)) = self.endpoint.take() {
+            self.upstream
+                .settle(index, kind, Verdict::Success, Some(latency));
+        }
+    }
+
+    /// The endpoint broke its answer off mid-body: a failure of that
+    /// endpoint, as if it had failed before answering.
+    pub fn broken(&mut self) {
+        if let Some((index, kind, _)) = self.endpoint.take() {
+            self.upstream.settle(index, kind, Verdict::Failure, None);
+        }
+    }
+
+    /// Lets the slot go and closes the connection instead of pooling it:
+    /// its response was left half read.
+    pub fn abandon(&mut self) {
+        drop(self.conn.take());
+        self.park();
+    }
+
+    /// The upstream is done with this request (it answered, and the answer
+    /// is kept while a retry is tried): stop counting it in flight. The
+    /// connection stays held until the slot is dropped.
+    pub fn park(&mut self) {
+        if std::mem::replace(&mut self.counted, false) {
+            self.upstream.in_flight.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        // The caller left before the body ended: the endpoint answered
+        // well as far as anyone saw.
+        if let Some((index, kind, latency)) = self.endpoint.take() {
+            self.upstream
+                .settle(index, kind, Verdict::Success, Some(latency));
+        }
+        if let Some((index, conn)) = self.conn.take() {
+            if let Some(Transport::Pool(pool)) =
+                self.upstream.endpoints.get(index).map(|e| &e.transport)
+            {
+                pool.put_back(conn);
+            }
+        }
+        self.park();
+    }
+}
+
+fn client(name: &str, config: &UpstreamConfig) -> Result<HttpClient, UpstreamError> {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(config.connect_timeout));
+    http.set_keepalive(Some(std::time::Duration::from_secs(60)));
+
+    let tls = tls_config(name, config)?;
+    let builder = HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http();
+    let builder = match &config.server_name {
+        Some(server_name) => {
+            let server_name =
+                ServerName::try_from(server_name.clone()).map_err(|e| UpstreamError::Tls {
+                    upstream: name.to_owned(),
+                    key: "server_name",
+                    message: e.to_string(),
+                })?;
+            builder.with_server_name_resolver(FixedServerNameResolver::new(server_name))
+        }
+        None => builder,
+    };
+    let connector = match config.http2 {
+        Http2Mode::Auto => builder.enable_all_versions().wrap_connector(http),
+        Http2Mode::Always => builder.enable_http2().wrap_connector(http),
+        Http2Mode::Never => builder.enable_http1().wrap_connector(http),
+    };
+
+    let mut client = Client::builder(TokioExecutor::new());
+    client
+        .pool_idle_timeout(config.pool_idle_timeout)
+        .pool_max_idle_per_host(config.pool_max_idle)
+        .pool_timer(TokioTimer::new())
+        .timer(TokioTimer::new())
+        // Every attempt must pass through our budget and metrics: no hidden retries.
+        .retry_canceled_requests(false)
+        // Host is set per endpoint by the proxy.
+        .set_host(false)
+        .http2_only(config.http2 == Http2Mode::Always);
+    Ok(client.build(connector))
+}
+
+/// System roots, plus `ca_file`, plus a client certificate for mTLS.
+fn tls_config(name: &str, config: &UpstreamConfig) -> Result<ClientConfig, UpstreamError> {
+    let err = |key: &'static str, message: String| UpstreamError::Tls {
+        upstream: name.to_owned(),
+        key,
+        message,
+    };
+    let mut roots = system_roots().clone();
+    if let Some(ca_file) = &config.ca_file {
+        let certs = CertificateDer::pem_file_iter(ca_file)
+            .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| err("ca_file", format!("{}: {e}", ca_file.display())))?;
+        if certs.is_empty() {
+            return Err(err(
+                "ca_file",
+                format!("{}: no certificate found", ca_file.display()),
+            ));
+        }
+        for cert in certs {
+            roots
+                .add(cert)
+                .map_err(|e| err("ca_file", format!("{}: {e}", ca_file.display())))?;
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| err("endpoints", e.to_string()))?
+        .with_root_certificates(roots);
+    match (&config.client_cert, &config.client_key) {
+        (Some(cert), Some(key)) => {
+            let chain = CertificateDer::pem_file_iter(cert)
+                .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| err("client_cert", format!("{}: {e}", cert.display())))?;
+            let key = PrivateKeyDer::from_pem_file(key)
+                .map_err(|e| err("client_key", format!("{}: {e}", key.display())))?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| err("client_key", e.to_string()))
+        }
+        _ => Ok(builder.with_no_client_auth()),
+    }
+}
+
+/// The platform's trusted roots, loaded once per process.
+fn system_roots() -> &'static RootCertStore {
+    static ROOTS: OnceLock<RootCertStore> = OnceLock::new();
+    ROOTS.get_or_init(|| {
+        let found = rustls_native_certs::load_native_certs();
+        for e in &found.errors {
+            tracing::warn!(error = %e, "could not load some system CA certificates");
+        }
+        let mut roots = RootCertStore::empty();
+        let (added, ignored) = roots.add_parsable_certificates(found.certs);
+        tracing::debug!(added, ignored, "loaded system CA certificates");
+        roots
+    })
+}

@@ -1,0 +1,455 @@
+//! A request body that can be sent again.
+//!
+//! The first attempt streams the caller's body upstream as it arrives, and
+//! keeps a copy of what passed, up to `max_replay_body`. A retry replays the
+//! copy, then goes on reading the caller's body where the first attempt left
+//! off. A body larger than the limit stops being copied (the copy is freed)
+//! and can no longer be replayed — unless nothing of it was read yet, as when
+//! the connection was refused. A caller's body that fails (malformed, or the
+//! caller went away) can never be replayed either.
+//!
+//! All clones share one state; only one clone holds it at a time. A clone
+//! that is dropped (its attempt is over) hands the state back; a clone that
+//! wants it meanwhile waits. This follows linkerd2-proxy's `ReplayBody`.
+//!
+//! Why [`ReplayBody::replayable`] answers `Option<bool>`: while an earlier
+//! attempt's connection still holds the state (its task has not dropped the
+//! body yet), what is left of the body is not known. Saying "yes" then would
+//! resend only the rest of the body: with chunked framing, a well-formed but
+//! truncated request. So it says `None`, unless the body is known to be
+//! capped already, and [`ReplayBody::poll_released`] waits for the state.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use http_body::{Body, Frame, SizeHint};
+
+use super::body::BoxError;
+
+pub struct ReplayBody<B = crate::wire::CallerBody> {
+    shared: Arc<Shared<B>>,
+    /// The state, while this clone holds it.
+    state: Option<State<B>>,
+    /// How many buffered chunks this clone has sent.
+    position: usize,
+    trailers_sent: bool,
+    /// Exact length of the whole body, when the caller declared one.
+    exact_len: Option<u64>,
+    /// Data bytes this clone has sent.
+    sent: u64,
+}
+
+struct Shared<B> {
+    slot: Mutex<Slot<B>>,
+    max_bytes: u64,
+    /// Set, once and for good, when the body can no longer be replayed: part
+    /// of it was sent and the copy was not kept, or the caller's body failed.
+    /// Readable while another clone holds the state.
+    capped: AtomicBool,
+}
+
+struct Slot<B> {
+    state: Option<State<B>>,
+    /// Clones waiting for the state, and watchers waiting for its release.
+    waiting: Vec<Waker>,
+}
+
+struct State<B> {
+    /// Everything read from `rest` so far, while `buffering`.
+    buffer: Vec<Bytes>,
+    buffered: u64,
+    buffering: bool,
+    /// Whether any data was read from the caller's body at all.
+    consumed: bool,
+    /// The caller's body failed: what is left of it is lost.
+    failed: bool,
+    trailers: Option<HeaderMap>,
+    /// The caller's body, until it ends.
+    rest: Option<B>,
+}
+
+impl<B> State<B> {
+    fn replayable(&self) -> bool {
+        !self.failed && (self.buffering || !self.consumed)
+    }
+}
+
+impl<B> ReplayBody<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    /// The source of every attempt's body: it holds none of the body itself,
+    /// each [`replay`](Self::replay) takes the shared state in turn.
+    pub fn new(body: B, max_bytes: u64) -> Self {
+        let exact_len = body.size_hint().exact();
+        // A body declared larger than the limit is never copied at all.
+        let buffering = exact_len.is_none_or(|len| len <= max_bytes);
+        let state = State {
+            buffer: Vec::new(),
+            buffered: 0,
+            buffering,
+            consumed: false,
+            failed: false,
+            trailers: None,
+            rest: Some(body),
+        };
+        Self {
+            shared: Arc::new(Shared {
+                slot: Mutex::new(Slot {
+                    state: Some(state),
+                    waiting: Vec::new(),
+                }),
+                max_bytes,
+                capped: AtomicBool::new(false),
+            }),
+            state: None,
+            position: 0,
+            trailers_sent: false,
+            exact_len,
+            sent: 0,
+        }
+    }
+}
+
+impl<B> ReplayBody<B> {
+    /// Whether a clone could send the whole body again: `Some(false)` once
+    /// that is known to be impossible, `None` while another clone holds the
+    /// state and it is not known yet.
+    pub fn replayable(&self) -> Option<bool> {
+        if self.shared.capped.load(Ordering::Acquire) {
+            return Some(false);
+        }
+        match &self.state {
+            Some(state) => Some(state.replayable()),
+            None => self.shared.lock().state.as_ref().map(State::replayable),
+        }
+    }
+
+    /// Whether the whole body has been read and is held: a new clone can
+    /// send it at once, beside another attempt. `false` while another
+    /// clone holds the state.
+    pub fn whole(&self) -> bool {
+        if self.shared.capped.load(Ordering::Acquire) {
+            return false;
+        }
+        // A declared length read whole ends the body even if the caller's
+        // end of stream was never polled.
+        let read = |s: &State<B>| s.rest.is_none() || self.exact_len == Some(s.buffered);
+        let whole = |s: &State<B>| s.buffering && s.replayable() && read(s);
+        match &self.state {
+            Some(state) => whole(state),
+            None => self.shared.lock().state.as_ref().is_some_and(whole),
+        }
+    }
+
+    /// Ready once no clone holds the state (or the body is capped, which is
+    /// final): then [`replayable`](Self::replayable) answers.
+    pub fn poll_released(&self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.state.is_some() || self.shared.capped.load(Ordering::Acquire) {
+            return Poll::Ready(());
+        }
+        let mut slot = self.shared.lock();
+        if slot.state.is_some() {
+            return Poll::Ready(());
+        }
+        park(&mut slot.waiting, cx.waker());
+        Poll::Pending
+    }
+
+    /// Whether the caller declared a length that the copy can hold whole.
+    pub fn fits(&self) -> bool {
+        self.exact_len
+            .is_some_and(|len| len <= self.shared.max_bytes)
+    }
+
+    /// Another handle on the same body, starting from its first byte.
+    pub fn replay(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+            state: None,
+            position: 0,
+            trailers_sent: false,
+            exact_len: self.exact_len,
+            sent: 0,
+        }
+    }
+
+    fn acquire(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.state.is_some() {
+            return Poll::Ready(());
+        }
+        let mut slot = self.shared.lock();
+        match slot.state.take() {
+            Some(state) => {
+                self.state = Some(state);
+                Poll::Ready(())
+            }
+            None => {
+                park(&mut slot.waiting, cx.waker());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl<B> Shared<B> {
+    fn lock(&self) -> MutexGuard<'_, Slot<B>> {
+        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Adds `waker` to `waiting` unless it is there already.
+fn park(waiting: &mut Vec<Waker>, waker: &Waker) {
+    if !waiting.iter().any(|w| w.will_wake(waker)) {
+        waiting.push(waker.clone());
+    }
+}
+
+impl<B> Drop for ReplayBody<B> {
+    fn drop(&mut self) {
+        if let Some(state) = self.state.take() {
+            let waiting = {
+                let mut slot = self.shared.lock();
+                slot.state = Some(state);
+                std::mem::take(&mut slot.waiting)
+            };
+            for waker in waiting {
+                waker.wake();
+            }
+        }
+    }
+}
+
+impl<B> Body for ReplayBody<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if this.acquire(cx).is_pending() {
+            return Poll::Pending;
+        }
+        let shared = &*this.shared;
+        let Some(state) = this.state.as_mut() else {
+            return Poll::Pending;
+        };
+        if state.failed {
+            return Poll::Ready(Some(Err(
+                "the caller's body failed in an earlier attempt".into()
+            )));
+        }
+
+        // First what earlier attempts already read.
+        if let Some(chunk) = state.buffer.get(this.position).cloned() {
+            this.position += 1;
+            this.sent = this.sent.saturating_add(chunk.len() as u64);
+            return Poll::Ready(Some(Ok(Frame::data(chunk))));
+        }
+        // Then the rest of the caller's body.
+        if let Some(rest) = state.rest.as_mut() {
+            return match Pin::new(rest).poll_frame(cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(None) => {
+                    state.rest = None;
+                    this.trailers_sent = true;
+                    Poll::Ready(None)
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    // What is left of the body is lost: never replay it.
+                    state.failed = true;
+                    state.rest = None;
+                    state.buffer = Vec::new();
+                    shared.capped.store(true, Ordering::Release);
+                    Poll::Ready(Some(Err(e.into())))
+                }
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => {
+                        let len = data.len() as u64;
+                        state.consumed = true;
+                        this.sent = this.sent.saturating_add(len);
+                        if state.buffering {
+                            state.buffered = state.buffered.saturating_add(len);
+                            if state.buffered > shared.max_bytes {
+                                state.buffering = false;
+                                state.buffer = Vec::new();
+                                this.position = 0;
+                            } else {
+                                state.buffer.push(data.clone());
+                                this.position += 1;
+                            }
+                        }
+                        if !state.buffering {
+                            shared.capped.store(true, Ordering::Release);
+                        }
+                        Poll::Ready(Some(Ok(Frame::data(data))))
+                    }
+                    Err(frame) => {
+                        if let Some(trailers) = frame.trailers_ref() {
+                            state.trailers = Some(trailers.clone());
+                            this.trailers_sent = true;
+                        }
+                        Poll::Ready(Some(Ok(frame)))
+                    }
+                },
+            };
+        }
+        // The caller's body has ended: replay its trailers once.
+        if !this.trailers_sent {
+            this.trailers_sent = true;
+            if let Some(trailers) = state.trailers.clone() {
+                return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
+            }
+        }
+        Poll::Ready(None)
+    }
+
+    /// With a declared length, the body ends once that many bytes were sent,
+    /// so the connection need not poll once more to learn it. (A body with a
+    /// declared length and trailers, possible only over HTTP/2, loses its
+    /// trailers on a replay; gRPC declares no length.)
+    fn is_end_stream(&self) -> bool {
+        self.exact_len == Some(self.sent)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.exact_len {
+            Some(len) => SizeHint::with_exact(len),
+            None => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+    use std::collections::VecDeque;
+
+    /// A caller's body: these frames, then an end, an error, or a stall.
+    struct Script {
+        frames: VecDeque<Result<Bytes, &'static str>>,
+        /// After the frames: `true` stalls forever, `false` ends.
+        stall: bool,
+    }
+
+    impl Body for Script {
+        type Data = Bytes;
+        type Error = BoxError;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            match self.frames.pop_front() {
+                Some(Ok(data)) => Poll::Ready(Some(Ok(Frame::data(data)))),
+                Some(Err(e)) => Poll::Ready(Some(Err(e.into()))),
+                None if self.stall => Poll::Pending,
+                None => Poll::Ready(None),
+            }
+        }
+    }
+
+    fn script(chunks: &[&'static str], tail: Option<&'static str>) -> Script {
+        let mut frames: VecDeque<_> = chunks
+            .iter()
+            .map(|c| Ok(Bytes::from_static(c.as_bytes())))
+            .collect();
+        if let Some(e) = tail {
+            frames.push_back(Err(e));
+        }
+        Script {
+            frames,
+            stall: false,
+        }
+    }
+
+    async fn collect(body: ReplayBody<Script>) -> Result<Bytes, BoxError> {
+        Ok(body.collect().await?.to_bytes())
+    }
+
+    #[tokio::test]
+    async fn a_small_body_is_replayed_whole() {
+        let source = ReplayBody::new(script(&["ab", "cd"], None), 10);
+        assert_eq!(source.replayable(), Some(true));
+        assert_eq!(collect(source.replay()).await.unwrap(), "abcd");
+        assert_eq!(source.replayable(), Some(true));
+        assert_eq!(collect(source.replay()).await.unwrap(), "abcd");
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_limit_is_not_replayable_once_read() {
+        let source = ReplayBody::new(script(&["abcd", "efgh"], None), 6);
+        assert_eq!(collect(source.replay()).await.unwrap(), "abcdefgh");
+        assert_eq!(source.replayable(), Some(false));
+    }
+
+    #[tokio::test]
+    async fn unknown_while_another_clone_holds_it_unless_capped() {
+        let mut source = ReplayBody::new(
+            Script {
+                frames: [Ok(Bytes::from_static(b"abc"))].into(),
+                stall: true,
+            },
+            10,
+        );
+        let mut first = source.replay();
+        // The first attempt reads what came and waits for more: it holds the state.
+        let frame = first.frame().await.unwrap().unwrap();
+        assert_eq!(frame.into_data().unwrap(), "abc");
+        assert_eq!(source.replayable(), None, "held by the first attempt");
+        let released = std::future::poll_fn(|cx| Poll::Ready(source.poll_released(cx))).await;
+        assert!(released.is_pending());
+        drop(first);
+        assert_eq!(source.replayable(), Some(true));
+        let released = std::future::poll_fn(|cx| Poll::Ready(source.poll_released(cx))).await;
+        assert!(released.is_ready());
+
+        // Over the limit: known at once, even while a clone holds the state.
+        source = ReplayBody::new(
+            Script {
+                frames: [Ok(Bytes::from_static(b"abcdef"))].into(),
+                stall: true,
+            },
+            4,
+        );
+        let mut first = source.replay();
+        first.frame().await.unwrap().unwrap();
+        assert_eq!(source.replayable(), Some(false), "capped while held");
+        drop(first);
+    }
+
+    #[tokio::test]
+    async fn a_failure_mid_upload_is_never_replayed() {
+        let source = ReplayBody::new(script(&["ab", "cd"], Some("bad chunk")), 1024);
+        let err = collect(source.replay()).await.unwrap_err();
+        assert_eq!(err.to_string(), "bad chunk");
+        assert_eq!(source.replayable(), Some(false));
+        // A replay polled anyway fails; it never ends early as if complete.
+        let err = collect(source.replay()).await.unwrap_err();
+        assert!(
+            err.to_string().contains("failed in an earlier attempt"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn nothing_read_yet_is_replayable_even_over_the_limit() {
+        let body = script(&["abcdef"], None);
+        let source = ReplayBody::new(body, 4);
+        // An attempt that never polled the body (its connection was refused).
+        drop(source.replay());
+        assert_eq!(source.replayable(), Some(true));
+        assert_eq!(collect(source.replay()).await.unwrap(), "abcdef");
+    }
+}

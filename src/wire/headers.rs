@@ -1,0 +1,719 @@
+//! Proxy header rules of RFC 9110 §7.6: hop-by-hop fields are dropped both
+//! ways, `Via` is added, and `X-Forwarded-For/-Proto/-Host` tell the upstream
+//! who asked.
+
+use std::net::IpAddr;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::Version;
+
+/// Fields that describe one connection, never forwarded (RFC 9110 §7.6.1).
+/// `Trailer` is not one (RFC 9110 drops it from RFC 2616's list): it says
+/// which trailer fields follow, and hyper sends to an HTTP/1.1 caller only
+/// the trailers it declares.
+const HOPS: usize = 7;
+/// Where `Connection` and `TE` are in [`HOP_BY_HOP`].
+const CONNECTION_AT: usize = 0;
+const PROXY_CONNECTION_AT: usize = 2;
+const TE_AT: usize = 3;
+const TRANSFER_ENCODING_AT: usize = 4;
+const HOP_BY_HOP: [HeaderName; HOPS] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    // Belongs to an h2c upgrade, which is never passed on (RFC 9113 §3.2
+    // made it connection-specific).
+    HeaderName::from_static("http2-settings"),
+];
+
+/// Fields a trailer section must not carry (RFC 9110 §6.5.1: framing,
+/// routing, content metadata, the proxy's own), besides the hop-by-hop ones.
+/// HTTP/2 refuses connection-specific fields outright: passed on from an
+/// HTTP/1 peer, one would reset the stream.
+const NOT_IN_TRAILERS: [HeaderName; 9] = [
+    header::CONTENT_LENGTH,
+    header::CONTENT_TYPE,
+    header::CONTENT_ENCODING,
+    header::CONTENT_RANGE,
+    header::HOST,
+    header::TRAILER,
+    header::AUTHORIZATION,
+    HeaderName::from_static("x-herdguard-error"),
+    HeaderName::from_static("x-herdguard-attempts"),
+];
+
+/// Drops from a trailer section what may not be there, in either direction.
+pub fn clean_trailers(trailers: &mut HeaderMap) {
+    for name in HOP_BY_HOP.iter().chain(NOT_IN_TRAILERS.iter()) {
+        if trailers.contains_key(name) {
+            trailers.remove(name);
+        }
+    }
+}
+
+pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+pub static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+pub static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+pub static X_HERDGUARD_ATTEMPT: HeaderName = HeaderName::from_static("x-herdguard-attempt");
+pub static X_HERDGUARD_ATTEMPTS: HeaderName = HeaderName::from_static("x-herdguard-attempts");
+pub static X_HERDGUARD_ERROR: HeaderName = HeaderName::from_static("x-herdguard-error");
+pub static X_HERDGUARD_EXPLAIN: HeaderName = HeaderName::from_static("x-herdguard-explain");
+pub static X_HERDGUARD_FAULT: HeaderName = HeaderName::from_static("x-herdguard-fault");
+
+/// Removes hop-by-hop fields and every field the `Connection` header names.
+/// With `upgrade`, the `Connection: upgrade` and `Upgrade` pair is kept so an
+/// HTTP/1.1 upgrade can pass through.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
+    // Each removal hashes its name, and most messages carry one hop-by-hop
+    // field or none: look at the few fields there are first.
+    let mut present = [false; HOPS];
+    for name in headers.keys() {
+        if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
+            present[i] = true;
+        }
+    }
+    if present == [false; HOPS] {
+        if upgrade {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        }
+        return;
+    }
+    // The usual case after that: a lone `Connection: keep-alive` (or `close`),
+    // which names no other field.
+    let lone_connection = present
+        .iter()
+        .enumerate()
+        .all(|(i, p)| *p == (i == CONNECTION_AT));
+    if lone_connection && !upgrade {
+        if let header::Entry::Occupied(connection) = headers.entry(header::CONNECTION) {
+            let value = connection.get().as_bytes().trim_ascii();
+            let one_line = connection.iter().nth(1).is_none();
+            if one_line
+                && (value.eq_ignore_ascii_case(b"keep-alive")
+                    || value.eq_ignore_ascii_case(b"close"))
+            {
+                connection.remove();
+                return;
+            }
+        }
+    }
+    if present[CONNECTION_AT] || present[PROXY_CONNECTION_AT] {
+        // The options may come on several lines: each names fields to drop.
+        // The old `Proxy-Connection` is read as `Connection` is: what it
+        // names is for this hop only too.
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .chain(headers.get_all(&HOP_BY_HOP[PROXY_CONNECTION_AT]).iter())
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|text| text.split(','))
+            .map(|t| t.trim())
+            // The usual options, `keep-alive` and `close`, name no other field
+            // (a `Keep-Alive` field is hop-by-hop anyway: removed below).
+            .filter(|t| !t.eq_ignore_ascii_case("keep-alive") && !t.eq_ignore_ascii_case("close"))
+            .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
+            .collect();
+        for name in named {
+            if !(upgrade && (name == header::UPGRADE || name == header::CONNECTION)) {
+                headers.remove(&name);
+            }
+        }
+    }
+    // `TE: trailers` says the client accepts trailers; the proxy relays them, so
+    // it may say the same to the upstream (gRPC needs it).
+    let te_trailers = present[TE_AT] && lists(headers, &header::TE, "trailers");
+    for (name, present) in HOP_BY_HOP.iter().zip(present) {
+        if !present || (upgrade && (name == header::CONNECTION || name == header::UPGRADE)) {
+            continue;
+        }
+        headers.remove(name);
+    }
+    // A message with both framed itself by `Transfer-Encoding`; its
+    // `Content-Length` is wrong, and this hop frames the body anew
+    // (RFC 9112 §6.3: a proxy removes it).
+    if present[TRANSFER_ENCODING_AT] {
+        headers.remove(header::CONTENT_LENGTH);
+    }
+    if upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+    if te_trailers {
+        headers.insert(header::TE, HeaderValue::from_static("trailers"));
+    }
+}
+
+/// Whether an HTTP/1.1 request asks to upgrade to a protocol the proxy
+/// tunnels (WebSocket and the like). An upgrade to `h2c` is never tunnelled:
+/// the caller would then speak HTTP/2 straight to the upstream, past every
+/// header rule ("h2c smuggling"); it is forwarded as a plain request.
+pub fn requested_upgrade(version: Version, headers: &HeaderMap) -> bool {
+    version == Version::HTTP_11
+        && only_websocket(headers)
+        && lists(headers, &header::CONNECTION, "upgrade")
+}
+
+/// Whether `Upgrade` asks for WebSocket and nothing else: the one upgrade
+/// tunnelled. Any other token (`h2c`, `h2c-14`, `HTTP/2.0`, `h2`) would let
+/// the caller speak a protocol the header rules never see.
+fn only_websocket(headers: &HeaderMap) -> bool {
+    let mut tokens = headers
+        .get_all(header::UPGRADE)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty())
+        .peekable();
+    tokens.peek().is_some() && tokens.all(|t| t.eq_ignore_ascii_case(b"websocket"))
+}
+
+/// Appends this hop to `Via`, as `1.1 herdguard` (or `2 herdguard`).
+pub fn add_via(headers: &mut HeaderMap, version: Version) {
+    let hop = match version {
+        Version::HTTP_2 => "2 herdguard",
+        Version::HTTP_10 => "1.0 herdguard",
+        _ => "1.1 herdguard",
+    };
+    headers.append(header::VIA, HeaderValue::from_static(hop));
+}
+
+/// Sets `X-Forwarded-For` (appending the caller), `-Proto` and `-Host`.
+/// `caller` is the caller's IP as a header value, made once per connection.
+pub fn add_forwarded(
+    headers: &mut HeaderMap,
+    caller: &HeaderValue,
+    proto: &'static str,
+    host: Option<HeaderValue>,
+) {
+    // One lookup for the read and the write. Earlier hops may have sent the
+    // list on several lines: it is one list, and the caller goes at its end.
+    match headers.entry(&X_FORWARDED_FOR) {
+        header::Entry::Vacant(slot) => {
+            slot.insert(caller.clone());
+        }
+        header::Entry::Occupied(mut prior) => {
+            let mut joined = Vec::new();
+            for hop in prior.iter().map(|v| v.as_bytes().trim_ascii()) {
+                if !hop.is_empty() {
+                    joined.extend_from_slice(hop);
+                    joined.extend_from_slice(b", ");
+                }
+            }
+            joined.extend_from_slice(caller.as_bytes());
+            prior.insert(HeaderValue::from_bytes(&joined).unwrap_or_else(|_| caller.clone()));
+        }
+    }
+    headers.insert(&X_FORWARDED_PROTO, HeaderValue::from_static(proto));
+    if let Some(host) = host {
+        headers.insert(&X_FORWARDED_HOST, host);
+    }
+}
+
+/// The bytes a `Host` value may hold (RFC 3986 `host [ ":" port ]`): letters,
+/// digits, `-._~`, sub-delims, `%` escapes, and `:[]` for ports and IPv6
+/// literals. No `/`, `?`, `#`, `@`, space or control byte.
+const HOST_BYTE: [bool; 256] = {
+    let mut ok = [false; 256];
+    let allowed = b"-._~%!$&'()*+,;=:[]";
+    let mut i = 0;
+    while i < allowed.len() {
+        ok[allowed[i] as usize] = true;
+        i += 1;
+    }
+    let mut b = 0;
+    while b < 256 {
+        ok[b] = ok[b] || (b as u8).is_ascii_alphanumeric();
+        b += 1;
+    }
+    ok
+};
+
+/// Checks `Host` as RFC 9112 §3.2 asks of a server: an HTTP/1.1 request has
+/// exactly one, and it is a valid `host[:port]` (or empty). Two that disagree
+/// could route a request one way and reach the upstream another.
+///
+/// Gives back the one `Host` field, if there is one.
+pub fn check_host(
+    version: Version,
+    headers: &HeaderMap,
+) -> Result<Option<&HeaderValue>, &'static str> {
+    let mut hosts = headers.get_all(header::HOST).iter();
+    match (hosts.next(), hosts.next()) {
+        (_, Some(_)) => Err("more than one Host header"),
+        (None, None) if version == Version::HTTP_11 => {
+            Err("an HTTP/1.1 request needs a Host header")
+        }
+        (Some(host), None)
+            if !host.as_bytes().iter().all(|b| HOST_BYTE[*b as usize])
+                || !host_and_port(host.as_bytes()) =>
+        {
+            Err("the Host header is not a valid host[:port]")
+        }
+        (host, _) => Ok(host),
+    }
+}
+
+/// Whether the comma-separated lists of field `field`, over all its lines,
+/// hold `token` (ASCII case aside): `Connection: keep-alive, Upgrade`.
+pub fn lists(headers: &HeaderMap, field: &HeaderName, token: &str) -> bool {
+    headers
+        .get_all(field)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+}
+
+/// Checks a request's framing: a `Transfer-Encoding` must be `chunked`,
+/// once, and nothing else (RFC 9112 §6.1). `chunked` twice is malformed
+/// (400); another coding is one the proxy does not implement (501), and
+/// forwarding its bytes without it would hand the upstream a body it
+/// cannot read.
+pub fn check_framing(headers: &HeaderMap) -> Result<(), (http::StatusCode, &'static str)> {
+    let mut codings = headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty());
+    let Some(first) = codings.next() else {
+        return Ok(());
+    };
+    let chunked = |t: &[u8]| t.eq_ignore_ascii_case(b"chunked");
+    match codings.next() {
+        None if chunked(first) => Ok(()),
+        None => Err((
+            http::StatusCode::NOT_IMPLEMENTED,
+            "transfer codings other than chunked are not supported",
+        )),
+        Some(_) if chunked(first) => Err((
+            http::StatusCode::BAD_REQUEST,
+            "chunked must be the only and last transfer coding, applied once",
+        )),
+        Some(_) => Err((
+            http::StatusCode::NOT_IMPLEMENTED,
+            "transfer codings other than chunked are not supported",
+        )),
+    }
+}
+
+/// `Max-Forwards` of an `OPTIONS` or `TRACE` request (RFC 9110 §7.6.2);
+/// other methods ignore it.
+pub fn max_forwards(method: &http::Method, headers: &HeaderMap) -> Option<u64> {
+    if method != http::Method::OPTIONS && method != http::Method::TRACE {
+        return None;
+    }
+    // One value is allowed; of several (fields or a list), the fewest hops
+    // count. Digits only; too many to count is as many as there can be.
+    headers
+        .get_all(header::MAX_FORWARDS)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|v| !v.is_empty() && v.iter().all(u8::is_ascii_digit))
+        .map(|v| {
+            v.iter()
+                .try_fold(0u64, |n, d| {
+                    n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+                })
+                .unwrap_or(u64::MAX)
+        })
+        .min()
+}
+
+/// Takes one from `Max-Forwards` of an `OPTIONS` or `TRACE` on its way on.
+pub fn decrement_max_forwards(method: &http::Method, headers: &mut HeaderMap) {
+    if let Some(n @ 1..) = max_forwards(method, headers) {
+        headers.insert(header::MAX_FORWARDS, HeaderValue::from(n - 1));
+    }
+}
+
+/// `host[:port]`: one `[IPv6]` literal or a host without `:`, then at most
+/// one `:` and a port of up to five digits no larger than 65535.
+fn host_and_port(value: &[u8]) -> bool {
+    let (host, rest) = match value.strip_prefix(b"[") {
+        Some(literal) => match literal.iter().position(|b| *b == b']') {
+            Some(end) => (&literal[..end], &literal[end + 1..]),
+            None => return false,
+        },
+        None => match value.iter().position(|b| *b == b':') {
+            Some(colon) => (&value[..colon], &value[colon..]),
+            None => (value, &b""[..]),
+        },
+    };
+    if host.iter().any(|b| matches!(b, b'[' | b']')) {
+        return false;
+    }
+    match rest.strip_prefix(b":") {
+        None => rest.is_empty(),
+        Some(port) => {
+            port.len() <= 5
+                && port.iter().all(u8::is_ascii_digit)
+                && (port.is_empty()
+                    || std::str::from_utf8(port)
+                        .ok()
+                        .and_then(|p| p.parse::<u32>().ok())
+                        .is_some_and(|n| n <= 65535))
+        }
+    }
+}
+
+/// The caller's IP as a header value, for `X-Forwarded-For`.
+///
+/// Shared from the start: a value made from a `Vec` is made shared on its
+/// first clone, by an allocation made then, at the connection's first
+/// request, in the middle of other connections' requests, and kept for the
+/// connection's life: each kept a page of theirs resident once they were
+/// freed.
+pub fn ip_value(ip: IpAddr) -> HeaderValue {
+    // An address's text is digits, dots, colons and hex letters: always a
+    // valid value; were it not, `unknown` (RFC 7239's word) stands in.
+    let text = bytes::Bytes::from_owner(ip.to_string().into_bytes());
+    HeaderValue::from_maybe_shared(text).unwrap_or_else(|_| HeaderValue::from_static("unknown"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_is_checked_as_rfc_9112_asks() {
+        let cases: [(Version, &[&str], Result<(), &str>); 9] = [
+            (Version::HTTP_11, &["api.example.com"], Ok(())),
+            (Version::HTTP_11, &["127.0.0.1:8080"], Ok(())),
+            (Version::HTTP_11, &["[::1]:8080"], Ok(())),
+            (Version::HTTP_11, &[""], Ok(())),
+            (Version::HTTP_10, &[], Ok(())),
+            (
+                Version::HTTP_11,
+                &[],
+                Err("an HTTP/1.1 request needs a Host header"),
+            ),
+            (
+                Version::HTTP_11,
+                &["a", "b"],
+                Err("more than one Host header"),
+            ),
+            (
+                Version::HTTP_11,
+                &["a b/c"],
+                Err("the Host header is not a valid host[:port]"),
+            ),
+            (
+                Version::HTTP_11,
+                &["user@a.example"],
+                Err("the Host header is not a valid host[:port]"),
+            ),
+        ];
+        for (version, hosts, want) in cases {
+            let mut h = HeaderMap::new();
+            for host in hosts {
+                h.append(header::HOST, HeaderValue::from_str(host).unwrap());
+            }
+            assert_eq!(
+                check_host(version, &h).map(|host| host.map(|v| v.to_str().unwrap())),
+                want.map(|()| hosts.first().copied()),
+                "{version:?} {hosts:?}"
+            );
+        }
+        let port_games = [
+            "x:80:80", "x:-1", "[::1", "x:+80", "x:0x50", "x:65536", "x:123456", "a]:1", "[::1]x",
+        ];
+        for host in port_games {
+            let mut h = HeaderMap::new();
+            h.insert(header::HOST, HeaderValue::from_str(host).unwrap());
+            assert!(check_host(Version::HTTP_11, &h).is_err(), "{host}");
+        }
+        for host in [
+            "x:",
+            "x:65535",
+            "[::1]",
+            "[fe80::1%25eth0]:8",
+            "xn--bcher-kva.example:1",
+        ] {
+            let mut h = HeaderMap::new();
+            h.insert(header::HOST, HeaderValue::from_str(host).unwrap());
+            assert!(check_host(Version::HTTP_11, &h).is_ok(), "{host}");
+        }
+    }
+
+    fn map(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        h
+    }
+
+    #[test]
+    fn strips_hop_by_hop_and_connection_named_fields() {
+        let mut h = map(&[
+            ("connection", "keep-alive, x-secret"),
+            ("keep-alive", "timeout=5"),
+            ("x-secret", "1"),
+            ("proxy-connection", "keep-alive"),
+            ("transfer-encoding", "chunked"),
+            ("upgrade", "websocket"),
+            ("trailer", "x-sum"),
+            ("te", "gzip"),
+            ("x-keep", "yes"),
+        ]);
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h, map(&[("trailer", "x-sum"), ("x-keep", "yes")]));
+    }
+
+    #[test]
+    fn common_messages_lose_only_their_hop_by_hop_fields() {
+        type Fields<'a> = &'a [(&'a str, &'a str)];
+        let cases: [(&str, Fields, Fields); 5] = [
+            (
+                "no hop-by-hop field",
+                &[("host", "a"), ("accept", "*/*"), ("x-request-id", "7")],
+                &[("host", "a"), ("accept", "*/*"), ("x-request-id", "7")],
+            ),
+            (
+                "a lone keep-alive",
+                &[
+                    ("content-length", "2"),
+                    ("connection", "keep-alive"),
+                    ("date", "x"),
+                ],
+                &[("content-length", "2"), ("date", "x")],
+            ),
+            (
+                "a lone close, any case and spacing",
+                &[("connection", " Close "), ("x-a", "1")],
+                &[("x-a", "1")],
+            ),
+            (
+                "options on two lines: the fields both name go",
+                &[
+                    ("connection", "keep-alive"),
+                    ("connection", "x-a"),
+                    ("x-a", "1"),
+                    ("x-b", "2"),
+                ],
+                &[("x-b", "2")],
+            ),
+            (
+                "alone, but naming another field: that field goes too",
+                &[("connection", "x-a"), ("x-a", "1"), ("x-b", "2")],
+                &[("x-b", "2")],
+            ),
+        ];
+        for (what, before, after) in cases {
+            let mut h = map(before);
+            strip_hop_by_hop(&mut h, false);
+            assert_eq!(h, map(after), "{what}");
+        }
+    }
+
+    #[test]
+    fn max_forwards_reads_the_fewest_hops_and_never_overflows() {
+        let trace = http::Method::TRACE;
+        let mut h = map(&[("max-forwards", "5"), ("max-forwards", "0")]);
+        assert_eq!(max_forwards(&trace, &h), Some(0), "two fields: the fewer");
+        h = map(&[("max-forwards", "3, 7")]);
+        assert_eq!(max_forwards(&trace, &h), Some(3));
+        h = map(&[("max-forwards", "99999999999999999999999")]);
+        assert_eq!(max_forwards(&trace, &h), Some(u64::MAX));
+        decrement_max_forwards(&trace, &mut h);
+        assert_eq!(h["max-forwards"], (u64::MAX - 1).to_string().as_str());
+        for bad in ["-1", "x", "", "+3", "1.5"] {
+            h = map(&[("max-forwards", bad)]);
+            assert_eq!(max_forwards(&trace, &h), None, "{bad:?}");
+        }
+        h = map(&[("max-forwards", "5"), ("max-forwards", "2")]);
+        decrement_max_forwards(&trace, &mut h);
+        assert_eq!(h.get_all("max-forwards").iter().count(), 1);
+        assert_eq!(h["max-forwards"], "1");
+    }
+
+    #[test]
+    fn keeps_te_trailers_and_upgrade_pair() {
+        let mut h = map(&[("te", "trailers, deflate")]);
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h, map(&[("te", "trailers")]));
+
+        let mut h = map(&[
+            ("connection", "Upgrade, x-a"),
+            ("upgrade", "websocket"),
+            ("x-a", "1"),
+        ]);
+        assert!(requested_upgrade(Version::HTTP_11, &h));
+        assert!(!requested_upgrade(Version::HTTP_2, &h));
+        strip_hop_by_hop(&mut h, true);
+        assert_eq!(
+            h,
+            map(&[("upgrade", "websocket"), ("connection", "upgrade")])
+        );
+    }
+
+    #[test]
+    fn an_ip_value_is_the_address_text_for_every_kind_of_address() {
+        for text in [
+            "127.0.0.1",
+            "0.0.0.0",
+            "255.255.255.255",
+            "::1",
+            "::",
+            "fe80::1",
+            "::ffff:10.1.2.3",
+            "2001:db8:ffff:ffff:ffff:ffff:ffff:ffff",
+        ] {
+            let ip: IpAddr = text.parse().unwrap();
+            let value = ip_value(ip);
+            assert_eq!(value.to_str().unwrap(), ip.to_string(), "{text}");
+            assert_eq!(value.clone(), value, "{text}: a clone says the same");
+        }
+    }
+
+    #[test]
+    fn forwarded_headers_append_the_caller() {
+        let mut h = map(&[
+            ("x-forwarded-for", "10.0.0.1"),
+            ("x-forwarded-proto", "https"),
+        ]);
+        let caller = ip_value("127.0.0.2".parse().unwrap());
+        add_forwarded(
+            &mut h,
+            &caller,
+            "http",
+            Some(HeaderValue::from_static("api.local")),
+        );
+        assert_eq!(h["x-forwarded-for"], "10.0.0.1, 127.0.0.2");
+        assert_eq!(h["x-forwarded-proto"], "http");
+        assert_eq!(h["x-forwarded-host"], "api.local");
+        add_via(&mut h, Version::HTTP_11);
+        add_via(&mut h, Version::HTTP_2);
+        let via: Vec<_> = h.get_all("via").iter().collect();
+        assert_eq!(via, ["1.1 herdguard", "2 herdguard"]);
+
+        // A list sent on several lines is one list; an empty one is no list.
+        let mut h = map(&[
+            ("x-forwarded-for", "10.0.0.1"),
+            ("x-forwarded-for", " 10.0.0.2 "),
+        ]);
+        add_forwarded(&mut h, &caller, "http", None);
+        let xff: Vec<_> = h.get_all("x-forwarded-for").iter().collect();
+        assert_eq!(xff, ["10.0.0.1, 10.0.0.2, 127.0.0.2"]);
+        let mut h = map(&[("x-forwarded-for", " ")]);
+        add_forwarded(&mut h, &caller, "http", None);
+        assert_eq!(h["x-forwarded-for"], "127.0.0.2");
+    }
+}
+
+// === gRPC ===
+
+/// Whether a request is a gRPC call: `content-type: application/grpc`, or
+/// `application/grpc+proto` and the like.
+pub fn is_grpc(headers: &HeaderMap) -> bool {
+    const GRPC: &[u8] = b"application/grpc";
+    // A media type is case-insensitive (RFC 9110 §8.3.1).
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .map(HeaderValue::as_bytes)
+        .is_some_and(|v| {
+            v.get(..GRPC.len())
+                .is_some_and(|head| head.eq_ignore_ascii_case(GRPC))
+                && matches!(v.get(GRPC.len()), None | Some(b'+' | b';'))
+        })
+}
+
+/// A `grpc-timeout` value: up to 8 digits and a unit (`H`, `M`, `S`, `m`,
+/// `u`, `n`). Anything else is no timeout, as gRPC servers read it.
+pub fn parse_grpc_timeout(value: &HeaderValue) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    let (digits, unit) = value.as_bytes().split_at(value.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let n = digits
+        .iter()
+        .fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+    Some(match unit {
+        b"H" => Duration::from_secs(n * 3600),
+        b"M" => Duration::from_secs(n * 60),
+        b"S" => Duration::from_secs(n),
+        b"m" => Duration::from_millis(n),
+        b"u" => Duration::from_micros(n),
+        b"n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// `left` as a `grpc-timeout` value: milliseconds (rounded up, at least
+/// one), or seconds when that many milliseconds need more than 8 digits.
+pub fn grpc_timeout_value(left: std::time::Duration) -> HeaderValue {
+    let ms = left.as_nanos().div_ceil(1_000_000).max(1);
+    let text = if ms <= 99_999_999 {
+        format!("{ms}m")
+    } else {
+        format!("{}S", left.as_secs().min(99_999_999))
+    };
+    HeaderValue::from_str(&text).unwrap_or(HeaderValue::from_static("99999999S"))
+}
+
+/// `grpc-retry-pushback-ms`, as the delay it asks for: `None` when absent;
+/// a negative or malformed value means "do not retry" (gRPC's retry
+/// design, A6), given as [`DO_NOT_RETRY`](crate::policy::retry::DO_NOT_RETRY).
+pub fn grpc_pushback(headers: &HeaderMap) -> Option<std::time::Duration> {
+    let value = headers.get("grpc-retry-pushback-ms")?.as_bytes();
+    let valid = !value.is_empty() && value.len() <= 10 && value.iter().all(u8::is_ascii_digit);
+    Some(match valid {
+        true => std::time::Duration::from_millis(
+            value.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')),
+        ),
+        false => crate::policy::retry::DO_NOT_RETRY,
+    })
+}
+
+#[cfg(test)]
+mod grpc_tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn grpc_requests_and_timeouts() {
+        let mut h = HeaderMap::new();
+        for (ct, grpc) in [
+            ("application/grpc", true),
+            ("application/grpc+proto", true),
+            ("application/grpc;charset=utf-8", true),
+            ("Application/GRPC+proto", true),
+            ("application/grpc-web", false),
+            ("application/grp", false),
+            ("application/json", false),
+        ] {
+            h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ct));
+            assert_eq!(is_grpc(&h), grpc, "{ct}");
+        }
+        let t = |s: &str| parse_grpc_timeout(&HeaderValue::from_str(s).unwrap());
+        assert_eq!(t("100m"), Some(Duration::from_millis(100)));
+        assert_eq!(t("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(t("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(t("99999999n"), Some(Duration::from_nanos(99_999_999)));
+        for bad in ["", "m", "100", "123456789m", "-1m", "1x", "1.5S", "1 m"] {
+            assert_eq!(t(bad), None, "{bad:?}");
+        }
+        assert_eq!(grpc_timeout_value(Duration::from_micros(1)), "1m");
+        assert_eq!(grpc_timeout_value(Duration::from_millis(250)), "250m");
+        assert_eq!(grpc_timeout_value(Duration::from_secs(200_000)), "200000S");
+        assert_eq!(grpc_timeout_value(Duration::MAX), "99999999S");
+        let mut h = HeaderMap::new();
+        assert_eq!(grpc_pushback(&h), None);
+        h.insert("grpc-retry-pushback-ms", HeaderValue::from_static("250"));
+        assert_eq!(grpc_pushback(&h), Some(Duration::from_millis(250)));
+        for bad in ["-1", "soon", "", "99999999999"] {
+            h.insert(
+                "grpc-retry-pushback-ms",
+                HeaderValue::from_str(bad).unwrap(),
+            );
+            assert_eq!(grpc_pushback(&h), Some(Duration::MAX), "{bad:?}");
+        }
+    }
+}

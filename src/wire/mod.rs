@@ -1,0 +1,24 @@
+//! What goes over the wire on both sides of the proxy: the header rules,
+//! the caller's body and upgraded connection as the listener hands them
+//! over, and streams that note when they were last active.
+
+pub mod caller;
+pub mod headers;
+pub mod stamp;
+
+pub use caller::{BodyEnd, CallerBody, CallerUpgrade, Io, Upgraded};
+
+/// An error and its causes on one line.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let message = s.to_string();
+        if !text.contains(&message) {
+            text.push_str(": ");
+            text.push_str(&message);
+        }
+        source = s.source();
+    }
+    text
+}

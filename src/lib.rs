@@ -29,5 +29,6 @@ pub mod observe;
 pub mod policy;
 pub mod proxy;
 pub mod retry;
+pub mod units;
 pub mod upstream;
 pub mod wire;

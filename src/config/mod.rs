@@ -4,7 +4,7 @@
 mod load;
 pub mod schema;
 pub mod tls;
-pub mod units;
+pub use crate::units;
 mod validate;
 
 pub use load::{Checked, ConfigError, ConfigErrors, KeyPath, LoadError};

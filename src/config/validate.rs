@@ -475,8 +475,8 @@ fn retry_warnings(report: &mut Report<'_>, path: &KeyPath, r: &RetryConfig) {
         } else if after >= r.per_try_timeout {
             Some(format!(
                 "{} is not less than per_try_timeout {}: an attempt times out before a hedge is due, so none is ever sent",
-                super::units::format_duration(after),
-                super::units::format_duration(r.per_try_timeout),
+                crate::units::format_duration(after),
+                crate::units::format_duration(r.per_try_timeout),
             ))
         } else {
             None
@@ -495,10 +495,10 @@ fn retry_warnings(report: &mut Report<'_>, path: &KeyPath, r: &RetryConfig) {
                     format!(
                         "{} attempts of per_try_timeout {} plus up to {} of backoff come to {}, over timeout {}: late retries will be cut short or skipped",
                         r.attempts,
-                        super::units::format_duration(r.per_try_timeout),
-                        super::units::format_duration(waits),
-                        super::units::format_duration(worst),
-                        super::units::format_duration(r.timeout),
+                        crate::units::format_duration(r.per_try_timeout),
+                        crate::units::format_duration(waits),
+                        crate::units::format_duration(worst),
+                        crate::units::format_duration(r.timeout),
                     ),
                 );
             }

@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use rand::Rng;
 
-use crate::config::schema::{BackoffConfig, Jitter};
-use crate::config::units::format_duration;
+use crate::policy::settings::{BackoffConfig, Jitter};
+use crate::units::format_duration;
 
 /// A backoff that exists is valid: base > 0, cap >= base, multiplier in [1, 100].
 #[derive(Debug, Clone, Copy, PartialEq)]

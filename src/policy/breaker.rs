@@ -27,7 +27,7 @@ use std::time::Duration;
 use rand::Rng;
 use tokio::time::Instant;
 
-use crate::config::schema::BreakerConfig;
+use crate::policy::settings::BreakerConfig;
 
 use super::outcome::{Fault, Outcome as AttemptOutcome, UpstreamFault};
 

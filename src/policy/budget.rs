@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::config::schema::BudgetConfig;
+use crate::policy::settings::BudgetConfig;
 
 const SLOTS: usize = 10;
 

@@ -183,8 +183,8 @@ pub fn hedge(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::schema::{Jitter, RetryConfig};
     use crate::policy::outcome::{CallerFault, Refusal, UpstreamFault};
+    use crate::policy::settings::{Jitter, RetryConfig};
     use http::StatusCode;
     use rand::rngs::SmallRng;
     use rand::SeedableRng;

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::config::schema::AdaptiveConfig;
+use crate::policy::settings::AdaptiveConfig;
 
 use super::outcome::{Outcome, UpstreamFault};
 

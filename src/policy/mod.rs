@@ -14,6 +14,7 @@ pub mod outcome;
 pub mod outlier;
 pub mod retry;
 pub mod route;
+pub mod settings;
 
 pub use backoff::{Backoff, BackoffState};
 pub use budget::Budget;

@@ -31,7 +31,7 @@ use std::time::Duration;
 use rand::Rng;
 use tokio::time::Instant;
 
-use crate::config::schema::OutlierConfig;
+use crate::policy::settings::OutlierConfig;
 
 use super::outcome::{Fault, Outcome, UpstreamFault};
 

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 
-use crate::config::schema::{RetryConfig, RetryOn};
+use crate::policy::settings::{RetryConfig, RetryOn};
 
 use super::backoff::{Backoff, InvalidBackoff};
 use super::outcome::{GrpcStatus, Outcome, SkipReason, UpstreamFault};

@@ -3,7 +3,7 @@
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 
-use crate::config::schema::MatchConfig;
+use crate::policy::settings::MatchConfig;
 
 /// A compiled `match = { ... }` table. Every condition given must hold.
 #[derive(Debug, Clone, Default)]

@@ -23,6 +23,7 @@ mod fuzz;
 mod grpc;
 mod hedging;
 mod keepalive;
+mod layout;
 mod memory;
 mod metrics_reload;
 mod outlier;

@@ -12,7 +12,9 @@ use herdguard::observe::telemetry::{self, LogFormat};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info, warn};
 
+// The one module with `unsafe`: calls into glibc's malloc interface.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
 mod malloc;
 
 // Writing to stdout or stderr never panics: a closed pipe (`check | head`)

@@ -71,6 +71,7 @@ pub fn trim_freed_memory() {
             // config loaded and dropped between two trims).
             let mut high = 0usize;
             loop {
+                #[allow(clippy::disallowed_methods)] // the trim thread's own
                 std::thread::sleep(TICK);
                 let (Some(rss), used) = (resident(), in_use()) else {
                     continue;

@@ -24,7 +24,7 @@ async fn herdguard_defaults_bound_the_pile_up_and_recover_where_direct_callers_d
         outage::run(Setup::Defaults, &p)
     );
     let report = outage::table(&[direct.clone(), defaults.clone()]);
-    println!("{report}");
+    eprintln!("{report}");
 
     for r in [&direct, &defaults] {
         assert_eq!(r.seconds.len(), 19, "{report}");

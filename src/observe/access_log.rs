@@ -107,6 +107,7 @@ fn writer() -> Option<SyncSender<Message>> {
                     // would be woken (a futex call and a context switch on
                     // the proxy's core) for nearly every request. Lines wait
                     // at most this long; Envoy flushes once a second.
+                    #[allow(clippy::disallowed_methods)] // the writer's own thread
                     std::thread::sleep(BATCH);
                     // One write for a burst of lines: stdout is line-buffered
                     // (a write per line), a file not buffered at all.
@@ -158,6 +159,7 @@ pub fn flush(limit: std::time::Duration) {
             Ok(()) => break,
             Err(TrySendError::Full(m)) if std::time::Instant::now() < deadline => {
                 message = m;
+                #[allow(clippy::disallowed_methods)] // at exit, off the runtime
                 std::thread::sleep(std::time::Duration::from_millis(5));
             }
             Err(_) => return,

@@ -199,7 +199,7 @@ impl Metrics {
             .increment(1);
     }
 
-    /// Ready once a thread has recorded [`FOLD_AT`] histogram samples since
+    /// Ready once a thread has recorded `FOLD_AT` histogram samples since
     /// it last asked: time for [`Metrics::upkeep`].
     pub async fn samples_piled_up(&self) {
         self.fold.notified().await;

@@ -191,7 +191,7 @@ impl Limiter {
     }
 
     /// A limit left below its initial value by a past spell comes back to it
-    /// once the upstream has had no traffic for [`QUIET`] and no timeout for
+    /// once the upstream has had no traffic for `QUIET` and no timeout for
     /// six times that: with nothing bad learnt since, the first burst after
     /// a quiet time is not shed for what happened before it. An upstream
     /// that still times out now and then (breaker probes into an outage)

@@ -1,7 +1,7 @@
 //! The retry policy of a route, compiled from its `[retry]` table: what
 //! `retry_on` names, which requests are safe to repeat, and how long a
 //! server may ask us to wait. Nothing here sleeps, sends or reads a clock;
-//! [`super::decide`] puts it together with the other gates.
+//! [`super::decide()`] puts it together with the other gates.
 
 use std::time::{Duration, SystemTime};
 

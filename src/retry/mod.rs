@@ -1,6 +1,6 @@
 //! Retries: the one async loop that sleeps and resends.
 //!
-//! Every decision it acts on is made in `policy/`: [`decide`] says whether
+//! Every decision it acts on is made in `policy/`: [`decide()`] says whether
 //! another attempt follows and after how long, the breaker whether an
 //! attempt may go at all, the outcome model whose fault a failure was. This
 //! loop only asks, waits, sends through an [`Attempts`], and counts and logs
@@ -242,7 +242,7 @@ pub async fn run_until<T: Attempts>(
 
         // Should the caller go away mid-attempt, this whole future is
         // dropped, and the guard tells the breaker and the metrics.
-        let unanswered = Unanswered { guards, probe };
+        let unanswered = Unanswered::new(guards, probe);
         let raced = match policy.hedge_after {
             // Awaited where it is made: an attempt's future is large, and
             // each move of it is a copy.
@@ -250,7 +250,7 @@ pub async fn run_until<T: Attempts>(
                 let attempt = attempts
                     .send(n, policy.per_try_timeout, deadline, probe)
                     .await;
-                std::mem::forget(unanswered);
+                unanswered.disarm();
                 Raced {
                     attempt,
                     number: n,
@@ -354,7 +354,7 @@ pub async fn run_until<T: Attempts>(
         }
         kept = Some((last, outcome, delay));
         // Should the caller go away during the wait, the token goes back.
-        token = Some(Token(&guards.budget));
+        token = Some(Token::new(&guards.budget));
         tokio::time::sleep(delay).await;
     }
 }
@@ -445,8 +445,8 @@ where
     F: Future<Output = Attempt<T::Answer>> + Unpin,
 {
     let policy = &guards.policy;
-    let alone = |attempt, unanswered| {
-        std::mem::forget(unanswered);
+    let alone = |attempt, unanswered: Unanswered<'_>| {
+        unanswered.disarm();
         Raced {
             attempt,
             number: n,
@@ -498,10 +498,7 @@ where
         &mut books.trace,
         format_args!("hedge@{}ms", after.as_millis()),
     );
-    let hedged = Unanswered {
-        guards,
-        probe: false,
-    };
+    let hedged = Unanswered::new(guards, false);
     let mut second = Box::pin(attempts.send(m, policy.per_try_timeout, deadline, false));
     let (first_ended, early) = tokio::select! {
         attempt = &mut first => (true, attempt),
@@ -510,8 +507,8 @@ where
     let (early_number, late_number) = if first_ended { (n, m) } else { (m, n) };
     if !policy.names(early.outcome) {
         // It ends the request; the other is cancelled on return.
-        std::mem::forget(unanswered);
-        std::mem::forget(hedged);
+        unanswered.disarm();
+        hedged.disarm();
         guards.metrics.hedge(!first_ended);
         return Raced {
             attempt: early,
@@ -527,15 +524,15 @@ where
     drop(early);
     let late = match first_ended {
         true => {
-            std::mem::forget(unanswered);
+            unanswered.disarm();
             let late = second.await;
-            std::mem::forget(hedged);
+            hedged.disarm();
             late
         }
         false => {
-            std::mem::forget(hedged);
+            hedged.disarm();
             let late = first.await;
-            std::mem::forget(unanswered);
+            unanswered.disarm();
             late
         }
     };
@@ -599,12 +596,22 @@ fn end<A>(attempt: Attempt<A>) -> End<A> {
 
 /// The budget token a retry took, while the retry waits to be sent: given
 /// back if the request is dropped first (its caller went away).
-struct Token<'a>(&'a Budget);
+struct Token<'a> {
+    budget: &'a Budget,
+    armed: bool,
+}
 
-impl Token<'_> {
+impl<'a> Token<'a> {
+    fn new(budget: &'a Budget) -> Self {
+        Self {
+            budget,
+            armed: true,
+        }
+    }
+
     /// Sent, or refunded by [`refuse`]: nothing more to do.
-    fn spent(self) {
-        std::mem::forget(self);
+    fn spent(mut self) {
+        self.armed = false;
     }
 }
 
@@ -616,7 +623,9 @@ fn spend(token: &mut Option<Token<'_>>) {
 
 impl Drop for Token<'_> {
     fn drop(&mut self) {
-        self.0.refund(Instant::now());
+        if self.armed {
+            self.budget.refund(Instant::now());
+        }
     }
 }
 
@@ -626,10 +635,30 @@ impl Drop for Token<'_> {
 struct Unanswered<'a> {
     guards: &'a Guards,
     probe: bool,
+    armed: bool,
+}
+
+impl<'a> Unanswered<'a> {
+    fn new(guards: &'a Guards, probe: bool) -> Self {
+        Self {
+            guards,
+            probe,
+            armed: true,
+        }
+    }
+
+    /// The attempt ended (answered, failed or given up by the loop): its
+    /// outcome is booked where it ended, not here.
+    fn disarm(mut self) {
+        self.armed = false;
+    }
 }
 
 impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
         let gone = Outcome::Caller(CallerFault::Gone);
         if self.probe {
             self.guards.record(true, BreakerOutcome::of(gone));

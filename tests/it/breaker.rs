@@ -401,7 +401,7 @@ async fn a_stalled_upstream_gets_bounded_load_and_service_recovers_after_it_resu
         during_stall <= 200,
         "{during_stall} attempts reached the stalled upstream ({requests} caller requests)"
     );
-    println!("stall: {during_stall} upstream attempts; recovery after {recovery:?}; {requests} caller requests");
+    eprintln!("stall: {during_stall} upstream attempts; recovery after {recovery:?}; {requests} caller requests");
 }
 
 #[tokio::test]

@@ -14,28 +14,16 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// Raises this process's soft open-file limit to the hard one: the test
 /// holds one descriptor per connection it opens.
 fn raise_open_files() -> u64 {
-    #[repr(C)]
-    struct Rlimit {
-        cur: u64,
-        max: u64,
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let raised = Rlimit {
+        current: limit.maximum,
+        maximum: limit.maximum,
+    };
+    match setrlimit(Resource::Nofile, raised) {
+        Ok(()) => limit.maximum.unwrap_or(u64::MAX),
+        Err(_) => limit.current.unwrap_or(u64::MAX),
     }
-    extern "C" {
-        fn getrlimit(resource: i32, rlim: *mut Rlimit) -> i32;
-        fn setrlimit(resource: i32, rlim: *const Rlimit) -> i32;
-    }
-    let mut limit = Rlimit { cur: 0, max: 0 };
-    // SAFETY: both read or write the struct given, of the C layout.
-    unsafe {
-        getrlimit(7, &mut limit);
-        let raised = Rlimit {
-            cur: limit.max,
-            max: limit.max,
-        };
-        if setrlimit(7, &raised) == 0 {
-            return limit.max;
-        }
-    }
-    limit.cur
 }
 
 /// Up to `want` connections, as many as the open-file limit leaves room for

@@ -4,6 +4,7 @@
 //! so tests can run the whole proxy in-process on `127.0.0.1:0`.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,6 +18,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
+use crate::config::tls::Tls;
 use crate::config::Config;
 use crate::listen::{accept_loop, local_addr, stopped, Abandoned, Limits};
 use crate::observe::metrics::Metrics;
@@ -79,11 +81,7 @@ impl Server {
                 .map_err(|source| StartError::Bind { what, addr, source })
         };
         let tls = match &config.listen.tls {
-            Some(c) => Some(crate::config::tls::Tls::new(
-                &c.cert,
-                &c.key,
-                c.client_ca.as_deref(),
-            )?),
+            Some(c) => Some(Tls::new(&c.cert, &c.key, c.client_ca.as_deref())?),
             None => None,
         };
         let listener = bind("listen", config.listen.address).await?;
@@ -98,7 +96,7 @@ impl Server {
             rendering: Arc::default(),
         });
         let (shutdown, shutdown_rx) = watch::channel(false);
-        let mut drain_rx = shutdown_rx.clone();
+        let drain_rx = shutdown_rx.clone();
         let shutdown_rx_upkeep = shutdown_rx.clone();
         let (admin_stop, admin_stop_rx) = watch::channel(false);
         let drain_timeout = config.listen.drain_timeout;
@@ -106,130 +104,16 @@ impl Server {
         if let Some(tls) = &tls {
             tls.watch(Duration::from_secs(1), shutdown_rx.clone());
         }
-        let tls_on = tls.is_some();
-        let proxy_loop = {
-            let proxy = shared.proxy.clone();
-            let limits = Limits {
-                tls: tls.as_ref().map(|t| t.acceptor.clone()),
-                max_connections: config.listen.max_connections,
-                header_read_timeout: config.listen.header_read_timeout,
-                write_timeout: config.listen.write_timeout,
-                idle_timeout: config.listen.idle_timeout,
-                drain_timeout: config.listen.drain_timeout,
-            };
-            accept_loop(
-                "listen",
-                listener,
-                limits,
-                shutdown_rx,
-                move |peer, conduct| {
-                    let proxy = proxy.clone();
-                    let caller = Arc::new(Caller::new(peer, tls_on));
-                    let conduct = conduct.clone();
-                    service_fn(move |req: Request<CallerBody>| {
-                        let proxy = proxy.clone();
-                        let caller = caller.clone();
-                        let conduct = conduct.clone();
-                        // The request on the heap, and the future boxed:
-                        // hyper keeps room for one request's future per
-                        // connection for as long as the connection lives,
-                        // and an idle one needs none; see `Proxy::handle`
-                        // for the request.
-                        let req = Box::new(req);
-                        Box::pin(async move {
-                            // Dropped unanswered only when the caller abandoned the request.
-                            conduct.begun();
-                            let pending = Abandoned(Some(conduct));
-                            let resp = proxy.handle(req, &caller).await;
-                            pending.answered(&resp);
-                            Ok::<_, Infallible>(resp)
-                        })
-                    })
-                },
-            )
-        };
-        let admin_loop = {
-            let shared = shared.clone();
-            // Probes and scrapes send their few bytes at once: a short
-            // header time and room for many makes starving them (slowloris)
-            // cost an attacker about 85 new connections a second.
-            let limits = Limits {
-                tls: None,
-                max_connections: 256,
-                header_read_timeout: Duration::from_secs(3),
-                write_timeout: Duration::from_secs(10),
-                idle_timeout: Duration::from_secs(10),
-                drain_timeout: Duration::from_secs(1),
-            };
-            accept_loop(
-                "admin",
-                admin_listener,
-                limits,
-                admin_stop_rx,
-                move |peer, _| {
-                    let shared = shared.clone();
-                    service_fn(move |req: Request<CallerBody>| {
-                        let shared = shared.clone();
-                        Box::pin(async move {
-                            Ok::<_, Infallible>(admin::serve(&shared, peer, &req).await)
-                        })
-                    })
-                },
-            )
-        };
-        let upkeep = {
-            let proxy = shared.proxy.clone();
-            let metrics = proxy.metrics().clone();
-            let mut stop = shutdown_rx_upkeep;
-            async move {
-                // Histograms keep raw samples until folded into their
-                // buckets: folded once a thread has recorded a thousand
-                // (see `metrics::FOLD_AT`), and once a second. Upstream
-                // connections are swept once a second.
-                let mut tick = tokio::time::interval(Duration::from_secs(1));
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tokio::select! {
-                        _ = stopped(&mut stop) => break,
-                        () = metrics.samples_piled_up() => metrics.upkeep(),
-                        _ = tick.tick() => {
-                            metrics.upkeep();
-                            proxy.runtime().sweep();
-                        }
-                    }
-                }
-            }
-        };
-        let task = {
-            let shared = shared.clone();
-            tokio::spawn(async move {
-                let upkeep = tokio::spawn(upkeep);
-                let admin = tokio::spawn(admin_loop);
-                // Readiness turns 503 as soon as shutdown is asked for.
-                let draining = async {
-                    stopped(&mut drain_rx).await;
-                    shared.draining.store(true, Ordering::Release);
-                    // Upgraded connections have left hyper's hands: the
-                    // drain waits for them as for connections.
-                    let tunnels = shared.proxy.tunnels();
-                    let open = tunnels.count();
-                    if open > 0 {
-                        info!(tunnels = open, timeout = ?drain_timeout, "draining upgraded connections");
-                    }
-                    if !tunnels.closed_within(drain_timeout).await {
-                        warn!(
-                            tunnels = tunnels.count(),
-                            timeout = ?drain_timeout,
-                            "drain timeout passed with upgraded connections still open; closing them"
-                        );
-                    }
-                };
-                tokio::join!(proxy_loop, draining);
-                let _ = admin_stop.send(true);
-                let _ = admin.await;
-                let _ = upkeep.await;
-            })
-        };
+        let proxy_loop = serve_callers(&shared, listener, tls.as_ref(), &config, shutdown_rx);
+        let admin_loop = serve_admin(&shared, admin_listener, admin_stop_rx);
+        let upkeep = upkeep(shared.proxy.clone(), shutdown_rx_upkeep);
+        let task = tokio::spawn(run(
+            shared.clone(),
+            [Box::pin(proxy_loop), Box::pin(admin_loop), Box::pin(upkeep)],
+            admin_stop,
+            drain_rx,
+            drain_timeout,
+        ));
         let runtime = tokio::runtime::Handle::current();
         let scheduler = match runtime.runtime_flavor() {
             tokio::runtime::RuntimeFlavor::CurrentThread => "current-thread",
@@ -324,6 +208,134 @@ impl Server {
     pub async fn wait(self) {
         let _ = self.task.await;
     }
+}
+
+/// The proxy's listener: each request handed to the proxy, and its
+/// connection told whether it was answered or abandoned.
+fn serve_callers(
+    shared: &Arc<Shared>,
+    listener: TcpListener,
+    tls: Option<&Tls>,
+    config: &Config,
+    stop: watch::Receiver<bool>,
+) -> impl Future<Output = ()> + Send + 'static {
+    let proxy = shared.proxy.clone();
+    let tls_on = tls.is_some();
+    let limits = Limits {
+        tls: tls.map(|t| t.acceptor.clone()),
+        max_connections: config.listen.max_connections,
+        header_read_timeout: config.listen.header_read_timeout,
+        write_timeout: config.listen.write_timeout,
+        idle_timeout: config.listen.idle_timeout,
+        drain_timeout: config.listen.drain_timeout,
+    };
+    accept_loop("listen", listener, limits, stop, move |peer, conduct| {
+        let proxy = proxy.clone();
+        let caller = Arc::new(Caller::new(peer, tls_on));
+        let conduct = conduct.clone();
+        service_fn(move |req: Request<CallerBody>| {
+            let proxy = proxy.clone();
+            let caller = caller.clone();
+            let conduct = conduct.clone();
+            // The request on the heap, and the future boxed: hyper keeps
+            // room for one request's future per connection for as long as
+            // the connection lives, and an idle one needs none; see
+            // `Proxy::handle` for the request.
+            let req = Box::new(req);
+            Box::pin(async move {
+                // Dropped unanswered only when the caller abandoned the request.
+                conduct.begun();
+                let pending = Abandoned(Some(conduct));
+                let resp = proxy.handle(req, &caller).await;
+                pending.answered(&resp);
+                Ok::<_, Infallible>(resp)
+            })
+        })
+    })
+}
+
+/// The admin listener. Probes and scrapes send their few bytes at once: a
+/// short header time and room for many makes starving them (slowloris) cost
+/// an attacker about 85 new connections a second.
+fn serve_admin(
+    shared: &Arc<Shared>,
+    listener: TcpListener,
+    stop: watch::Receiver<bool>,
+) -> impl Future<Output = ()> + Send + 'static {
+    let shared = shared.clone();
+    let limits = Limits {
+        tls: None,
+        max_connections: 256,
+        header_read_timeout: Duration::from_secs(3),
+        write_timeout: Duration::from_secs(10),
+        idle_timeout: Duration::from_secs(10),
+        drain_timeout: Duration::from_secs(1),
+    };
+    accept_loop("admin", listener, limits, stop, move |peer, _| {
+        let shared = shared.clone();
+        service_fn(move |req: Request<CallerBody>| {
+            let shared = shared.clone();
+            Box::pin(async move { Ok::<_, Infallible>(admin::serve(&shared, peer, &req).await) })
+        })
+    })
+}
+
+/// Histograms keep raw samples until folded into their buckets: folded once
+/// a thread has recorded a thousand (see `metrics::FOLD_AT`), and once a
+/// second. Upstream connections are swept once a second.
+async fn upkeep(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
+    let metrics = proxy.metrics().clone();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stopped(&mut stop) => break,
+            () = metrics.samples_piled_up() => metrics.upkeep(),
+            _ = tick.tick() => {
+                metrics.upkeep();
+                proxy.runtime().sweep();
+            }
+        }
+    }
+}
+
+/// One of the server's long-running parts.
+type Task = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Serves until shutdown is asked for, then drains: readiness turns 503 at
+/// once, the proxy's listener and upgraded connections drain (up to
+/// `drain_timeout`), then the admin listener and the upkeep stop.
+async fn run(
+    shared: Arc<Shared>,
+    [proxy_loop, admin_loop, upkeep]: [Task; 3],
+    admin_stop: watch::Sender<bool>,
+    mut drain_rx: watch::Receiver<bool>,
+    drain_timeout: Duration,
+) {
+    let upkeep = tokio::spawn(upkeep);
+    let admin = tokio::spawn(admin_loop);
+    let draining = async {
+        stopped(&mut drain_rx).await;
+        shared.draining.store(true, Ordering::Release);
+        // Upgraded connections have left hyper's hands: the drain waits
+        // for them as for connections.
+        let tunnels = shared.proxy.tunnels();
+        let open = tunnels.count();
+        if open > 0 {
+            info!(tunnels = open, timeout = ?drain_timeout, "draining upgraded connections");
+        }
+        if !tunnels.closed_within(drain_timeout).await {
+            warn!(
+                tunnels = tunnels.count(),
+                timeout = ?drain_timeout,
+                "drain timeout passed with upgraded connections still open; closing them"
+            );
+        }
+    };
+    tokio::join!(proxy_loop, draining);
+    let _ = admin_stop.send(true);
+    let _ = admin.await;
+    let _ = upkeep.await;
 }
 
 /// Runs `work` on a thread that ends with it, and waits for it without

@@ -15,7 +15,7 @@ use hyper::server::conn::{http1, http2};
 use hyper::Request;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 
 use crate::listen::drain::{Conduct, Drain};
@@ -185,6 +185,22 @@ pub(crate) fn local_addr(listener: &TcpListener) -> SocketAddr {
 struct Builders {
     h1: http1::Builder,
     h2: http2::Builder<TokioExecutor>,
+}
+
+impl Builders {
+    fn new(header_read_timeout: Duration) -> Self {
+        let mut h1 = http1::Builder::new();
+        h1.timer(TokioTimer::new())
+            .header_read_timeout(header_read_timeout)
+            .max_buf_size(MAX_REQUEST_HEAD)
+            .keep_alive(true);
+        let mut h2 = http2::Builder::new(TokioExecutor::new());
+        // One connection's streams may each hold an upstream slot: at most
+        // 100 at once (nginx allows 128; h2's default is no limit).
+        h2.timer(TokioTimer::new())
+            .max_concurrent_streams(MAX_STREAMS);
+        Self { h1, h2 }
+    }
 }
 
 /// What serves one accepted connection, plain or TLS.
@@ -385,17 +401,7 @@ pub(crate) async fn accept_loop<M, S, B>(
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let mut h1 = http1::Builder::new();
-    h1.timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
-        .max_buf_size(MAX_REQUEST_HEAD)
-        .keep_alive(true);
-    let mut h2 = http2::Builder::new(TokioExecutor::new());
-    // One connection's streams may each hold an upstream slot: at most 100
-    // at once (nginx allows 128; h2's default is no limit).
-    h2.timer(TokioTimer::new())
-        .max_concurrent_streams(MAX_STREAMS);
-    let builders = Arc::new(Builders { h1, h2 });
+    let builders = Arc::new(Builders::new(limits.header_read_timeout));
     let drain = Drain::new();
     // A connection holds a permit until it closes: when all are back, all
     // connections are closed.
@@ -417,27 +423,8 @@ pub(crate) async fn accept_loop<M, S, B>(
                 }
             },
         };
-        let permit = match permits.clone().try_acquire_owned() {
-            Ok(permit) => permit,
-            Err(_) => {
-                // Full: the new caller takes the slot of the oldest
-                // connection that has sent nothing yet, if any, so
-                // connections that make no request cannot starve those
-                // that would (the kubelet's probes on the admin listener
-                // first); else it waits for one to close.
-                if silent.evict_oldest() {
-                    debug!(listener = what, %peer, "at max_connections: the oldest connection that has sent nothing is closed for a new one");
-                }
-                tokio::select! {
-                    biased;
-                    _ = stopped(&mut stop) => break,
-                    permit = permits.clone().acquire_owned() => match permit {
-                        Ok(permit) => permit,
-                        // Never closed; were it, no more connections.
-                        Err(_) => break,
-                    },
-                }
-            }
+        let Some(permit) = admit(&permits, &silent, &mut stop, what, peer).await else {
+            break;
         };
         let evicted = silent.push(limits.max_connections);
         let _ = stream.set_nodelay(true);
@@ -516,20 +503,57 @@ pub(crate) async fn accept_loop<M, S, B>(
     }
     drop(listener);
     drain.start();
-    let open = limits.max_connections - permits.available_permits();
-    if open > 0 {
-        info!(listener = what, connections = open, timeout = ?limits.drain_timeout, "draining");
+    drain_connections(&permits, what, limits.max_connections, limits.drain_timeout).await;
+}
+
+/// A connection slot for a new caller. When all are taken, the new caller
+/// takes the slot of the oldest connection that has sent nothing yet, if
+/// any, so connections that make no request cannot starve those that would
+/// (the kubelet's probes on the admin listener first); else it waits for one
+/// to close. `None` once `stop` turns true.
+async fn admit(
+    permits: &Arc<Semaphore>,
+    silent: &Silent,
+    stop: &mut watch::Receiver<bool>,
+    what: &'static str,
+    peer: SocketAddr,
+) -> Option<OwnedSemaphorePermit> {
+    if let Ok(permit) = permits.clone().try_acquire_owned() {
+        return Some(permit);
     }
-    let all = u32::try_from(limits.max_connections).expect("validated: at most u32::MAX");
-    if tokio::time::timeout(limits.drain_timeout, permits.acquire_many(all))
+    if silent.evict_oldest() {
+        debug!(listener = what, %peer, "at max_connections: the oldest connection that has sent nothing is closed for a new one");
+    }
+    tokio::select! {
+        biased;
+        _ = stopped(stop) => None,
+        // Never closed; were it, no more connections.
+        permit = permits.clone().acquire_owned() => permit.ok(),
+    }
+}
+
+/// Waits up to `timeout` for every connection's slot to come back, that is
+/// for every connection to close.
+async fn drain_connections(
+    permits: &Semaphore,
+    what: &'static str,
+    max_connections: usize,
+    timeout: Duration,
+) {
+    let open = max_connections - permits.available_permits();
+    if open > 0 {
+        info!(listener = what, connections = open, timeout = ?timeout, "draining");
+    }
+    let all = u32::try_from(max_connections).unwrap_or(u32::MAX);
+    if tokio::time::timeout(timeout, permits.acquire_many(all))
         .await
         .is_err()
     {
-        let left = limits.max_connections - permits.available_permits();
+        let left = max_connections - permits.available_permits();
         warn!(
             listener = what,
             connections = left,
-            timeout = ?limits.drain_timeout,
+            timeout = ?timeout,
             "drain timeout passed with connections still open; closing them"
         );
     }

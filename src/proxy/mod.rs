@@ -434,15 +434,7 @@ async fn forward(
     let tunnel_place = match upgrade {
         true => match route.upstream.tunnels.try_reserve() {
             Some(place) => Some(place),
-            None => {
-                let tunnels = &route.upstream.tunnels;
-                let resp = LocalError::Overloaded.response(&format!(
-                    "upstream {} has {} upgraded connections open, its max_tunnels",
-                    route.upstream.name,
-                    tunnels.max()
-                ));
-                return resp;
-            }
+            None => return tunnels_full(route),
         },
         false => None,
     };
@@ -461,23 +453,13 @@ async fn forward(
         .remove(&headers::X_HERDGUARD_EXPLAIN)
         .is_some_and(|v| v == "1")
         && route.explain;
-    let mut fault_note = None;
-    if let Some(fault) = &route.fault {
-        let (delay, abort) = {
-            let mut rng = rand::rng();
-            (
-                rng.random::<f64>() < fault.delay_ratio,
-                rng.random::<f64>() < fault.abort,
-            )
-        };
-        if delay {
-            tokio::time::sleep(fault.delay).await;
-            fault_note = Some(HeaderValue::from_static("delay"));
-        }
-        if abort {
-            return error::fault_response(fault.abort_status);
-        }
-    }
+    let fault_note = match &route.fault {
+        Some(fault) => match inject_fault(fault).await {
+            Ok(note) => note,
+            Err(resp) => return resp,
+        },
+        None => None,
+    };
     let h = &mut parts.headers;
     // A key the caller declares it will send in the trailer section may
     // differ from the one here: it promises nothing.
@@ -536,20 +518,7 @@ async fn forward(
     // before the body is in, that is the deadline, not a stalled upload.
     let callers_deadline = grpc_timeout.is_some_and(|t| t < policy.timeout);
     if let Err((fault, detail)) = attempts.prefetch(deadline).await {
-        let outcome = match fault {
-            CallerFault::StalledBody if callers_deadline => crate::policy::Outcome::Deadline,
-            fault => crate::policy::Outcome::Caller(fault),
-        };
-        let detail = match outcome {
-            crate::policy::Outcome::Deadline => {
-                "the caller's grpc-timeout ran out before its request body was in".to_owned()
-            }
-            _ => detail,
-        };
-        let mut resp = LocalError::for_outcome(outcome).response(&detail);
-        resp.headers_mut()
-            .insert(&headers::X_HERDGUARD_ATTEMPTS, attempt::attempt_value(0));
-        return resp;
+        return body_not_in(fault, detail, callers_deadline);
     }
     let sent = retry::run_until(
         &route.guards,
@@ -561,6 +530,42 @@ async fn forward(
     )
     .await;
     drop(attempts);
+    let answer = Answer {
+        caller_upgrade,
+        tunnel_place,
+        declare_grpc_trailers,
+        fault_note,
+        multiplexed,
+    };
+    respond(route, sent, answer, log, tunnels)
+}
+
+/// What the request's preparation left for its answer.
+struct Answer {
+    caller_upgrade: Option<CallerUpgrade>,
+    tunnel_place: Option<crate::upstream::tunnel::TunnelSlot>,
+    declare_grpc_trailers: bool,
+    fault_note: Option<HeaderValue>,
+    multiplexed: bool,
+}
+
+/// The caller's answer from how the attempts ended: the upstream's answer
+/// with this hop's headers (and, for a switch of protocols, the tunnel
+/// started), or the proxy's own.
+fn respond(
+    route: &Arc<Route>,
+    sent: retry::Sent<attempt::Answer>,
+    answer: Answer,
+    log: Option<&mut Entry>,
+    tunnels: &Arc<crate::upstream::tunnel::OpenTunnels>,
+) -> Response<ResponseBody> {
+    let Answer {
+        caller_upgrade,
+        tunnel_place,
+        declare_grpc_trailers,
+        fault_note,
+        multiplexed,
+    } = answer;
     if let (Some(log), Some(skipped)) = (log, sent.skipped) {
         log.skip = Some(skipped.as_str());
     }
@@ -629,6 +634,62 @@ async fn forward(
             false => ResponseBody::upstream(body, slot, route.write_timeout, settle),
         },
     )
+}
+
+/// The 503 when the upstream has `max_tunnels` upgraded connections open.
+fn tunnels_full(route: &Route) -> Response<ResponseBody> {
+    LocalError::Overloaded.response(&format!(
+        "upstream {} has {} upgraded connections open, its max_tunnels",
+        route.upstream.name,
+        route.upstream.tunnels.max()
+    ))
+}
+
+/// The route's injected faults, drawn for this request: a delay (slept
+/// here, and noted for the caller) or an abort (answered at once).
+async fn inject_fault(
+    fault: &crate::config::FaultConfig,
+) -> Result<Option<HeaderValue>, Response<ResponseBody>> {
+    let (delay, abort) = {
+        let mut rng = rand::rng();
+        (
+            rng.random::<f64>() < fault.delay_ratio,
+            rng.random::<f64>() < fault.abort,
+        )
+    };
+    let mut note = None;
+    if delay {
+        tokio::time::sleep(fault.delay).await;
+        note = Some(HeaderValue::from_static("delay"));
+    }
+    match abort {
+        true => Err(error::fault_response(fault.abort_status)),
+        false => Ok(note),
+    }
+}
+
+/// The answer when the request's body could not be read before the first
+/// attempt: the caller's fault, or its own deadline (`callers_deadline`)
+/// that ran out first.
+fn body_not_in(
+    fault: CallerFault,
+    detail: String,
+    callers_deadline: bool,
+) -> Response<ResponseBody> {
+    let outcome = match fault {
+        CallerFault::StalledBody if callers_deadline => crate::policy::Outcome::Deadline,
+        fault => crate::policy::Outcome::Caller(fault),
+    };
+    let detail = match outcome {
+        crate::policy::Outcome::Deadline => {
+            "the caller's grpc-timeout ran out before its request body was in".to_owned()
+        }
+        _ => detail,
+    };
+    let mut resp = LocalError::for_outcome(outcome).response(&detail);
+    resp.headers_mut()
+        .insert(&headers::X_HERDGUARD_ATTEMPTS, attempt::attempt_value(0));
+    resp
 }
 
 fn finish_headers(h: &mut http::HeaderMap, upgrade: bool, attempts: HeaderValue) {

@@ -95,7 +95,7 @@ impl Budget {
 
     /// Takes a token for one retry; `false` when the budget is spent.
     pub fn withdraw(&self, now: Instant) -> bool {
-        if self.available(now) < 1.0 {
+        if !self.has_token(now) {
             return false;
         }
         self.slot(now).withdrawals.fetch_add(1, Ordering::Relaxed);
@@ -104,6 +104,12 @@ impl Budget {
 
     /// Gives back a token taken by [`withdraw`](Self::withdraw) for a retry
     /// that was then not sent (the breaker or the upstream's limit refused it).
+    /// Whether a token could be taken now (another request may take it
+    /// first: [`Budget::withdraw`] says).
+    pub fn has_token(&self, now: Instant) -> bool {
+        self.available(now) >= 1.0
+    }
+
     pub fn refund(&self, now: Instant) {
         self.slot(now).refunds.fetch_add(1, Ordering::Relaxed);
     }

@@ -8,18 +8,19 @@
 //! of them inline in the async loop where no test reached them. Here they
 //! are in one order, over plain inputs, and a table test covers each stop.
 //!
-//! The budget is the last gate: a token is taken only for a retry that
-//! passed every other one. A retry refused after that (its attempt found
-//! the breaker open or the upstream full) gives the token back; the loop
-//! does that with [`Budget::refund`].
+//! The functions here are pure: they are told the time left and whether
+//! the budget has a token, and they take nothing. The budget is the last
+//! gate: the loop takes a token only for a retry (or hedge) that passed
+//! every other one, and one it cannot take after all (another request took
+//! the last) is a `budget` skip. A retry refused after that (its attempt
+//! found the breaker open or the upstream full) gives the token back; the
+//! loop does that with [`Budget::refund`](super::budget::Budget::refund).
 
 use std::time::Duration;
 
 use rand::Rng;
-use tokio::time::Instant;
 
 use super::backoff::BackoffState;
-use super::budget::Budget;
 use super::outcome::{Fault, Outcome, SkipReason};
 use super::retry::{Policy, RequestFacts};
 
@@ -36,16 +37,18 @@ pub struct Ended {
 }
 
 /// The state of the route's guards when the decision is made.
-#[derive(Debug, Clone, Copy)]
-pub struct Guards<'a> {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gates {
     pub breaker_open: bool,
-    pub budget: &'a Budget,
+    /// The budget has a token for one more attempt (the loop takes it).
+    pub budget_has_token: bool,
 }
 
 /// What to do after an attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
-    /// Wait this long, then send the next attempt. A budget token was taken.
+    /// Wait this long, then send the next attempt, paid with a budget
+    /// token the loop takes.
     Retry {
         delay: Duration,
     },
@@ -67,72 +70,105 @@ pub enum Stop {
     Skip(SkipReason),
 }
 
-/// Decides what follows the attempt that `ended` describes.
+/// Decides what follows the attempt that `ended` describes, with `left`
+/// before the request's deadline.
 ///
 /// The gates, in order: the outcome (only what `retry_on` names; the
 /// deadline's cut is a `deadline` skip), an outer hop that retries for us,
-/// `attempts`, idempotency (a request that never reached the upstream is
-/// always safe), a replayable body, `Retry-After` against
-/// `max_retry_after`, time (after its delay, a retry must have
-/// [`Policy::min_retry_time`] left before `deadline`), the breaker, and last
-/// the budget.
-#[allow(clippy::too_many_arguments)]
+/// then those of [`another_attempt`]: `attempts`, idempotency (a request
+/// that never reached the upstream is always safe), a replayable body,
+/// `Retry-After` against `max_retry_after`, time (after its delay, a retry
+/// must have [`Policy::min_retry_time`] left), the breaker, and last the
+/// budget.
 pub fn decide<R: Rng + ?Sized>(
     policy: &Policy,
     request: &RequestFacts,
     ended: &Ended,
-    now: Instant,
-    deadline: Instant,
-    guards: Guards<'_>,
+    left: Duration,
+    gates: Gates,
     backoff: &mut BackoffState,
     rng: &mut R,
 ) -> Decision {
     let outcome = ended.outcome;
-    let skip = |reason| Decision::Stop(Stop::Skip(reason));
     match outcome.fault() {
         Fault::Caller => return Decision::Stop(Stop::Caller),
         Fault::Proxy => return Decision::Stop(Stop::Refused),
-        Fault::Deadline => return skip(SkipReason::Deadline),
+        Fault::Deadline => return Decision::Stop(Stop::Skip(SkipReason::Deadline)),
         Fault::None | Fault::Upstream if !policy.names(outcome) => {
             return Decision::Stop(Stop::Answer)
         }
         Fault::None | Fault::Upstream => {}
     }
     if request.inner_hop {
-        return skip(SkipReason::InnerHop);
+        return Decision::Stop(Stop::Skip(SkipReason::InnerHop));
     }
-    if ended.attempt >= policy.attempts {
-        return skip(SkipReason::AttemptsExhausted);
-    }
-    if outcome.reached_upstream() && !request.idempotent {
-        return skip(SkipReason::NonIdempotent);
-    }
-    if !ended.replayable {
-        return skip(SkipReason::BodyTooLarge);
-    }
-    let delay = match policy.server_delay(ended.retry_after) {
-        Err(reason) => return skip(reason),
+    let next = Next {
+        sent: ended.attempt,
+        safe: !outcome.reached_upstream() || request.idempotent,
+        body: ended.replayable,
+        left,
+    };
+    let delay = || match policy.server_delay(ended.retry_after)? {
         // The server's delay, plus up to a tenth more, so that callers told
         // the same Retry-After do not all come back at once; never less than
         // our own jittered backoff, so `Retry-After: 0` (or a date in the
         // past) does not bring every caller back at the same instant.
-        Ok(Some(d)) => {
+        Some(d) => {
             let server = d.saturating_add(rng.random_range(Duration::ZERO..=d / 10));
-            server.max(policy.backoff.next_delay(backoff, rng))
+            Ok(server.max(policy.backoff.next_delay(backoff, rng)))
         }
-        Ok(None) => policy.backoff.next_delay(backoff, rng),
+        None => Ok(policy.backoff.next_delay(backoff, rng)),
     };
-    let left = deadline.saturating_duration_since(now);
-    if left < delay.saturating_add(policy.min_retry_time()) || left.is_zero() {
-        return skip(SkipReason::Deadline);
+    match another_attempt(policy, &next, delay, gates) {
+        Ok(delay) => Decision::Retry { delay },
+        Err(reason) => Decision::Stop(Stop::Skip(reason)),
     }
-    if guards.breaker_open {
-        return skip(SkipReason::BreakerOpen);
+}
+
+/// What a further attempt of a request would be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Next {
+    /// Attempts sent so far.
+    sent: u32,
+    /// The request may be repeated.
+    safe: bool,
+    /// Its body can be sent whole again.
+    body: bool,
+    /// Time left before the request's deadline.
+    left: Duration,
+}
+
+/// The gates every further attempt passes, a retry or a hedge alike, in
+/// order: `attempts`, a request safe to repeat, its body, the delay before
+/// it (a retry's backoff or the server's `Retry-After`; none for a hedge),
+/// time for it to be useful ([`Policy::min_retry_time`] left after the
+/// delay), a closed breaker, and last a budget token. `Ok`: the delay.
+fn another_attempt(
+    policy: &Policy,
+    next: &Next,
+    delay: impl FnOnce() -> Result<Duration, SkipReason>,
+    gates: Gates,
+) -> Result<Duration, SkipReason> {
+    if next.sent >= policy.attempts {
+        return Err(SkipReason::AttemptsExhausted);
     }
-    if !guards.budget.withdraw(now) {
-        return skip(SkipReason::Budget);
+    if !next.safe {
+        return Err(SkipReason::NonIdempotent);
     }
-    Decision::Retry { delay }
+    if !next.body {
+        return Err(SkipReason::BodyTooLarge);
+    }
+    let delay = delay()?;
+    if next.left < delay.saturating_add(policy.min_retry_time()) || next.left.is_zero() {
+        return Err(SkipReason::Deadline);
+    }
+    if gates.breaker_open {
+        return Err(SkipReason::BreakerOpen);
+    }
+    if !gates.budget_has_token {
+        return Err(SkipReason::Budget);
+    }
+    Ok(delay)
 }
 
 /// What is known when an attempt has had no answer for `hedge_after`.
@@ -147,37 +183,33 @@ pub struct Slow {
     pub body_whole: bool,
 }
 
-/// Whether a hedge may be sent now, or why not. Only for requests where
-/// hedging is on and that are safe to repeat (idempotent, first hop):
-/// `None` for others, which are never hedged and never counted as skipped.
-/// The gates, in order: `attempts` (a hedge is an attempt), the body, the
-/// breaker (closed: a probe is never raced, and a failing upstream gets no
-/// extra load), and last the budget, which a hedge pays like a retry: its
-/// token is taken here.
+/// Whether a hedge may be sent now, with `left` before the deadline, or
+/// why not. Only for requests where hedging is on and that are safe to
+/// repeat (idempotent, first hop): `None` for others, which are never
+/// hedged and never counted as skipped. The gates are a retry's
+/// ([`another_attempt`]) with no delay; a probe is never raced, as if the
+/// breaker were open. A hedge pays its token like a retry.
 pub fn hedge(
     policy: &Policy,
     request: &RequestFacts,
     slow: &Slow,
-    now: Instant,
-    deadline: Instant,
-    guards: Guards<'_>,
+    left: Duration,
+    gates: Gates,
 ) -> Option<Result<(), SkipReason>> {
     if policy.hedge_after.is_none() || !request.idempotent || !policy.may_retry(request) {
         return None;
     }
-    Some(if slow.sent >= policy.attempts {
-        Err(SkipReason::AttemptsExhausted)
-    } else if !slow.body_whole {
-        Err(SkipReason::BodyTooLarge)
-    } else if deadline.saturating_duration_since(now) < policy.min_retry_time() {
-        Err(SkipReason::Deadline)
-    } else if guards.breaker_open || slow.probe {
-        Err(SkipReason::BreakerOpen)
-    } else if !guards.budget.withdraw(now) {
-        Err(SkipReason::Budget)
-    } else {
-        Ok(())
-    })
+    let next = Next {
+        sent: slow.sent,
+        safe: true,
+        body: slow.body_whole,
+        left,
+    };
+    let gates = Gates {
+        breaker_open: gates.breaker_open || slow.probe,
+        ..gates
+    };
+    Some(another_attempt(policy, &next, || Ok(Duration::ZERO), gates).map(drop))
 }
 
 #[cfg(test)]
@@ -252,6 +284,11 @@ mod tests {
             want,
         }
     }
+
+    const OPEN_GATES: Gates = Gates {
+        breaker_open: false,
+        budget_has_token: true,
+    };
 
     const fn skip(reason: SkipReason) -> Decision {
         Decision::Stop(Stop::Skip(reason))
@@ -379,30 +416,19 @@ mod tests {
         let p = policy();
         let mut rng = SmallRng::seed_from_u64(7);
         for r in rows {
-            let now = Instant::now();
-            let budget = Budget::try_new(0.0, r.tokens, Duration::from_secs(1), now).unwrap();
-            let before = budget.available(now);
             let got = decide(
                 &p,
                 &r.request,
                 &r.ended,
-                now,
-                now + r.left,
-                Guards {
+                r.left,
+                Gates {
                     breaker_open: r.breaker_open,
-                    budget: &budget,
+                    budget_has_token: r.tokens > 0,
                 },
                 &mut BackoffState::default(),
                 &mut rng,
             );
             assert_eq!(got, r.want, "{}", r.name);
-            let spent = before - budget.available(now);
-            let want_spent = if matches!(r.want, Decision::Retry { .. }) {
-                1.0
-            } else {
-                0.0
-            };
-            assert_eq!(spent, want_spent, "{}: only a retry takes a token", r.name);
         }
     }
 
@@ -410,24 +436,17 @@ mod tests {
     async fn a_server_delay_is_jittered_upward_by_at_most_a_tenth() {
         let p = policy();
         let mut rng = SmallRng::seed_from_u64(1);
-        let now = Instant::now();
-        let budget = Budget::try_new(0.0, 100, Duration::from_secs(1), now).unwrap();
         for _ in 0..50 {
             let e = Ended {
                 retry_after: Some(Duration::from_secs(2)),
                 ..ended(s(503))
             };
-            let guards = Guards {
-                breaker_open: false,
-                budget: &budget,
-            };
             let d = match decide(
                 &p,
                 &SAFE,
                 &e,
-                now,
-                now + Duration::from_secs(10),
-                guards,
+                Duration::from_secs(10),
+                OPEN_GATES,
                 &mut BackoffState::default(),
                 &mut rng,
             ) {
@@ -441,25 +460,107 @@ mod tests {
         }
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_past_deadline_never_underflows() {
+    #[test]
+    fn no_time_left_is_a_deadline_skip() {
         let p = policy();
-        let now = Instant::now();
-        let budget = Budget::try_new(0.0, 1, Duration::from_secs(1), now).unwrap();
-        let guards = Guards {
-            breaker_open: false,
-            budget: &budget,
-        };
         let got = decide(
             &p,
             &SAFE,
             &ended(s(503)),
-            now + Duration::from_secs(5),
-            now,
-            guards,
+            Duration::ZERO,
+            OPEN_GATES,
             &mut BackoffState::default(),
             &mut SmallRng::seed_from_u64(0),
         );
         assert_eq!(got, skip(SkipReason::Deadline));
+    }
+
+    #[test]
+    fn a_hedge_passes_the_same_gates_as_a_retry() {
+        let mut c = RetryConfig {
+            attempts: 3,
+            per_try_timeout: Duration::from_secs(2),
+            hedge_after: Some(Duration::from_millis(50)),
+            ..RetryConfig::default()
+        };
+        c.backoff.jitter = Jitter::None;
+        let p = Policy::from_config(&c).unwrap();
+        let slow = Slow {
+            sent: 1,
+            probe: false,
+            body_whole: true,
+        };
+        let left = Duration::from_secs(10);
+        let hedge = |request: &RequestFacts, slow: Slow, left, gates| {
+            hedge(&p, request, &slow, left, gates)
+        };
+        assert_eq!(
+            hedge(&UNSAFE, slow, left, OPEN_GATES),
+            None,
+            "never for an unsafe request"
+        );
+        assert_eq!(
+            hedge(&INNER, slow, left, OPEN_GATES),
+            None,
+            "never behind another retrying hop"
+        );
+        assert_eq!(hedge(&SAFE, slow, left, OPEN_GATES), Some(Ok(())));
+        let rows = [
+            (
+                Slow { sent: 3, ..slow },
+                left,
+                OPEN_GATES,
+                SkipReason::AttemptsExhausted,
+            ),
+            (
+                Slow {
+                    body_whole: false,
+                    ..slow
+                },
+                left,
+                OPEN_GATES,
+                SkipReason::BodyTooLarge,
+            ),
+            (
+                slow,
+                Duration::from_millis(900),
+                OPEN_GATES,
+                SkipReason::Deadline,
+            ),
+            (
+                Slow {
+                    probe: true,
+                    ..slow
+                },
+                left,
+                OPEN_GATES,
+                SkipReason::BreakerOpen,
+            ),
+            (
+                slow,
+                left,
+                Gates {
+                    breaker_open: true,
+                    ..OPEN_GATES
+                },
+                SkipReason::BreakerOpen,
+            ),
+            (
+                slow,
+                left,
+                Gates {
+                    budget_has_token: false,
+                    ..OPEN_GATES
+                },
+                SkipReason::Budget,
+            ),
+        ];
+        for (slow, left, gates, reason) in rows {
+            assert_eq!(
+                hedge(&SAFE, slow, left, gates),
+                Some(Err(reason)),
+                "{reason:?}"
+            );
+        }
     }
 }

@@ -20,8 +20,8 @@ use crate::policy::breaker::{
     Admit, Outcome as BreakerOutcome, SharedBreaker, Snapshot, State as BreakerState, Transition,
 };
 use crate::policy::{
-    decide, decide::Guards as Gates, BackoffState, Budget, CallerFault, Decision, Ended, Fault,
-    Outcome, Policy, Refusal, RequestFacts, SkipReason, Stop, UpstreamFault,
+    decide, decide::Gates, BackoffState, Budget, CallerFault, Decision, Ended, Fault, Outcome,
+    Policy, Refusal, RequestFacts, SkipReason, Stop, UpstreamFault,
 };
 
 /// What every attempt on a route passes through: its retry policy, budget,
@@ -160,20 +160,12 @@ pub async fn run_until<T: Attempts>(
     deadline: Instant,
     explain: bool,
 ) -> Sent<T::Answer> {
-    let policy = &guards.policy;
     let mut backoff = BackoffState::default();
     // The previous attempt's end, while a retry it paid for is tried, with
     // the retry's cause and delay, counted once the retry is sent.
-    let mut kept: Option<(End<T::Answer>, Outcome, Duration)> = None;
+    let mut kept: Option<Kept<T::Answer>> = None;
     // The budget token of the retry being waited for, until it is sent.
     let mut token: Option<Token<'_>> = None;
-    // The breaker counts requests, not attempts: a request's retries are
-    // not so many independent failures, and random errors its retries
-    // absorb are no failure at all. It hears how the request ended, once;
-    // or earlier, when an attempt was a probe, or timed out: a request held
-    // by an upstream that stopped answering is counted as failed at its
-    // first per-try timeout, since waiting for its last one (or for its
-    // caller to give up, which counts for nothing) lets a pile-up grow.
     let mut books = Books {
         guards,
         start,
@@ -181,13 +173,6 @@ pub async fn run_until<T: Attempts>(
         deposited: false,
         trace: explain.then(String::new),
     };
-    let settle = |counted: bool, outcome: Outcome| {
-        if !counted {
-            guards.record(false, BreakerOutcome::of(outcome));
-        }
-    };
-    let mut n = 0u32;
-
     // A caller's own deadline may be over before anything is sent (a
     // gRPC `grpc-timeout` of 0): nothing goes upstream.
     if deadline <= Instant::now() {
@@ -199,74 +184,23 @@ pub async fn run_until<T: Attempts>(
         };
         return done(0, over, books.trace);
     }
+    let mut n = 0u32;
     loop {
         n += 1;
-        let probe = match guards.admit() {
-            Admit::Yes { probe } => probe,
-            Admit::No { retry_after } => {
-                note(&mut books.trace, format_args!("{n}=circuit-open"));
-                let refused = End::Failed {
-                    outcome: Outcome::Refused(Refusal::CircuitOpen),
-                    detail: format!("the circuit breaker of route {} is open", guards.route),
-                    retry_after: Some(retry_after),
-                };
-                spend(&mut token);
-                if let Some((_, previous, _)) = &kept {
-                    settle(books.counted, *previous);
-                }
-                return refuse(guards, n, kept, refused, books.trace);
-            }
+        let admitted = admit(attempts, n, &kept, &mut books);
+        // The retry goes, or is refused: either way its token is settled
+        // (kept, or given back by `refuse`).
+        spend(&mut token);
+        let probe = match admitted {
+            Ok(probe) => probe,
+            Err(refused) => return refuse(guards, n, kept, refused, books.trace),
         };
-        if let Err(detail) = attempts.reserve() {
-            spend(&mut token);
-            if probe {
-                guards.record(true, BreakerOutcome::Unknown);
-            }
-            if let Some((_, previous, _)) = &kept {
-                settle(books.counted, *previous);
-            }
-            note(&mut books.trace, format_args!("{n}=overloaded"));
-            let refused = End::Failed {
-                outcome: Outcome::Refused(Refusal::Overloaded),
-                detail,
-                retry_after: None,
-            };
-            return refuse(guards, n, kept, refused, books.trace);
-        }
-        // The retry goes: count it, keep its token, and let go of the
-        // answer kept in case it could not.
+        // The retry goes: count it, and let go of the answer kept in case
+        // it could not.
         if let Some((_, cause, delay)) = kept.take() {
             guards.metrics.retry(cause, delay);
         }
-        spend(&mut token);
-
-        // Should the caller go away mid-attempt, this whole future is
-        // dropped, and the guard tells the breaker and the metrics.
-        let unanswered = Unanswered::new(guards, probe);
-        let raced = match policy.hedge_after {
-            // Awaited where it is made: an attempt's future is large, and
-            // each move of it is a copy.
-            None => {
-                let attempt = attempts
-                    .send(n, policy.per_try_timeout, deadline, probe)
-                    .await;
-                unanswered.disarm();
-                Raced {
-                    attempt,
-                    number: n,
-                    sent: n,
-                    superseded: None,
-                }
-            }
-            Some(after) => {
-                let first = attempts.send(n, policy.per_try_timeout, deadline, probe);
-                let first = (Box::pin(first), unanswered);
-                race(
-                    guards, &facts, attempts, first, n, after, deadline, &mut books,
-                )
-                .await
-            }
-        };
+        let raced = attempt_once(guards, &facts, attempts, n, probe, deadline, &mut books).await;
         n = raced.sent;
         let attempt = raced.attempt;
         let outcome = attempt.outcome;
@@ -279,63 +213,19 @@ pub async fn run_until<T: Attempts>(
                 format_args!("{loser}={}", Outcome::Superseded.label()),
             );
         }
-
-        // Only a retry that could be made needs to know about the body.
-        let replayable = if n < policy.attempts && policy.names(outcome) {
-            attempts.replayable(deadline).await
-        } else {
-            true
-        };
-        let ended = Ended {
-            attempt: n,
-            outcome,
-            retry_after: attempt.retry_after,
-            replayable,
-        };
-        let gates = Gates {
-            breaker_open: guards.breaker_open(),
-            budget: &guards.budget,
-        };
-        let now = Instant::now();
-        let decision = decide(
-            policy,
+        let decision = next(
+            guards,
             &facts,
-            &ended,
-            now,
+            attempts,
+            &attempt,
+            n,
             deadline,
-            gates,
             &mut backoff,
-            &mut rand::rng(),
-        );
+        )
+        .await;
         let delay = match decision {
             Decision::Retry { delay } => delay,
-            Decision::Stop(stop) => {
-                match stop {
-                    Stop::Skip(reason) => {
-                        skip(guards, n, reason);
-                        note(&mut books.trace, format_args!("skip={}", reason.as_str()));
-                    }
-                    Stop::Caller => {
-                        debug!(route = %guards.route, attempt = n, outcome = outcome.label(), "the caller failed the request")
-                    }
-                    Stop::Answer | Stop::Refused => {}
-                }
-                let deferred = !books.counted
-                    && BreakerOutcome::of(outcome) == BreakerOutcome::Success
-                    && attempt
-                        .answer
-                        .as_ref()
-                        .is_some_and(|a| attempts.body_pending(a));
-                if !deferred {
-                    settle(books.counted, outcome);
-                }
-                let mut sent = done(n, end(attempt), books.trace);
-                sent.settle_on_body = deferred;
-                if let Stop::Skip(reason) = stop {
-                    sent.skipped = Some(reason);
-                }
-                return sent;
-            }
+            Decision::Stop(stop) => return stopped(attempts, stop, attempt, n, books),
         };
         debug!(
             route = %guards.route,
@@ -359,6 +249,174 @@ pub async fn run_until<T: Attempts>(
     }
 }
 
+/// The end of the attempt before a retry, kept while the retry is tried,
+/// with the retry's cause and delay.
+type Kept<A> = (End<A>, Outcome, Duration);
+
+/// Whether attempt `n` may be sent: the breaker's admission (`Ok(true)`
+/// for a probe), then the upstream's in-flight limit. Refused, the
+/// breaker hears how the request ended before it (the previous attempt,
+/// if any) and a probe slot taken is freed.
+fn admit<T: Attempts>(
+    attempts: &mut T,
+    n: u32,
+    kept: &Option<Kept<T::Answer>>,
+    books: &mut Books<'_>,
+) -> Result<bool, End<T::Answer>> {
+    let guards = books.guards;
+    let refused = match guards.admit() {
+        Admit::No { retry_after } => {
+            note(&mut books.trace, format_args!("{n}=circuit-open"));
+            End::Failed {
+                outcome: Outcome::Refused(Refusal::CircuitOpen),
+                detail: format!("the circuit breaker of route {} is open", guards.route),
+                retry_after: Some(retry_after),
+            }
+        }
+        Admit::Yes { probe } => match attempts.reserve() {
+            Ok(()) => return Ok(probe),
+            Err(detail) => {
+                if probe {
+                    guards.record(true, BreakerOutcome::Unknown);
+                }
+                note(&mut books.trace, format_args!("{n}=overloaded"));
+                End::Failed {
+                    outcome: Outcome::Refused(Refusal::Overloaded),
+                    detail,
+                    retry_after: None,
+                }
+            }
+        },
+    };
+    if let Some((_, previous, _)) = kept {
+        books.settle(*previous);
+    }
+    Err(refused)
+}
+
+/// Sends attempt `n` and waits for its end, racing a hedge against it when
+/// the route hedges. Should the caller go away mid-attempt, this whole
+/// future is dropped, and the guard tells the breaker and the metrics.
+async fn attempt_once<T: Attempts>(
+    guards: &Guards,
+    facts: &RequestFacts,
+    attempts: &mut T,
+    n: u32,
+    probe: bool,
+    deadline: Instant,
+    books: &mut Books<'_>,
+) -> Raced<T::Answer> {
+    let policy = &guards.policy;
+    let unanswered = Unanswered::new(guards, probe);
+    match policy.hedge_after {
+        // Awaited where it is made: an attempt's future is large, and each
+        // move of it is a copy.
+        None => {
+            let attempt = attempts
+                .send(n, policy.per_try_timeout, deadline, probe)
+                .await;
+            unanswered.disarm();
+            Raced {
+                attempt,
+                number: n,
+                sent: n,
+                superseded: None,
+            }
+        }
+        Some(after) => {
+            let first = attempts.send(n, policy.per_try_timeout, deadline, probe);
+            let first = (Box::pin(first), unanswered);
+            race(guards, facts, attempts, first, n, after, deadline, books).await
+        }
+    }
+}
+
+/// What follows attempt `n`'s end: [`decide()`] over the facts the loop
+/// gathers (a replayable body only when a retry could be made; a budget
+/// token only when one could be wanted), and the token taken for a retry.
+async fn next<T: Attempts>(
+    guards: &Guards,
+    facts: &RequestFacts,
+    attempts: &mut T,
+    attempt: &Attempt<T::Answer>,
+    n: u32,
+    deadline: Instant,
+    backoff: &mut BackoffState,
+) -> Decision {
+    let policy = &guards.policy;
+    let outcome = attempt.outcome;
+    let wanted = n < policy.attempts && policy.names(outcome);
+    let replayable = match wanted {
+        true => attempts.replayable(deadline).await,
+        false => true,
+    };
+    let ended = Ended {
+        attempt: n,
+        outcome,
+        retry_after: attempt.retry_after,
+        replayable,
+    };
+    let now = Instant::now();
+    let gates = Gates {
+        breaker_open: guards.breaker_open(),
+        budget_has_token: wanted && guards.budget.has_token(now),
+    };
+    let left = deadline.saturating_duration_since(now);
+    match decide(
+        policy,
+        facts,
+        &ended,
+        left,
+        gates,
+        backoff,
+        &mut rand::rng(),
+    ) {
+        // Another request may have taken the last token since.
+        Decision::Retry { .. } if !guards.budget.withdraw(now) => {
+            Decision::Stop(Stop::Skip(SkipReason::Budget))
+        }
+        decision => decision,
+    }
+}
+
+/// The request ends with attempt `n`, for `stop`. The breaker hears of it
+/// now, or, for an answer whose body is still coming, when the body ends.
+fn stopped<T: Attempts>(
+    attempts: &T,
+    stop: Stop,
+    attempt: Attempt<T::Answer>,
+    n: u32,
+    mut books: Books<'_>,
+) -> Sent<T::Answer> {
+    let guards = books.guards;
+    let outcome = attempt.outcome;
+    match stop {
+        Stop::Skip(reason) => {
+            skip(guards, n, reason);
+            note(&mut books.trace, format_args!("skip={}", reason.as_str()));
+        }
+        Stop::Caller => {
+            debug!(route = %guards.route, attempt = n, outcome = outcome.label(), "the caller failed the request")
+        }
+        Stop::Answer | Stop::Refused => {}
+    }
+    let deferred = !books.counted
+        && BreakerOutcome::of(outcome) == BreakerOutcome::Success
+        && attempt
+            .answer
+            .as_ref()
+            .is_some_and(|a| attempts.body_pending(a));
+    if !deferred {
+        books.settle(outcome);
+    }
+    let mut sent = done(n, end(attempt), books.trace);
+    sent.settle_on_body = deferred;
+    if let Stop::Skip(reason) = stop {
+        sent.skipped = Some(reason);
+    }
+    sent
+}
+
 /// What the loop keeps of the attempts that ended: whether the breaker
 /// heard of the request yet, whether it paid into the budget, the trace.
 struct Books<'g> {
@@ -372,6 +430,20 @@ struct Books<'g> {
 }
 
 impl Books<'_> {
+    /// The breaker counts requests, not attempts: a request's retries are
+    /// not so many independent failures, and random errors its retries
+    /// absorb are no failure at all. It hears how the request ended, once;
+    /// or earlier, when an attempt was a probe, or timed out (see
+    /// [`Books::ended`]): a request held by an upstream that stopped
+    /// answering is counted as failed at its first per-try timeout, since
+    /// waiting for its last one (or for its caller to give up, which counts
+    /// for nothing) lets a pile-up grow.
+    fn settle(&self, outcome: Outcome) {
+        if !self.counted {
+            self.guards.record(false, BreakerOutcome::of(outcome));
+        }
+    }
+
     /// Attempt `number` ended: count it, tell the breaker what it must hear
     /// at once, and note it in the trace.
     fn ended<A>(&mut self, attempt: &Attempt<A>, number: u32, probe: bool) {
@@ -422,7 +494,7 @@ struct Raced<A> {
 
 /// Waits for attempt `n`, and races a hedge against it if the route hedges
 /// and it has no answer after `hedge_after`. [`decide::hedge`] says whether
-/// a hedge may go (it takes the budget's token); it passes the in-flight
+/// a hedge may go (and the budget's token is taken here); it passes the in-flight
 /// limit like any attempt, and goes to another endpoint.
 ///
 /// The first attempt to end with an answer or a failure no retry could fix
@@ -464,16 +536,20 @@ where
         probe: unanswered.probe,
         body_whole: attempts.body_whole(),
     };
+    let now = Instant::now();
     let gates = Gates {
         breaker_open: !guards.breaker.is_closed(),
-        budget: &guards.budget,
+        budget_has_token: guards.budget.has_token(now),
     };
+    let left = deadline.saturating_duration_since(now);
     let decided = match attempts.hedgeable() {
-        true => decide::hedge(policy, facts, &slow, Instant::now(), deadline, gates),
+        true => decide::hedge(policy, facts, &slow, left, gates),
         false => None,
     };
     let skipped = match decided {
         None => return alone(first.await, unanswered),
+        // Another request may have taken the last token since.
+        Some(Ok(())) if !guards.budget.withdraw(now) => Some(SkipReason::Budget),
         Some(Ok(())) => match attempts.reserve() {
             Ok(()) => None,
             Err(_) => {

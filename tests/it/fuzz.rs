@@ -14,12 +14,10 @@ use http_body_util::BodyExt;
 use proptest::prelude::*;
 
 use herdguard::config::Config;
-use herdguard::policy::decide::Guards;
+use herdguard::policy::decide::Gates;
 use herdguard::policy::outcome::{CallerFault, Refusal, UpstreamFault};
 use herdguard::policy::retry::parse_retry_after;
-use herdguard::policy::{
-    decide, BackoffState, Budget, Decision, Ended, Outcome, Policy, RequestFacts,
-};
+use herdguard::policy::{decide, BackoffState, Decision, Ended, Outcome, Policy, RequestFacts};
 use herdguard::upstream::ReplayBody;
 use herdguard::wire::headers;
 
@@ -148,14 +146,12 @@ proptest! {
     ) {
         use rand::SeedableRng;
         let policy = Policy::from_config(&Default::default()).unwrap();
-        let now = tokio::time::Instant::now();
-        let budget = Budget::try_new(0.0, tokens, Duration::from_secs(1), now).unwrap();
         let facts = RequestFacts { idempotent, inner_hop };
         let ended = Ended { attempt, outcome, retry_after, replayable };
-        let deadline = now + Duration::from_millis(left_ms);
-        let guards = Guards { breaker_open, budget: &budget };
+        let left = Duration::from_millis(left_ms);
+        let gates = Gates { breaker_open, budget_has_token: tokens > 0 };
         let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
-        let got = decide(&policy, &facts, &ended, now, deadline, guards, &mut BackoffState::default(), &mut rng);
+        let got = decide(&policy, &facts, &ended, left, gates, &mut BackoffState::default(), &mut rng);
         if let Decision::Retry { delay } = got {
             prop_assert!(policy.names(outcome));
             prop_assert!(!inner_hop && !breaker_open && replayable && tokens > 0);

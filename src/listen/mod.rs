@@ -487,23 +487,28 @@ pub(crate) async fn accept_loop<M, S, B>(
                     Box::pin(serve.tls(acceptor, stream, service, evicted, what, peer)).await
                 }
             };
-            match served {
-                Some(Ok(())) => {}
-                Some(Err(e)) => {
-                    debug!(listener = what, %peer, error = %e, "connection ended with an error")
-                }
-                None => debug!(
-                    listener = what,
-                    %peer,
-                    "connection closed: asked to close, it sent nothing for write_timeout"
-                ),
-            }
+            log_end(what, peer, served);
             drop(permit);
         });
     }
     drop(listener);
     drain.start();
     drain_connections(&permits, what, limits.max_connections, limits.drain_timeout).await;
+}
+
+/// How a connection ended, for the debug log.
+fn log_end(what: &'static str, peer: SocketAddr, served: Option<Result<(), ServeError>>) {
+    match served {
+        Some(Ok(())) => {}
+        Some(Err(e)) => {
+            debug!(listener = what, %peer, error = %e, "connection ended with an error")
+        }
+        None => debug!(
+            listener = what,
+            %peer,
+            "connection closed: asked to close, it sent nothing for write_timeout"
+        ),
+    }
 }
 
 /// A connection slot for a new caller. When all are taken, the new caller

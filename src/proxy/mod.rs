@@ -24,7 +24,7 @@ use crate::observe::access_log::{AccessLog, Entry, Logged};
 use crate::observe::metrics::{self, Metrics, RouteMetrics};
 use crate::policy::breaker::{Breaker, SharedBreaker};
 use crate::policy::route::{Matcher, RequestInfo};
-use crate::policy::{Budget, CallerFault, Policy};
+use crate::policy::{Budget, CallerFault, Policy, RequestFacts};
 use crate::retry::{self, End, Guards};
 use rand::Rng;
 
@@ -460,6 +460,83 @@ async fn forward(
         },
         None => None,
     };
+    let HeadRules {
+        facts,
+        inner_hop,
+        grpc,
+        grpc_timeout,
+        declare_grpc_trailers,
+    } = head_rules(route, &mut parts, caller, upgrade, original_host);
+    let policy = &route.guards.policy;
+    let mut attempts = attempt::Forward::new(attempt::Outbound {
+        upstream: &route.upstream,
+        method: parts.method,
+        path_and_query: parts.uri.path_and_query(),
+        headers: parts.headers,
+        body,
+        retrying: policy.may_retry(&facts),
+        repeatable: facts.idempotent,
+        inner_hop,
+        max_replay_body: policy.max_replay_body,
+        timeout: policy.timeout,
+        upgrade,
+    });
+    attempts.host_rewrite(route.host_rewrite.clone());
+    attempts.log_into(log.as_deref_mut());
+    attempts.grpc(grpc, grpc_timeout.and_then(|t| start.checked_add(t)));
+    // A gRPC caller's own deadline, when sooner than the route's.
+    let deadline = match grpc_timeout {
+        Some(t) => retry::deadline(start, policy.timeout.min(t)),
+        None => retry::deadline(start, policy.timeout),
+    };
+    // The caller's own deadline (`grpc-timeout`) binds: when it runs out
+    // before the body is in, that is the deadline, not a stalled upload.
+    let callers_deadline = grpc_timeout.is_some_and(|t| t < policy.timeout);
+    if let Err((fault, detail)) = attempts.prefetch(deadline).await {
+        return body_not_in(fault, detail, callers_deadline);
+    }
+    let sent = retry::run_until(
+        &route.guards,
+        facts,
+        &mut attempts,
+        start,
+        deadline,
+        explain,
+    )
+    .await;
+    drop(attempts);
+    let answer = Answer {
+        caller_upgrade,
+        tunnel_place,
+        declare_grpc_trailers,
+        fault_note,
+        multiplexed,
+    };
+    respond(route, sent, answer, log, tunnels)
+}
+
+/// What the request's head tells, read as the upstream will see it.
+struct HeadRules {
+    facts: RequestFacts,
+    /// An outer hop numbers the attempts: it retries, this one does not.
+    inner_hop: bool,
+    grpc: bool,
+    /// The gRPC caller's own deadline.
+    grpc_timeout: Option<std::time::Duration>,
+    /// An HTTP/1.1 gRPC caller is told of the status trailers to come.
+    declare_grpc_trailers: bool,
+}
+
+/// Applies this hop's rules to the request's head (hop-by-hop fields out,
+/// `Max-Forwards` down, `Via` and `X-Forwarded-*` added), and reads what
+/// makes it safe to repeat and whether it is gRPC.
+fn head_rules(
+    route: &Route,
+    parts: &mut http::request::Parts,
+    caller: &Caller,
+    upgrade: bool,
+    original_host: Option<HeaderValue>,
+) -> HeadRules {
     let h = &mut parts.headers;
     // A key the caller declares it will send in the trailer section may
     // differ from the one here: it promises nothing.
@@ -493,51 +570,13 @@ async fn forward(
         .flatten();
     headers::add_via(h, parts.version);
     headers::add_forwarded(h, &caller.ip, caller.proto, original_host);
-    let mut attempts = attempt::Forward::new(
-        &route.upstream,
-        parts.method,
-        parts.uri.path_and_query(),
-        parts.headers,
-        body,
-        policy.may_retry(&facts),
-        facts.idempotent,
-        inner_hop,
-        policy.max_replay_body,
-        policy.timeout,
-        upgrade,
-    );
-    attempts.host_rewrite(route.host_rewrite.clone());
-    attempts.log_into(log.as_deref_mut());
-    attempts.grpc(grpc, grpc_timeout.and_then(|t| start.checked_add(t)));
-    // A gRPC caller's own deadline, when sooner than the route's.
-    let deadline = match grpc_timeout {
-        Some(t) => retry::deadline(start, policy.timeout.min(t)),
-        None => retry::deadline(start, policy.timeout),
-    };
-    // The caller's own deadline (`grpc-timeout`) binds: when it runs out
-    // before the body is in, that is the deadline, not a stalled upload.
-    let callers_deadline = grpc_timeout.is_some_and(|t| t < policy.timeout);
-    if let Err((fault, detail)) = attempts.prefetch(deadline).await {
-        return body_not_in(fault, detail, callers_deadline);
-    }
-    let sent = retry::run_until(
-        &route.guards,
+    HeadRules {
         facts,
-        &mut attempts,
-        start,
-        deadline,
-        explain,
-    )
-    .await;
-    drop(attempts);
-    let answer = Answer {
-        caller_upgrade,
-        tunnel_place,
+        inner_hop,
+        grpc,
+        grpc_timeout,
         declare_grpc_trailers,
-        fault_note,
-        multiplexed,
-    };
-    respond(route, sent, answer, log, tunnels)
+    }
 }
 
 /// What the request's preparation left for its answer.

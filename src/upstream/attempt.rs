@@ -22,18 +22,50 @@ use tokio::time::Instant;
 use crate::observe::access_log::Entry;
 use crate::policy::outlier::Verdict;
 use crate::policy::retry::retry_after;
-use crate::policy::GrpcStatus;
-use crate::policy::{CallerFault, Outcome, UpstreamFault};
+use crate::policy::{CallerFault, Outcome};
 use crate::retry::{self, Attempt};
 
 use super::body::{Progress, RequestBody};
+use super::classify::{classify, Judge, Reply, Why};
 use super::replay::ReplayBody;
-use super::{InFlight, Upstream};
+use super::{InFlight, Picked, Upstream};
 use crate::wire::error_chain;
 use crate::wire::headers::X_HERDGUARD_ATTEMPT;
 
 /// The upstream's response, with the slot it holds until its body is done.
 pub type Answer = (Response<Incoming>, InFlight);
+
+/// An attempt ready to go: its in-flight slot, endpoint, request, and the
+/// progress of its body.
+type Ready<'a> = (
+    InFlight,
+    Picked<'a>,
+    Request<RequestBody>,
+    Option<Arc<Progress>>,
+);
+
+/// What the request path hands the upstream side: the request, as this
+/// hop forwards it, and how it may be retried.
+pub struct Outbound<'a> {
+    pub upstream: &'a Arc<Upstream>,
+    pub method: Method,
+    pub path_and_query: Option<&'a PathAndQuery>,
+    pub headers: HeaderMap,
+    pub body: CallerBody,
+    /// More than one attempt may be made.
+    pub retrying: bool,
+    /// A failed attempt may be repeated once it reached the upstream
+    /// (idempotent or keyed).
+    pub repeatable: bool,
+    /// An outer hop numbers the attempts.
+    pub inner_hop: bool,
+    /// The most of the body kept for a retry.
+    pub max_replay_body: u64,
+    /// The request's `timeout`.
+    pub timeout: Duration,
+    /// The caller asked to upgrade.
+    pub upgrade: bool,
+}
 
 /// A request on its way upstream: its head kept for every attempt.
 pub struct Forward<'a> {
@@ -79,20 +111,20 @@ enum AttemptBody {
 }
 
 impl<'a> Forward<'a> {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        upstream: &'a Arc<Upstream>,
-        method: Method,
-        path_and_query: Option<&'a PathAndQuery>,
-        headers: HeaderMap,
-        body: CallerBody,
-        retrying: bool,
-        repeatable: bool,
-        inner_hop: bool,
-        max_replay_body: u64,
-        timeout: Duration,
-        upgrade: bool,
-    ) -> Self {
+    pub fn new(out: Outbound<'a>) -> Self {
+        let Outbound {
+            upstream,
+            method,
+            path_and_query,
+            headers,
+            body,
+            retrying,
+            repeatable,
+            inner_hop,
+            max_replay_body,
+            timeout,
+            upgrade,
+        } = out;
         use http_body::Body as _;
         let body = if body.is_end_stream() {
             AttemptBody::Empty
@@ -182,6 +214,28 @@ impl<'a> Forward<'a> {
         }
     }
 
+    /// Attempt `n` made ready to go: an in-flight slot (the one `reserve`
+    /// took, or one taken now; none: the upstream is full), an endpoint
+    /// picked, noted for the access log, and the request. Done before the
+    /// attempt goes, so that it borrows nothing of `self` and a hedge can
+    /// be sent while it runs.
+    fn prepare(&mut self, n: u32, probe: bool) -> Option<Ready<'a>> {
+        let upstream = self.upstream;
+        let slot = self.slot.take().or_else(|| upstream.try_acquire())?;
+        let picked = upstream.pick(self.endpoint, self.repeatable, probe);
+        self.endpoint = Some(picked.index);
+        self.racing = [self.racing[1], (n, picked.index)];
+        if let Some(log) = self.log.as_deref_mut() {
+            log.attempts = n;
+            log.endpoint = Some(picked.endpoint().label.clone());
+        }
+        let grpc_left = self
+            .grpc_deadline
+            .map(|d| d.saturating_duration_since(Instant::now()));
+        let (req, progress) = self.request(n, &picked.endpoint().host, grpc_left);
+        Some((slot, picked, req, progress))
+    }
+
     /// The request of attempt `n`, with the progress of its body if it has one.
     fn request(
         &mut self,
@@ -264,32 +318,14 @@ impl<'a> retry::Attempts for Forward<'a> {
         deadline: Instant,
         probe: bool,
     ) -> impl Future<Output = Attempt<Answer>> + use<'a> {
-        // What needs `self` is done here, before anything is sent: the
-        // attempt that goes then borrows nothing of it, so a hedge can be
-        // sent while it runs.
         let upstream: &'a Arc<Upstream> = self.upstream;
-        let slot = match self.slot.take() {
-            Some(slot) => Some(slot),
-            None => upstream.try_acquire(),
-        };
-        let ready = slot.map(|slot| {
-            let picked = upstream.pick(self.endpoint, self.repeatable, probe);
-            self.endpoint = Some(picked.index);
-            self.racing = [self.racing[1], (n, picked.index)];
-            if let Some(log) = self.log.as_deref_mut() {
-                log.attempts = n;
-                log.endpoint = Some(picked.endpoint().label.clone());
-            }
-            let grpc_left = self
-                .grpc_deadline
-                .map(|d| d.saturating_duration_since(Instant::now()));
-            let (req, progress) = self.request(n, &picked.endpoint().host, grpc_left);
-            (slot, picked, req, progress)
-        });
-        let judge = Judge {
-            upgrade: self.upgrade,
-            grpc: self.grpc,
-            grpc_deadline: self.grpc_deadline.is_some(),
+        let ready = self.prepare(n, probe);
+        let judge = Judged {
+            judge: Judge {
+                upgrade: self.upgrade,
+                grpc: self.grpc,
+                grpc_deadline: self.grpc_deadline.is_some(),
+            },
             timeout: self.timeout,
         };
         let path_and_query = self.path_and_query;
@@ -316,93 +352,42 @@ impl<'a> retry::Attempts for Forward<'a> {
             )
             .await;
             let elapsed = sent_at.elapsed();
+            let caller = |p: &Progress| {
+                // An upstream that gives up on a body that stopped coming
+                // (its read timeout) is right to: the stall is the caller's.
+                p.caller_fault()
+                    .or(p.waiting_on_caller().then_some(CallerFault::StalledBody))
+            };
+            let reply = match &timed {
+                Timed::Done(Ok((resp, _))) => Reply::Head {
+                    status: resp.status(),
+                    headers: resp.headers(),
+                    end_stream: http_body::Body::is_end_stream(resp.body()),
+                },
+                Timed::Done(Err(e)) => Reply::Failed {
+                    upstream: e.fault(),
+                    caller: progress.as_deref().and_then(caller),
+                },
+                Timed::PerTry => Reply::PerTry,
+                Timed::Deadline => Reply::Deadline,
+                Timed::Stalled => Reply::Stalled,
+            };
+            let (outcome, why) = classify(&judge.judge, &reply);
             let name = &upstream.name;
-            let (outcome, mut answer, detail) = match timed {
-                    // HTTP allows three digits; a status from 600 up means nothing.
-                    // A switch of protocols nobody asked for breaks the caller's connection.
-                    Timed::Done(Ok((resp, _)))
-                        if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS && !judge.upgrade =>
-                    {
-                        (
-                            Outcome::Upstream(UpstreamFault::BadResponse),
-                            None,
-                            format!("upstream {name} switched protocols unasked (101)"),
-                        )
+            let (mut answer, detail) = match timed {
+                Timed::Done(Ok((resp, conn))) if why == Why::Answered => {
+                    if let Some(conn) = conn {
+                        slot.hold(index, conn);
                     }
-                    // A transfer coding other than chunked (gzip, say): hyper
-                    // took the chunks off, and the caller would get coded bytes
-                    // with nothing saying so.
-                    Timed::Done(Ok((resp, _))) if crate::wire::headers::check_framing(resp.headers()).is_err() => (
-                        Outcome::Upstream(UpstreamFault::BadResponse),
-                        None,
-                        format!("upstream {name} answered with a transfer coding other than chunked"),
-                    ),
-                    Timed::Done(Ok((resp, _))) if resp.status().as_u16() > 599 => (
-                        Outcome::Upstream(UpstreamFault::BadResponse),
-                        None,
-                        format!(
-                            "upstream {name} answered with status {}, outside 100-599",
-                            resp.status().as_u16()
-                        ),
-                    ),
-                    Timed::Done(Ok((resp, conn))) => {
-                        if let Some(conn) = conn {
-                            slot.hold(index, conn);
-                        }
-                        let outcome = match judge.grpc.then(|| trailers_only_status(&resp)).flatten() {
-                            // The caller's own deadline, passed on, ran out: the
-                            // caller set it, the upstream is not to blame.
-                            Some(GrpcStatus::DEADLINE_EXCEEDED) if judge.grpc_deadline => {
-                                Outcome::Deadline
-                            }
-                            Some(status) if status != GrpcStatus::OK => Outcome::Grpc(status),
-                            _ => Outcome::Response(resp.status()),
-                        };
-                        (outcome, Some((resp, slot)), String::new())
-                    }
-                    Timed::Done(Err(e)) => {
-                        let fault = progress.as_deref().and_then(|p| {
-                            // An upstream that gives up on a body that stopped
-                            // coming (its read timeout) is right to: the stall is
-                            // the caller's.
-                            p.caller_fault()
-                                .or(p.waiting_on_caller().then_some(CallerFault::StalledBody))
-                        });
-                        let outcome = match fault {
-                            Some(fault) => Outcome::Caller(fault),
-                            None => Outcome::Upstream(e.fault()),
-                        };
-                        let detail = match fault {
-                            Some(CallerFault::MalformedBody) => {
-                                format!("the request body is malformed: {}", error_chain(&e))
-                            }
-                            Some(CallerFault::StalledBody) => format!(
-                                "the request body stopped coming, and upstream {name} gave up on it: {}",
-                                error_chain(&e)
-                            ),
-                            Some(CallerFault::Gone) => {
-                                "the caller's request body ended before it was complete".to_owned()
-                            }
-                            None => format!("upstream {name} failed: {}", error_chain(&e)),
-                        };
-                        (outcome, None, detail)
-                    }
-                    Timed::PerTry => (
-                        Outcome::Upstream(UpstreamFault::Timeout),
-                        None,
-                        format!("upstream {name} sent no response headers within {per_try:?} of the request being sent"),
-                    ),
-                    Timed::Deadline => (
-                        Outcome::Deadline,
-                        None,
-                        format!("the request's timeout ({:?}) ran out before upstream {name} answered", judge.timeout),
-                    ),
-                    Timed::Stalled => (
-                        Outcome::Caller(CallerFault::StalledBody),
-                        None,
-                        format!("the request body stalled: it was not complete when the request's timeout ({:?}) ran out", judge.timeout),
-                    ),
-                };
+                    (Some((resp, slot)), String::new())
+                }
+                Timed::Done(Ok((resp, _))) => (
+                    None,
+                    detail(why, name, &judge, per_try, Some(resp.status()), None),
+                ),
+                Timed::Done(Err(e)) => (None, detail(why, name, &judge, per_try, None, Some(&e))),
+                _ => (None, detail(why, name, &judge, per_try, None, None)),
+            };
             // The upstream's latency runs from when it had the whole request:
             // a slow upload is the caller's time, not the upstream's.
             let latency = sent_whole.elapsed();
@@ -422,10 +407,12 @@ impl<'a> retry::Attempts for Forward<'a> {
             if answer.is_none() {
                 tracing::debug!(upstream = %name, outcome = outcome.label(), error = %detail, "upstream attempt failed");
             }
-            let retry_after = answer.as_ref().and_then(|(resp, _)| match judge.grpc {
-                true => crate::wire::headers::grpc_pushback(resp.headers()),
-                false => retry_after(resp.headers()),
-            });
+            let retry_after = answer
+                .as_ref()
+                .and_then(|(resp, _)| match judge.judge.grpc {
+                    true => crate::wire::headers::grpc_pushback(resp.headers()),
+                    false => retry_after(resp.headers()),
+                });
             Attempt {
                 outcome,
                 answer,
@@ -488,18 +475,51 @@ impl<'a> retry::Attempts for Forward<'a> {
     }
 }
 
-/// What an attempt needs to know, past the moment it is sent, to judge
-/// its end: copied out of the [`Forward`], so that the attempt borrows none of it.
-#[derive(Clone, Copy)]
-struct Judge {
-    /// The caller asked to upgrade: only then is a 101 an answer.
-    upgrade: bool,
-    /// A gRPC call: judged by its `grpc-status`.
-    grpc: bool,
-    /// The gRPC caller set its own deadline, passed on upstream.
-    grpc_deadline: bool,
-    /// The request's `timeout`, for the messages.
+/// What an attempt's messages need besides the verdict: the request's
+/// `timeout`.
+struct Judged {
+    judge: Judge,
     timeout: Duration,
+}
+
+/// The message of an attempt that did not end with an answer to pass on.
+fn detail(
+    why: Why,
+    name: &str,
+    judged: &Judged,
+    per_try: Duration,
+    status: Option<http::StatusCode>,
+    error: Option<&(dyn std::error::Error + 'static)>,
+) -> String {
+    let chain = || error.map_or_else(String::new, error_chain);
+    let timeout = judged.timeout;
+    match why {
+        Why::Answered => String::new(),
+        Why::UnaskedSwitch => format!("upstream {name} switched protocols unasked (101)"),
+        Why::TransferCoding => {
+            format!("upstream {name} answered with a transfer coding other than chunked")
+        }
+        Why::StatusOutOfRange => format!(
+            "upstream {name} answered with status {}, outside 100-599",
+            status.map_or(0, |s| s.as_u16())
+        ),
+        Why::Failed => format!("upstream {name} failed: {}", chain()),
+        Why::MalformedBody => format!("the request body is malformed: {}", chain()),
+        Why::UpstreamGaveUpOnBody => format!(
+            "the request body stopped coming, and upstream {name} gave up on it: {}",
+            chain()
+        ),
+        Why::CallerGone => "the caller's request body ended before it was complete".to_owned(),
+        Why::PerTry => format!(
+            "upstream {name} sent no response headers within {per_try:?} of the request being sent"
+        ),
+        Why::Deadline => {
+            format!("the request's timeout ({timeout:?}) ran out before upstream {name} answered")
+        }
+        Why::Stalled => format!(
+            "the request body stalled: it was not complete when the request's timeout ({timeout:?}) ran out"
+        ),
+    }
 }
 
 /// How the timers ended an attempt.
@@ -569,22 +589,6 @@ pub(crate) fn attempt_value(n: u32) -> http::HeaderValue {
         Some(s) => http::HeaderValue::from_static(s),
         None => http::HeaderValue::from(n),
     }
-}
-
-/// The gRPC status of a trailers-only answer (HTTP 200, `grpc-status` in
-/// the headers, nothing to follow); `None` for any other answer, whose
-/// status comes in trailers after messages and so can never be retried.
-fn trailers_only_status(resp: &Response<Incoming>) -> Option<GrpcStatus> {
-    if resp.status() != http::StatusCode::OK || !http_body::Body::is_end_stream(resp.body()) {
-        return None;
-    }
-    // Missing, twice, or not a status: a broken answer, as a gRPC client
-    // reads it (INTERNAL), never a success.
-    let mut values = resp.headers().get_all("grpc-status").iter();
-    Some(match (values.next(), values.next()) {
-        (Some(one), None) => GrpcStatus::parse(one.as_bytes()).unwrap_or(GrpcStatus::INTERNAL),
-        _ => GrpcStatus::INTERNAL,
-    })
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 
 pub mod attempt;
 pub mod body;
+pub mod classify;
 pub mod pool;
 pub mod replay;
 pub mod tunnel;

@@ -115,3 +115,92 @@ fn an_import_is_found_wherever_it_is_written() {
     let text = "use crate::policy::x;\nfn f() { crate::wire::g(); }\n#[cfg(test)]\nmod tests { use crate::app; }";
     assert_eq!(imports(text), BTreeSet::from(["policy", "wire"]));
 }
+
+/// `(lines, name)` of every function in `text` (a rustfmt-formatted file),
+/// its `#[cfg(test)]` modules left out.
+fn function_lengths(text: &str) -> Vec<(usize, String)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let indent = |l: &str| l.len() - l.trim_start().len();
+    // The line at `from` and below that closes the block opened at `ind`.
+    let close = |from: usize, ind: usize| {
+        (from..lines.len())
+            .find(|&j| indent(lines[j]) == ind && lines[j].trim_start().starts_with('}'))
+            .unwrap_or(lines.len())
+    };
+    let mut found = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let line = lines[i].trim_start();
+        if line == "#[cfg(test)]"
+            && lines
+                .get(i + 1)
+                .is_some_and(|l| l.trim_start().starts_with("mod "))
+        {
+            i = close(i + 2, indent(lines[i + 1])) + 1;
+            continue;
+        }
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let fn_at = words
+            .iter()
+            .take_while(|w| w.starts_with("pub") || ["async", "const", "unsafe"].contains(w))
+            .count();
+        if words.get(fn_at) == Some(&"fn") {
+            let name = words
+                .get(fn_at + 1)
+                .map(|n| n.split(['(', '<']).next().unwrap_or(n).to_owned())
+                .unwrap_or_default();
+            if line.trim_end().ends_with('}') {
+                found.push((1, name));
+                i += 1;
+                continue;
+            }
+            // The signature may run over several lines: the body opens on
+            // the first line ending with `{` (a declaration ends with `;`).
+            let opens = (i..lines.len()).find(|&j| {
+                let t = lines[j].trim_end();
+                t.ends_with('{') || t.ends_with(';')
+            });
+            if let Some(j) = opens.filter(|&j| lines[j].trim_end().ends_with('{')) {
+                let end = close(j + 1, indent(lines[i]));
+                found.push((end - i + 1, name));
+            }
+        }
+        i += 1;
+    }
+    found
+}
+
+/// One function, one job: none in `src/` runs past about two screens
+/// (linkerd's retry loop is about 60 lines).
+#[test]
+fn no_function_runs_past_120_lines() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    let mut long = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for (lines, name) in function_lengths(&text) {
+            if lines > 120 {
+                long.push(format!(
+                    "{}: {name} ({lines} lines)",
+                    file.strip_prefix(&src).unwrap().display()
+                ));
+            }
+        }
+    }
+    assert!(long.is_empty(), "functions to split:\n{}", long.join("\n"));
+}
+
+#[test]
+fn function_lengths_are_counted_from_signature_to_closing_brace() {
+    let text = "pub(crate) async fn a(\n    x: u8,\n) -> u8 {\n    x\n}\n\nfn decl();\n\nimpl S {\n    fn b(&self) {}\n    fn c(&self) {\n    }\n}\n#[cfg(test)]\nmod tests {\n    fn long() {\n    }\n}\n";
+    assert_eq!(
+        function_lengths(text),
+        vec![
+            (5, "a".to_owned()),
+            (1, "b".to_owned()),
+            (2, "c".to_owned())
+        ]
+    );
+}

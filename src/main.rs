@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use herdguard::app::Server;
-use herdguard::config::{Checked, Config};
+use herdguard::config::{Checked, Config, Validated};
 use herdguard::demo;
 use herdguard::observe::telemetry::{self, LogFormat};
 use tokio::signal::unix::{signal, SignalKind};
@@ -205,7 +205,7 @@ fn check(path: &std::path::Path, quiet: bool) -> ExitCode {
     match Config::check_file(path) {
         Ok(checked) => {
             if !quiet {
-                out!("{}", checked.config.to_toml());
+                out!("{}", checked.validated.config().to_toml());
             }
             for w in &checked.warnings {
                 err_line!("warning: {w}");
@@ -228,31 +228,32 @@ fn check(path: &std::path::Path, quiet: bool) -> ExitCode {
 
 fn run(cli: Cli) -> ExitCode {
     let checked = match (&cli.config, &cli.upstream) {
-        (Some(path), _) => Config::check_file(path).map_err(|e| e.to_string()),
-        (None, Some(url)) => Config::for_upstream(url, None, None)
-            .map(|config| Checked {
-                config,
-                warnings: Vec::new(),
-            })
+        (Some(path), _) => Config::check_file(path)
+            .map_err(|e| e.to_string())
+            .and_then(
+                |Checked {
+                     validated,
+                     warnings,
+                 }| {
+                    let validated = validated
+                        .with_addresses(cli.listen, cli.admin)
+                        .map_err(|e| format!("--listen/--admin: {e}"))?;
+                    Ok((validated, warnings))
+                },
+            ),
+        (None, Some(url)) => Config::for_upstream(url, cli.listen, cli.admin)
+            .and_then(Config::validate)
+            .map(|validated| (validated, Vec::new()))
             .map_err(|e| format!("--upstream: {e}")),
         (None, None) => Err("give --config FILE or --upstream URL (see --help)".to_owned()),
     };
-    let Checked {
-        mut config,
-        warnings,
-    } = match checked {
+    let (config, warnings) = match checked {
         Ok(c) => c,
         Err(e) => {
             err_line!("herdguard: {e}");
             return ExitCode::from(2);
         }
     };
-    if let Some(listen) = cli.listen {
-        config.listen.address = listen;
-    }
-    if let Some(admin) = cli.admin {
-        config.admin.address = admin;
-    }
     telemetry::init(cli.log_format);
     for w in &warnings {
         warn!(warning = %w, "config");
@@ -287,7 +288,7 @@ fn run(cli: Cli) -> ExitCode {
 
 /// Runs until SIGTERM or SIGINT. With a config file, SIGHUP and any change
 /// of the file reload it.
-async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
+async fn serve(config: Validated, path: Option<PathBuf>) -> ExitCode {
     // Handlers first: a signal that arrives once the server says it is
     // serving must find them (SIGHUP's default action would end the process).
     let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
@@ -300,16 +301,16 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
     };
     if let Some(files) = raise_open_file_limit() {
         // One descriptor per caller, and room for upstream connections.
-        let wanted = (config.listen.max_connections as u64).saturating_add(256);
+        let wanted = (config.config().listen.max_connections as u64).saturating_add(256);
         if files < wanted {
             warn!(
                 open_files = files,
-                max_connections = config.listen.max_connections,
+                max_connections = config.config().listen.max_connections,
                 "the open-file limit is below max_connections (and room for upstream connections): callers past it are refused"
             );
         }
     }
-    let server = match Server::start(config).await {
+    let server = match Server::start_validated(config).await {
         Ok(s) => s,
         Err(e) => {
             error!(error = %e, "cannot start");

@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use crate::config::tls::Tls;
-use crate::config::Config;
+use crate::config::{Config, ConfigErrors, Validated};
 use crate::listen::{accept_loop, local_addr, stopped, Abandoned, Limits};
 use crate::observe::metrics::Metrics;
 use crate::proxy::{BuildError, Caller, Proxy, Runtime};
@@ -40,6 +40,8 @@ pub enum StartError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Invalid(#[from] ConfigErrors),
     #[error(transparent)]
     Build(#[from] BuildError),
     #[error("listen.tls: {0}")]
@@ -68,11 +70,17 @@ pub struct Server {
 }
 
 impl Server {
-    /// Builds the runtime from `config`, binds both listeners and starts serving.
+    /// Checks `config`, builds the runtime from it, binds both listeners
+    /// and starts serving.
     pub async fn start(config: Config) -> Result<Server, StartError> {
+        Server::start_validated(config.validate()?).await
+    }
+
+    /// Builds the runtime from `config`, binds both listeners and starts serving.
+    pub async fn start_validated(config: Validated) -> Result<Server, StartError> {
         let metrics = Metrics::new();
-        let config = Arc::new(config);
-        let runtime = Runtime::build(config.clone(), &metrics)?;
+        let runtime = Runtime::build(config, &metrics)?;
+        let config = runtime.config.clone();
         let proxy = Arc::new(Proxy::new(runtime, metrics));
 
         let bind = |what, addr| async move {

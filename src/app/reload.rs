@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use tracing::{error, info, warn};
 
-use crate::config::Config;
+use crate::config::{Config, Validated};
 use crate::proxy::{BuildError, Runtime};
 
 use super::{on_own_thread, Shared};
@@ -22,7 +22,13 @@ impl Reloader {
     /// connections, in-flight requests, and the state of breakers, budgets and
     /// upstreams the new config keeps (see `Runtime::rebuild`). Listener
     /// addresses cannot change without a restart: a change is logged and ignored.
-    pub fn reload(&self, mut config: Config) -> Result<(), BuildError> {
+    /// A config that fails its checks changes nothing.
+    pub fn reload(&self, config: Config) -> Result<(), BuildError> {
+        self.reload_validated(config.validate()?)
+    }
+
+    /// [`reload`](Self::reload) of a config already checked.
+    pub fn reload_validated(&self, config: Validated) -> Result<(), BuildError> {
         let _one_at_a_time = self
             .shared
             .reloading
@@ -30,34 +36,34 @@ impl Reloader {
             .unwrap_or_else(|e| e.into_inner());
         let proxy = &self.shared.proxy;
         let current = proxy.runtime();
+        let new = config.config();
         for (what, old, new) in [
             (
                 "listen.address",
                 current.config.listen.address,
-                &mut config.listen.address,
+                new.listen.address,
             ),
             (
                 "admin.address",
                 current.config.admin.address,
-                &mut config.admin.address,
+                new.admin.address,
             ),
         ] {
-            if *new != old {
+            if new != old {
                 warn!(key = what, running = %old, configured = %new, "a new listen address needs a restart; keeping the running one");
-                *new = old;
             }
         }
-        if config.listen.tls != current.config.listen.tls {
+        if new.listen.tls != current.config.listen.tls {
             warn!(
                 key = "listen.tls",
                 "a change to listen.tls needs a restart (the certificate files themselves are reloaded as they change); keeping the running one"
             );
-            config.listen.tls = current.config.listen.tls.clone();
         }
-        let built = if config.routes.is_empty() && !current.config.routes.is_empty() {
+        let config = config.keep_listeners(&current.config);
+        let built = if config.config().routes.is_empty() && !current.config.routes.is_empty() {
             Err(BuildError::NoRoutes)
         } else {
-            Runtime::rebuild(Arc::new(config), proxy.metrics(), Some(&current))
+            Runtime::rebuild(config, proxy.metrics(), Some(&current))
         };
         match built {
             Ok(runtime) => {
@@ -103,7 +109,8 @@ impl Reloader {
                 for w in &checked.warnings {
                     warn!(warning = %w, "config");
                 }
-                self.reload(checked.config).map_err(|e| e.to_string())
+                self.reload_validated(checked.validated)
+                    .map_err(|e| e.to_string())
             }
             Err(e) => {
                 self.shared.proxy.metrics().reloaded(false);

@@ -17,6 +17,7 @@ use toml::Spanned;
 
 use super::schema::{Config, Defaults, RouteConfig, UpstreamConfig};
 use super::validate;
+use super::validated::{CompiledRoute, Validated};
 
 /// One problem in a config file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -160,16 +161,16 @@ impl fmt::Display for KeyPath {
 }
 
 /// A valid config, and what in it is allowed but probably not meant.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Checked {
-    pub config: Config,
+    pub validated: Validated,
     pub warnings: Vec<ConfigError>,
 }
 
 impl Config {
     /// Reads and validates a config file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Config, LoadError> {
-        Config::check_file(path).map(|c| c.config)
+        Config::check_file(path).map(|c| c.validated.into_config())
     }
 
     /// Reads and validates a config file, keeping the warnings.
@@ -198,7 +199,7 @@ impl Config {
 
     /// Parses and validates config text, reporting every error found.
     pub fn parse(src: &str) -> Result<Config, ConfigErrors> {
-        Config::check_str(src).map(|c| c.config)
+        Config::check_str(src).map(|c| c.validated.into_config())
     }
 
     /// Parses and validates config text, keeping the warnings.
@@ -230,14 +231,11 @@ impl Config {
             let path = path.route_in_file(&loader.route_index);
             loader.error(path, None, message)
         };
-        validate::validate(&config, &unparsed, &mut report);
+        let compiled = validate::validate(&config, &unparsed, &mut report);
         if tls_files {
             validate::tls_files(&config, &mut report);
         }
-        let errors = loader.errors;
-        if !errors.is_empty() {
-            return Err(ConfigErrors(tidy(errors)));
-        }
+        let routes = compiled_or(compiled, loader.errors)?;
         let mut warnings = Vec::new();
         validate::warnings(&config, &mut |path, message| {
             let span = locate(&root, &path);
@@ -248,10 +246,36 @@ impl Config {
             })
         });
         Ok(Checked {
-            config,
+            validated: Validated::new(config, routes),
             warnings: tidy(warnings),
         })
     }
+}
+
+/// Every route's compiled policies, or the errors reported. A route with
+/// no compiled policies and no error to say why would be a bug of the
+/// checks: reported as one, never passed on.
+pub(super) fn compiled_or(
+    compiled: Vec<Option<CompiledRoute>>,
+    errors: Vec<ConfigError>,
+) -> Result<Vec<CompiledRoute>, ConfigErrors> {
+    if !errors.is_empty() {
+        return Err(ConfigErrors(tidy(errors)));
+    }
+    compiled
+        .into_iter()
+        .enumerate()
+        .map(|(i, route)| {
+            route.ok_or_else(|| {
+                ConfigErrors(vec![ConfigError {
+                    path: KeyPath::root().key("routes").index(i),
+                    line: None,
+                    message: "did not compile, and no check said why (a bug: please report it)"
+                        .into(),
+                }])
+            })
+        })
+        .collect()
 }
 
 /// The largest config file read: ten times a 10,000-route config, and more

@@ -6,9 +6,11 @@ pub mod schema;
 pub mod tls;
 pub use crate::units;
 mod validate;
+mod validated;
 
 pub use load::{Checked, ConfigError, ConfigErrors, KeyPath, LoadError};
 pub use schema::*;
+pub use validated::{CompiledRoute, Validated};
 
 use std::net::SocketAddr;
 
@@ -50,6 +52,17 @@ impl Config {
 
     /// Runs the semantic checks on a config built in code.
     pub fn check(&self) -> Result<(), ConfigErrors> {
+        self.compile(true).map(drop)
+    }
+
+    /// Checks a config built in code, and compiles it for a runtime. The
+    /// files `listen.tls` names are read when the listener starts.
+    pub fn validate(self) -> Result<Validated, ConfigErrors> {
+        let routes = self.compile(false)?;
+        Ok(Validated::new(self, routes))
+    }
+
+    fn compile(&self, tls_files: bool) -> Result<Vec<CompiledRoute>, ConfigErrors> {
         let mut errors = Vec::new();
         let mut report = |path, message| {
             errors.push(ConfigError {
@@ -58,13 +71,11 @@ impl Config {
                 message,
             })
         };
-        validate::validate(self, &Default::default(), &mut report);
-        validate::tls_files(self, &mut report);
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigErrors(errors))
+        let compiled = validate::validate(self, &Default::default(), &mut report);
+        if tls_files {
+            validate::tls_files(self, &mut report);
         }
+        load::compiled_or(compiled, errors)
     }
 
     /// The effective config as TOML, defaults merged into every route.

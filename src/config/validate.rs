@@ -7,10 +7,11 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use http::Uri;
+use http::{HeaderValue, Uri};
 
 use super::load::KeyPath;
 use super::schema::{BreakerConfig, Config, MatchConfig, RetryConfig, RetryOn, UpstreamConfig};
+use super::validated::CompiledRoute;
 use crate::policy::breaker::Breaker;
 use crate::policy::limit::Limiter;
 use crate::policy::outlier::Outliers;
@@ -33,13 +34,25 @@ pub(super) fn tls_files(config: &Config, report: &mut Report<'_>) {
     }
 }
 
-/// `unparsed`: upstreams the file names but that did not parse (reported
-/// already): a route naming one is not told that no such upstream exists.
+/// Why the admin listener's address will not do, if it will not.
+pub(super) fn addresses(config: &Config) -> Option<String> {
+    (config.admin.address == config.listen.address && config.admin.address.port() != 0).then(|| {
+        format!(
+            "{} is also listen.address; the admin listener needs its own",
+            config.admin.address
+        )
+    })
+}
+
+/// Checks `config`, and compiles each route's policies as it goes: `Some`
+/// for every route whose checks passed. `unparsed`: upstreams the file
+/// names but that did not parse (reported already): a route naming one is
+/// not told that no such upstream exists.
 pub(super) fn validate(
     config: &Config,
     unparsed: &std::collections::BTreeSet<String>,
     report: &mut Report<'_>,
-) {
+) -> Vec<Option<CompiledRoute>> {
     let root = KeyPath::root();
     let listen = root.key("listen");
     if config.listen.max_connections == 0 {
@@ -80,14 +93,8 @@ pub(super) fn validate(
             );
         }
     }
-    if config.admin.address == config.listen.address && config.admin.address.port() != 0 {
-        report(
-            root.key("admin").key("address"),
-            format!(
-                "{} is also listen.address; the admin listener needs its own",
-                config.admin.address
-            ),
-        );
+    if let Some(message) = addresses(config) {
+        report(root.key("admin").key("address"), message);
     }
 
     for (name, upstream) in &config.upstreams {
@@ -99,6 +106,7 @@ pub(super) fn validate(
     breaker(report, &defaults.key("breaker"), &config.defaults.breaker);
 
     let mut names = HashSet::new();
+    let mut compiled = Vec::with_capacity(config.routes.len());
     for (i, route) in config.routes.iter().enumerate() {
         let path = root.key("routes").index(i);
         if route.name.trim().is_empty() {
@@ -112,45 +120,95 @@ pub(super) fn validate(
                 ),
             );
         }
-        if !config.upstreams.contains_key(&route.upstream) && !unparsed.contains(&route.upstream) {
-            let mut known: Vec<&str> = config
-                .upstreams
-                .keys()
-                .chain(unparsed)
-                .map(String::as_str)
-                .collect();
-            known.sort_unstable();
-            report(
-                path.key("upstream"),
-                format!(
-                    "no upstream is named {:?} (known: {})",
-                    route.upstream,
-                    list(&known)
-                ),
-            );
-        }
-        matcher(report, &path.key("match"), &route.matcher);
-        if let Some(host) = &route.host_rewrite {
-            if let Err(why) = check_host_rewrite(host) {
-                report(path.key("host_rewrite"), why);
-            }
-        }
+        upstream_named(config, unparsed, report, &path, &route.upstream);
         if let Some(f) = &route.fault {
-            let fpath = path.key("fault");
-            for (key, share) in [("abort", f.abort), ("delay_ratio", f.delay_ratio)] {
-                if !(0.0..=1.0).contains(&share) {
-                    report(fpath.key(key), format!("{share} is out of range 0.0..=1.0"));
-                }
-            }
-            if !(200..=599).contains(&f.abort_status) {
-                report(
-                    fpath.key("abort_status"),
-                    format!("{} is not a status from 200 to 599", f.abort_status),
-                );
-            }
+            fault(report, &path.key("fault"), f);
         }
-        retry(report, &path.key("retry"), &route.retry);
-        breaker(report, &path.key("breaker"), &route.breaker);
+        let matcher = matcher(report, &path.key("match"), &route.matcher);
+        let host_rewrite = host_rewrite(
+            report,
+            &path.key("host_rewrite"),
+            route.host_rewrite.as_deref(),
+        );
+        let retry = retry(report, &path.key("retry"), &route.retry);
+        let breaker = breaker(report, &path.key("breaker"), &route.breaker);
+        compiled.push(match (retry, breaker, matcher, host_rewrite) {
+            (Some((policy, budget)), Some(breaker), Some(matcher), Some(host_rewrite)) => {
+                Some(CompiledRoute {
+                    policy,
+                    matcher,
+                    budget,
+                    breaker,
+                    host_rewrite,
+                })
+            }
+            _ => None,
+        });
+    }
+    compiled
+}
+
+/// A route's `upstream` names one the file has.
+fn upstream_named(
+    config: &Config,
+    unparsed: &std::collections::BTreeSet<String>,
+    report: &mut Report<'_>,
+    path: &KeyPath,
+    upstream: &str,
+) {
+    if config.upstreams.contains_key(upstream) || unparsed.contains(upstream) {
+        return;
+    }
+    let mut known: Vec<&str> = config
+        .upstreams
+        .keys()
+        .chain(unparsed)
+        .map(String::as_str)
+        .collect();
+    known.sort_unstable();
+    report(
+        path.key("upstream"),
+        format!(
+            "no upstream is named {upstream:?} (known: {})",
+            list(&known)
+        ),
+    );
+}
+
+/// `routes[].fault`: shares and a status that can be answered.
+fn fault(report: &mut Report<'_>, path: &KeyPath, f: &super::schema::FaultConfig) {
+    for (key, share) in [("abort", f.abort), ("delay_ratio", f.delay_ratio)] {
+        if !(0.0..=1.0).contains(&share) {
+            report(path.key(key), format!("{share} is out of range 0.0..=1.0"));
+        }
+    }
+    if !(200..=599).contains(&f.abort_status) {
+        report(
+            path.key("abort_status"),
+            format!("{} is not a status from 200 to 599", f.abort_status),
+        );
+    }
+}
+
+/// `routes[].host_rewrite`, as the `Host` value sent: `Some(None)` when
+/// there is none, `None` when it will not do.
+fn host_rewrite(
+    report: &mut Report<'_>,
+    path: &KeyPath,
+    host: Option<&str>,
+) -> Option<Option<HeaderValue>> {
+    let Some(host) = host else {
+        return Some(None);
+    };
+    let value = check_host_rewrite(host).and_then(|()| {
+        HeaderValue::from_str(host).map_err(|_| format!("{host:?} is not a header value"))
+    });
+    match value {
+        Ok(value) => Some(Some(value)),
+        Err(why) => {
+            report(path.clone(), why);
+            None
+        }
     }
 }
 
@@ -311,9 +369,10 @@ fn without_userinfo(endpoint: &str) -> Option<String> {
 // the proxy uses, and its error, which names its key, is reported at that
 // key's path. Nothing here re-checks what a constructor checks.
 
-fn matcher(report: &mut Report<'_>, path: &KeyPath, m: &MatchConfig) {
-    let Err(e) = Matcher::try_new(m) else {
-        return;
+fn matcher(report: &mut Report<'_>, path: &KeyPath, m: &MatchConfig) -> Option<Matcher> {
+    let e = match Matcher::try_new(m) {
+        Ok(matcher) => return Some(matcher),
+        Err(e) => e,
     };
     let at = match &e {
         InvalidMatch::Path(key, _) => path.key(*key),
@@ -324,26 +383,27 @@ fn matcher(report: &mut Report<'_>, path: &KeyPath, m: &MatchConfig) {
         }
     };
     report(at, e.to_string());
+    None
 }
 
-fn retry(report: &mut Report<'_>, path: &KeyPath, r: &RetryConfig) {
-    if let Err(e) = Policy::from_config(r) {
+fn retry(report: &mut Report<'_>, path: &KeyPath, r: &RetryConfig) -> Option<(Policy, Budget)> {
+    let policy = Policy::from_config(r).map_err(|e| {
         let at = match (&e, e.key()) {
             (InvalidPolicy::Backoff(inner), _) => path.key("backoff").key(inner.key()),
             (_, (key, Some(index))) => path.key(key).index(index),
             (_, (key, None)) => path.key(key),
         };
         report(at, e.to_string());
-    }
-    if let Err(e) = Budget::from_config(&r.budget, Instant::now()) {
-        report(path.key("budget").key(e.key()), e.to_string());
-    }
+    });
+    let budget = Budget::from_config(&r.budget, Instant::now())
+        .map_err(|e| report(path.key("budget").key(e.key()), e.to_string()));
+    Some((policy.ok()?, budget.ok()?))
 }
 
-fn breaker(report: &mut Report<'_>, path: &KeyPath, b: &BreakerConfig) {
-    if let Err(e) = Breaker::try_new(b, Instant::now()) {
-        report(path.key(e.key()), e.to_string());
-    }
+fn breaker(report: &mut Report<'_>, path: &KeyPath, b: &BreakerConfig) -> Option<Breaker> {
+    Breaker::try_new(b, Instant::now())
+        .map_err(|e| report(path.key(e.key()), e.to_string()))
+        .ok()
 }
 
 fn positive(report: &mut Report<'_>, path: &KeyPath, d: Duration) {

@@ -243,7 +243,13 @@ impl Breaker {
     /// Takes new thresholds from a reloaded config, keeping the state and
     /// counts (the window's counts are dropped if its length changed).
     pub fn reconfigure(&mut self, c: &BreakerConfig, now: Instant) -> Result<(), InvalidBreaker> {
-        let fresh = Breaker::try_new(c, now)?;
+        self.adopt(&Breaker::try_new(c, now)?, now);
+        Ok(())
+    }
+
+    /// Takes `fresh`'s thresholds, keeping this breaker's state (its window
+    /// starts over if its width changed).
+    pub fn adopt(&mut self, fresh: &Breaker, now: Instant) {
         if fresh.slot_width != self.slot_width {
             self.slots = [(0, 0, 0); SLOTS];
             self.start = now;
@@ -256,7 +262,6 @@ impl Breaker {
         self.max_open_for = fresh.max_open_for;
         self.half_open_probes = fresh.half_open_probes;
         self.probe_interval = fresh.probe_interval;
-        Ok(())
     }
 
     /// May an attempt go now? Moves Open to HalfOpen once the open time is over.

@@ -19,12 +19,12 @@ pub use response::ResponseBody;
 use crate::upstream::{attempt, Upstream, UpstreamError};
 use crate::wire::headers;
 
-use crate::config::{Config, RouteConfig};
+use crate::config::{CompiledRoute, Config, RouteConfig, Validated};
 use crate::observe::access_log::{AccessLog, Entry, Logged};
 use crate::observe::metrics::{self, Metrics, RouteMetrics};
 use crate::policy::breaker::{Breaker, SharedBreaker};
 use crate::policy::route::{Matcher, RequestInfo};
-use crate::policy::{Budget, CallerFault, Policy, RequestFacts};
+use crate::policy::{CallerFault, RequestFacts};
 use crate::retry::{self, End, Guards};
 use rand::Rng;
 
@@ -35,6 +35,8 @@ pub enum BuildError {
     Upstream(#[from] UpstreamError),
     #[error("routes.{route}.{message}")]
     Route { route: String, message: String },
+    #[error(transparent)]
+    Invalid(#[from] crate::config::ConfigErrors),
     #[error("the new config has no routes: every request would be answered 404 (a truncated file?); the running config stays")]
     NoRoutes,
 }
@@ -64,7 +66,7 @@ pub struct Route {
 }
 
 impl Runtime {
-    pub fn build(config: Arc<Config>, registry: &Arc<Metrics>) -> Result<Self, BuildError> {
+    pub fn build(config: Validated, registry: &Arc<Metrics>) -> Result<Self, BuildError> {
         Self::rebuild(config, registry, None)
     }
 
@@ -73,62 +75,47 @@ impl Runtime {
     /// keeps its connections, in-flight count and adaptive limit; a route with
     /// the same name keeps its breaker state (with new thresholds, if any) and
     /// its retry budget (unless the budget's own keys changed).
+    ///
+    /// Nothing of `previous` changes unless the whole build succeeds: only
+    /// the upstreams can fail to build (their files), and they are built
+    /// first; a kept breaker takes its new thresholds last.
     pub fn rebuild(
-        config: Arc<Config>,
+        config: Validated,
         registry: &Arc<Metrics>,
         previous: Option<&Runtime>,
     ) -> Result<Self, BuildError> {
-        let mut upstreams = std::collections::HashMap::new();
-        for (name, u) in &config.upstreams {
-            let kept = previous.and_then(|p| {
-                let same = p.config.upstreams.get(name) == Some(u);
-                same.then(|| {
-                    p.routes
-                        .iter()
-                        .find(|r| &*r.upstream.name == name)
-                        .map(|r| r.upstream.clone())
-                })
-                .flatten()
+        let (config, compiled) = config.into_parts();
+        let upstreams = build_upstreams(&config, registry, previous)?;
+        let mut adopt = Vec::new();
+        let mut routes = Vec::with_capacity(compiled.len());
+        for (r, compiled) in config.routes.iter().zip(compiled) {
+            let upstream =
+                upstreams
+                    .get(r.upstream.as_str())
+                    .cloned()
+                    .ok_or_else(|| BuildError::Route {
+                        route: r.name.clone(),
+                        message: format!("upstream: no upstream is named {:?}", r.upstream),
+                    })?;
+            let before = previous.and_then(|p| {
+                let old = p.routes.iter().find(|o| *o.name == r.name)?;
+                let old_config = p.config.routes.iter().find(|o| o.name == r.name)?;
+                Some((&**old, old_config))
             });
-            let upstream = match kept {
-                Some(upstream) => upstream,
-                None => {
-                    // Changed keys: a new upstream, but the requests still in
-                    // flight on the old one count toward its limit.
-                    let counted = previous.and_then(|p| {
-                        p.routes
-                            .iter()
-                            .find(|r| &*r.upstream.name == name)
-                            .map(|r| r.upstream.in_flight_counter())
-                    });
-                    Upstream::new(name, u, registry, counted)?
-                }
-            };
-            upstreams.insert(name.as_str(), upstream);
+            let (route, kept_breaker) =
+                Route::new(r, compiled, upstream, registry, before, &config.listen);
+            adopt.extend(kept_breaker);
+            routes.push(Arc::new(route));
         }
-        let routes = config
-            .routes
-            .iter()
-            .map(|r| {
-                let before = previous.and_then(|p| {
-                    let old = p.routes.iter().find(|o| *o.name == r.name)?;
-                    let old_config = p.config.routes.iter().find(|o| o.name == r.name)?;
-                    Some((&**old, old_config))
-                });
-                Route::new(
-                    r,
-                    upstreams[r.upstream.as_str()].clone(),
-                    registry,
-                    before,
-                    &config.listen,
-                )
-                .map(Arc::new)
-            })
-            .collect::<Result<_, _>>()?;
         let access_log = AccessLog::new(
             &config.access_log,
             registry.counter(crate::observe::access_log::DROPPED, &[]),
         );
+        // The build has succeeded: kept breakers take their new thresholds.
+        let now = Instant::now();
+        for (shared, fresh) in adopt {
+            shared.with(|b| b.adopt(&fresh, now));
+        }
         Ok(Self {
             config,
             routes,
@@ -161,47 +148,71 @@ impl Runtime {
     }
 }
 
+/// The upstreams of `config` by name: those the previous runtime has with
+/// the same keys are kept whole; the others are new, counting the requests
+/// still in flight on the one they replace.
+fn build_upstreams<'c>(
+    config: &'c Config,
+    registry: &Arc<Metrics>,
+    previous: Option<&Runtime>,
+) -> Result<std::collections::BTreeMap<&'c str, Arc<Upstream>>, BuildError> {
+    let mut upstreams = std::collections::BTreeMap::new();
+    for (name, u) in &config.upstreams {
+        let running = previous.and_then(|p| {
+            p.routes
+                .iter()
+                .find(|r| &*r.upstream.name == name)
+                .map(|r| &r.upstream)
+        });
+        let same = previous.is_some_and(|p| p.config.upstreams.get(name) == Some(u));
+        let upstream = match running {
+            Some(upstream) if same => upstream.clone(),
+            _ => Upstream::new(name, u, registry, running.map(|r| r.in_flight_counter()))?,
+        };
+        upstreams.insert(name.as_str(), upstream);
+    }
+    Ok(upstreams)
+}
+
 impl Route {
+    /// The route of `config`, from what its checks compiled. A route the
+    /// previous runtime has keeps its breaker (returned with the fresh one
+    /// whose thresholds it is to take once the whole build succeeded) and,
+    /// unless the budget's keys changed, its budget.
     fn new(
         config: &RouteConfig,
+        compiled: CompiledRoute,
         upstream: Arc<Upstream>,
         registry: &Arc<Metrics>,
         before: Option<(&Route, &RouteConfig)>,
         listen: &crate::config::ListenConfig,
-    ) -> Result<Self, BuildError> {
-        let invalid = |message: String| BuildError::Route {
-            route: config.name.clone(),
-            message,
-        };
+    ) -> (Self, Option<(Arc<SharedBreaker>, Breaker)>) {
+        let CompiledRoute {
+            policy,
+            matcher,
+            budget,
+            breaker,
+            host_rewrite,
+        } = compiled;
         let budget = match before {
             Some((old, old_config)) if old_config.retry.budget == config.retry.budget => {
                 old.guards.budget.clone()
             }
-            _ => Arc::new(
-                Budget::from_config(&config.retry.budget, Instant::now())
-                    .map_err(|e| invalid(format!("retry.budget: {e}")))?,
-            ),
+            _ => Arc::new(budget),
         };
-        let breaker = match before {
+        let (breaker, adopt) = match before {
             Some((old, _)) => {
-                old.guards
-                    .breaker
-                    .with(|b| b.reconfigure(&config.breaker, Instant::now()))
-                    .map_err(|e| invalid(format!("breaker: {e}")))?;
-                old.guards.breaker.clone()
+                let kept = old.guards.breaker.clone();
+                (kept.clone(), Some((kept, breaker)))
             }
-            None => Arc::new(SharedBreaker::new(
-                Breaker::try_new(&config.breaker, Instant::now())
-                    .map_err(|e| invalid(format!("breaker: {e}")))?,
-            )),
+            None => (Arc::new(SharedBreaker::new(breaker)), None),
         };
         let name: Arc<str> = config.name.as_str().into();
-        Ok(Self {
+        let route = Self {
             guards: Guards {
                 route: name.clone(),
                 upstream: upstream.name.clone(),
-                policy: Policy::from_config(&config.retry)
-                    .map_err(|e| invalid(format!("retry: {e}")))?,
+                policy,
                 budget,
                 breaker,
                 metrics: RouteMetrics::new(registry, &config.name, &upstream.name),
@@ -209,17 +220,12 @@ impl Route {
             explain: listen.explain,
             write_timeout: listen.write_timeout,
             fault: config.fault.clone(),
-            host_rewrite: match &config.host_rewrite {
-                Some(host) => Some(HeaderValue::from_str(host).map_err(|_| {
-                    invalid(format!("host_rewrite: {host:?} is not a header value"))
-                })?),
-                None => None,
-            },
+            host_rewrite,
             name,
-            matcher: Matcher::try_new(&config.matcher)
-                .map_err(|e| invalid(format!("match: {e}")))?,
+            matcher,
             upstream,
-        })
+        };
+        (route, adopt)
     }
 }
 
@@ -740,4 +746,76 @@ fn finish_headers(h: &mut http::HeaderMap, upgrade: bool, attempts: HeaderValue)
     headers::strip_hop_by_hop(h, upgrade);
     headers::add_via(h, Version::HTTP_11);
     h.insert(&headers::X_HERDGUARD_ATTEMPTS, attempts);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::breaker::Outcome as BreakerOutcome;
+
+    fn config(ca_file: Option<&std::path::Path>, failures: u32) -> Validated {
+        let mut src = format!(
+            "[upstreams.u]\nendpoints = [\"http://127.0.0.1:9\"]\n\
+             [[routes]]\nname = \"r\"\nupstream = \"u\"\n\
+             breaker = {{ consecutive_failures = {failures} }}\n\
+             retry = {{ budget = {{ min_per_second = {failures} }} }}\n"
+        );
+        if let Some(ca) = ca_file {
+            src.push_str(&format!(
+                "[upstreams.t]\nendpoints = [\"https://127.0.0.1:9\"]\nca_file = {:?}\n\
+                 [[routes]]\nname = \"s\"\nupstream = \"t\"\nmatch = {{ path_prefix = \"/s\" }}\n",
+                ca.display()
+            ));
+        }
+        crate::config::Config::check_str(&src).unwrap().validated
+    }
+
+    /// Everything of a runtime's live state a reload could touch.
+    fn state(runtime: &Runtime) -> (String, f64, usize, *const Upstream) {
+        let route = &runtime.routes[0];
+        let now = Instant::now();
+        (
+            route.guards.breaker.with(|b| format!("{b:?}")),
+            route.guards.budget.available(now),
+            route.upstream.limit(),
+            Arc::as_ptr(&route.upstream),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_rebuild_leaves_the_running_state_as_it_was() {
+        let registry = Metrics::new();
+        let running = Runtime::build(config(None, 2), &registry).unwrap();
+        let route = &running.routes[0];
+        route.guards.record(false, BreakerOutcome::Failure);
+        route.guards.budget.deposit(Instant::now());
+        let before = state(&running);
+
+        // Passes the checks (the file exists) and fails to build (it holds
+        // no certificate), after the kept upstream and with the kept
+        // route's breaker and budget changed.
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, "not a certificate\n").unwrap();
+        let broken = config(Some(&ca), 50);
+        match Runtime::rebuild(broken, &registry, Some(&running)) {
+            Err(BuildError::Upstream(_)) => {}
+            Err(e) => panic!("failed, but not at the upstream: {e}"),
+            Ok(_) => panic!("a CA file with no certificate built"),
+        }
+        assert_eq!(state(&running), before);
+
+        // The same change without the broken upstream applies it.
+        let rebuilt = Runtime::rebuild(config(None, 50), &registry, Some(&running)).unwrap();
+        assert!(Arc::ptr_eq(&rebuilt.routes[0].upstream, &route.upstream));
+        assert!(Arc::ptr_eq(
+            &rebuilt.routes[0].guards.breaker,
+            &route.guards.breaker
+        ));
+        assert_ne!(
+            state(&running).0,
+            before.0,
+            "the kept breaker took the new thresholds"
+        );
+    }
 }

@@ -35,7 +35,7 @@ fn sidecar_config() -> Config {
     let toml = str_of(&cm["data"]["herdguard.toml"], "data");
     let checked = Config::check_str(toml).unwrap_or_else(|e| panic!("the ConfigMap's config: {e}"));
     assert!(checked.warnings.is_empty(), "{:?}", checked.warnings);
-    checked.config
+    checked.validated.into_config()
 }
 
 /// The herdguard container of a Deployment: an init container with

@@ -344,3 +344,68 @@ async fn a_big_broken_reload_does_not_stall_a_one_thread_proxy() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// A config that passes its checks but cannot be built (a CA file that
+/// holds no certificate) changes nothing: breakers, limits and pools are as
+/// they were, as `/breakers` shows them, and the failure is counted.
+#[tokio::test]
+async fn a_reload_that_cannot_be_built_touches_no_live_state() {
+    let up = ok_upstream("ok").await;
+    let server = start(&toml(
+        &[("a", "/a", "breaker = { consecutive_failures = 2 }")],
+        &up.url(),
+    ))
+    .await;
+    assert_eq!(get(&server, "/a").await.0, StatusCode::OK);
+    // What /breakers shows, but for the clock.
+    let breakers = |text: String| {
+        let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["routes"]["a"]
+            .as_object_mut()
+            .unwrap()
+            .remove("since_seconds");
+        v
+    };
+    let before = breakers(admin(&server, "/breakers").await.1);
+
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, "not a certificate\n").unwrap();
+    let broken = format!(
+        "{}[upstreams.t]\nendpoints = [\"https://127.0.0.1:9\"]\nca_file = {:?}\n\
+         [[routes]]\nname = \"t\"\nupstream = \"t\"\nmatch = {{ path_prefix = \"/t\" }}\n",
+        toml(
+            &[(
+                "a",
+                "/a",
+                "breaker = { consecutive_failures = 50 }\nretry = { budget = { ratio = 0.5 } }"
+            )],
+            &up.url()
+        ),
+        ca.display()
+    );
+    let err = server.reload(Config::parse(&broken).unwrap()).unwrap_err();
+    assert!(err.to_string().contains("upstreams.t.ca_file"), "{err}");
+    assert_eq!(breakers(admin(&server, "/breakers").await.1), before);
+    assert_eq!(get(&server, "/t").await.0, StatusCode::NOT_FOUND);
+    let text = admin(&server, "/metrics").await.1;
+    assert_eq!(reloads(&text, "error"), 1.0);
+}
+
+/// A config built in code that fails its checks is refused by start and by
+/// reload alike: it never reaches a runtime.
+#[tokio::test]
+async fn a_config_that_fails_its_checks_never_reaches_the_runtime() {
+    let up = ok_upstream("ok").await;
+    let mut bad = Config::parse(&toml(&[("a", "/a", "")], &up.url())).unwrap();
+    bad.routes[0].upstream = "nowhere".to_owned();
+    let err = match herdguard::app::Server::start(bad.clone()).await {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("started with a route to no upstream"),
+    };
+    assert!(err.contains("routes[0].upstream"), "{err}");
+    let server = start(&toml(&[("a", "/a", "")], &up.url())).await;
+    let err = server.reload(bad).unwrap_err().to_string();
+    assert!(err.contains("routes[0].upstream"), "{err}");
+    assert_eq!(get(&server, "/a").await.0, StatusCode::OK);
+}

@@ -109,29 +109,12 @@ enum Command {
     /// of it, send traffic for about 15 s, and show what the proxy absorbed.
     Demo {
         /// Callers, each sending a request every 100 ms, answered or not.
-        #[arg(long, default_value_t = 16, value_parser = at_least_one::<usize>)]
+        #[arg(long, default_value_t = 16, value_parser = herdguard::units::at_least_one::<usize>)]
         callers: usize,
         /// How long the traffic runs.
-        #[arg(long, default_value = "15s", value_parser = duration)]
+        #[arg(long, default_value = "15s", value_parser = herdguard::units::parse_duration)]
         duration: std::time::Duration,
     },
-}
-
-/// A count of one or more.
-fn at_least_one<T>(text: &str) -> Result<T, String>
-where
-    T: std::str::FromStr + Default + PartialEq,
-    T::Err: std::fmt::Display,
-{
-    match text.parse::<T>() {
-        Ok(n) if n == T::default() => Err("must be at least 1".to_owned()),
-        Ok(n) => Ok(n),
-        Err(e) => Err(e.to_string()),
-    }
-}
-
-fn duration(text: &str) -> Result<std::time::Duration, String> {
-    herdguard::config::units::parse_duration(text)
 }
 
 fn main() -> ExitCode {

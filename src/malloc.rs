@@ -22,14 +22,13 @@ pub fn trim_freed_memory() {
     // for a `malloc_trim`, which never shrinks a thread arena's top:
     // - fixed thresholds instead of glibc's sliding ones (once a large
     //   block is freed glibc raises them, up to 32 MiB for mmap and 64 MiB
-    //   for trimming: 10-19 MiB stayed resident per arena after a reload
-    //   back from 10,000 routes), and a top trimmed from 256 KiB with no
-    //   pad kept above it (128 KiB by default, per arena);
+    //   for trimming, and a big config's memory stayed resident after a
+    //   reload to a small one), and a top trimmed from 256 KiB with no pad
+    //   kept above it (128 KiB by default, per arena);
     // - no fastbins: small blocks freed last were merged into the top
     //   only by a later consolidation, which trims nothing, and the top
-    //   then stayed resident (55 MB of a 10,000-route config, one reload
-    //   in three). The per-thread cache (tcache) still serves the small
-    //   blocks a busy proxy reuses.
+    //   then stayed resident. The per-thread cache (tcache) still serves
+    //   the small blocks a busy proxy reuses.
     // Measured in docs/memory.md ("Memory follows the config").
     // SAFETY: mallopt sets allocator parameters; called before the runtime.
     unsafe {

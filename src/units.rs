@@ -56,6 +56,19 @@ pub fn format_size(bytes: u64) -> String {
     format!("{bytes}B")
 }
 
+/// A count of one or more, as a command-line value.
+pub fn at_least_one<T>(text: &str) -> Result<T, String>
+where
+    T: std::str::FromStr + Default + PartialEq,
+    T::Err: std::fmt::Display,
+{
+    match text.parse::<T>() {
+        Ok(n) if n == T::default() => Err("must be at least 1".to_owned()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 pub mod duration {
     use super::*;
 

@@ -31,10 +31,10 @@ enum Lab {
     /// backoff strategy: total calls and completion time (a simulation).
     Backoff {
         /// Client counts to simulate, comma-separated.
-        #[arg(long, value_delimiter = ',', default_value = "10,25,50,100,150,200", value_parser = at_least_one::<usize>)]
+        #[arg(long, value_delimiter = ',', default_value = "10,25,50,100,150,200", value_parser = herdguard::units::at_least_one::<usize>)]
         clients: Vec<usize>,
         /// Trials per point, averaged.
-        #[arg(long, default_value_t = 20, value_parser = at_least_one::<u64>)]
+        #[arg(long, default_value_t = 20, value_parser = herdguard::units::at_least_one::<u64>)]
         trials: u64,
         #[arg(long, default_value_t = 1)]
         seed: u64,
@@ -46,15 +46,15 @@ enum Lab {
     /// then resumes: peak concurrency and time to recovery, per setup.
     Outage {
         /// Concurrent callers.
-        #[arg(long, default_value_t = 200, value_parser = at_least_one::<usize>)]
+        #[arg(long, default_value_t = 200, value_parser = herdguard::units::at_least_one::<usize>)]
         callers: usize,
-        #[arg(long, default_value = "5s", value_parser = duration)]
+        #[arg(long, default_value = "5s", value_parser = herdguard::units::parse_duration)]
         warmup: std::time::Duration,
         /// How long the upstream stalls.
-        #[arg(long, default_value = "10s", value_parser = duration)]
+        #[arg(long, default_value = "10s", value_parser = herdguard::units::parse_duration)]
         stall: std::time::Duration,
         /// How long the run goes on after the upstream resumes.
-        #[arg(long, default_value = "20s", value_parser = duration)]
+        #[arg(long, default_value = "20s", value_parser = herdguard::units::parse_duration)]
         after: std::time::Duration,
         /// Setups to run, comma-separated: direct, naive, defaults, no-adaptive.
         #[arg(
@@ -76,23 +76,6 @@ enum Lab {
         #[arg(long)]
         out: Option<PathBuf>,
     },
-}
-
-/// A count of one or more.
-fn at_least_one<T>(text: &str) -> Result<T, String>
-where
-    T: std::str::FromStr + Default + PartialEq,
-    T::Err: std::fmt::Display,
-{
-    match text.parse::<T>() {
-        Ok(n) if n == T::default() => Err("must be at least 1".to_owned()),
-        Ok(n) => Ok(n),
-        Err(e) => Err(e.to_string()),
-    }
-}
-
-fn duration(text: &str) -> Result<std::time::Duration, String> {
-    herdguard::config::units::parse_duration(text)
 }
 
 fn main() -> ExitCode {

@@ -351,10 +351,10 @@ async fn run(
 /// (dropping a big config, rendering its series): glibc's malloc keeps up
 /// to seven freed blocks of each small size for the thread that freed
 /// them (its tcache), so a thread that lives on pins hundreds of blocks
-/// scattered over pages that could otherwise go back to the system (a
-/// reload from 10,000 routes back to 2 kept 3.5-5 MB of them resident on
-/// the blocking pool's threads, which a once-a-second read of the config
-/// file kept alive). A thread that ends hands its blocks back.
+/// scattered over pages that could otherwise go back to the system (the
+/// blocking pool's threads, kept alive by the config watcher, did so after
+/// a reload to a smaller config: docs/memory.md). A thread that ends hands
+/// its blocks back.
 pub(crate) async fn on_own_thread<T: Send + 'static>(
     name: &str,
     work: impl FnOnce() -> T + Send + 'static,

@@ -70,6 +70,10 @@ impl Reloader {
                 let routes = runtime.routes.len();
                 let changes = Changes::between(&current.config, &runtime.config);
                 proxy.swap(runtime);
+                // The old runtime goes (with the series of what the new one
+                // dropped) before the reload is counted as done, so that a
+                // scrape that sees the count sees those series gone.
+                drop(current);
                 proxy.metrics().reloaded(true);
                 info!(
                     routes,

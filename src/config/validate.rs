@@ -377,7 +377,6 @@ fn matcher(report: &mut Report<'_>, path: &KeyPath, m: &MatchConfig) -> Option<M
     let at = match &e {
         InvalidMatch::Path(key, _) => path.key(*key),
         InvalidMatch::Host(_) => path.key("host"),
-        InvalidMatch::Method { index, .. } => path.key("methods").index(*index),
         InvalidMatch::HeaderName(name) | InvalidMatch::HeaderValue { name, .. } => {
             path.key("headers").key(name.clone())
         }
@@ -471,8 +470,9 @@ fn retry_warnings(report: &mut Report<'_>, path: &KeyPath, r: &RetryConfig) {
             report(
                 path.key("methods").index(i),
                 format!(
-                    "{m} is not idempotent: a retry may repeat its effect; leave it out and let callers send {:?} instead",
-                    r.idempotency_header
+                    "{} is not idempotent: a retry may repeat its effect; leave it out and let callers send {:?} instead",
+                    m.as_str(),
+                    r.idempotency_header.as_str()
                 ),
             );
         }
@@ -507,13 +507,12 @@ fn retry_warnings(report: &mut Report<'_>, path: &KeyPath, r: &RetryConfig) {
         "x-forwarded-proto",
         "x-request-id",
     ];
-    let key = r.idempotency_header.to_ascii_lowercase();
-    if COMMON.contains(&key.as_str()) {
+    if COMMON.contains(&r.idempotency_header.as_str()) {
         report(
             path.key("idempotency_header"),
             format!(
                 "{:?} is a standard field most requests carry (or one that never reaches the upstream): it would make requests that are not safe to repeat look keyed; use a field such as \"idempotency-key\"",
-                r.idempotency_header
+                r.idempotency_header.as_str()
             ),
         );
     }

@@ -13,17 +13,14 @@
 //! A connection is taken back once it has been idle for [`PARK_AFTER`]: one
 //! that is busy (its next request comes sooner) keeps its hyper connection,
 //! so that the buffers are not made again for each request (taking every
-//! connection back after each answer cost 17% more instructions per
-//! request). A connection not yet seen busy (a new one, or one whose
-//! request came after a quiet spell of at least `PARK_AFTER`) is taken
-//! back as soon as it answers: a caller's pool that opens a thousand
-//! connections at once, sends one request on each and lets them sit, would
-//! otherwise hold a thousand sets of buffers for a second, and the small
-//! objects each connection keeps for its life, made between them, would
-//! pin a page of that burst each once they were freed: 5.0-5.4 KiB
-//! resident per idle connection of 1,000 opened at once, 3.6-3.8 with
-//! this; 9.2 and 2.0 when each waits for the last one's answer
-//! (`benches/memory.sh`, README).
+//! connection back after each answer costs instructions on every request).
+//! A connection not yet seen busy (a new one, or one whose request came
+//! after a quiet spell of at least `PARK_AFTER`) is taken back as soon as
+//! it answers: a caller's pool that opens a thousand connections at once,
+//! sends one request on each and lets them sit, would otherwise hold a
+//! thousand sets of buffers for a second, and the small objects each
+//! connection keeps for its life, made between them, would pin a page of
+//! that burst each once they were freed (docs/memory.md has the figures).
 //!
 //! Only a connection hyper would have kept open is taken back. hyper is
 //! asked to end it only when the answer is written out, the request's body

@@ -434,9 +434,9 @@ pub(crate) async fn accept_loop<M, S, B>(
         let (wait, write_timeout) = (limits.header_read_timeout, limits.write_timeout);
         let tls = limits.tls.clone();
         // This future is what every connection keeps for its life, in a
-        // tokio task cell aligned to 128 bytes: at 1,048 bytes the cell is
-        // 1,152; 32 more made it 1,280 (`-Zprint-type-sizes`). What a
-        // connection needs besides goes in `conduct`.
+        // tokio task cell aligned to 128 bytes: a few bytes more can cost a
+        // whole 128 for each connection (docs/memory.md). What a connection
+        // needs besides goes in `conduct`.
         tokio::spawn(async move {
             // A connection that says nothing must not hold its slot: hyper's
             // header timer starts only once it knows the protocol, and it

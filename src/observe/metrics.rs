@@ -62,9 +62,8 @@ pub struct Metrics {
 /// Histogram samples a thread records before it asks the upkeep to fold
 /// them in. The exporter keeps each sample (8 bytes, in blocks of 64)
 /// until then: folded on a clock alone, what they hold grows with the
-/// request rate (a quarter of a second of 25,000 requests a second held
-/// 220 KB at the peak of 64 busy connections); folded by count, a thread
-/// holds at most about 9 KB of them, at any rate.
+/// request rate; folded by count, a thread holds at most about 9 KB of
+/// them, at any rate.
 const FOLD_AT: u32 = 1024;
 
 thread_local! {

@@ -60,10 +60,6 @@ pub enum InvalidPolicy {
     Attempts(u32),
     #[error("must be longer than zero")]
     ZeroDuration(&'static str),
-    #[error("{name:?} is not a method (write it in capitals, e.g. \"GET\")")]
-    Method { index: usize, name: String },
-    #[error("{0:?} is not a header name")]
-    Header(String),
     #[error("{code} is not an HTTP status")]
     Status { index: usize, code: u16 },
     #[error(transparent)]
@@ -83,8 +79,6 @@ impl InvalidPolicy {
         match self {
             InvalidPolicy::Attempts(_) => ("attempts", None),
             InvalidPolicy::ZeroDuration(key) => (key, None),
-            InvalidPolicy::Method { index, .. } => ("methods", Some(*index)),
-            InvalidPolicy::Header(_) => ("idempotency_header", None),
             InvalidPolicy::Status { index, .. } => ("retry_on", Some(*index)),
             InvalidPolicy::Backoff(_) => ("backoff", None),
             InvalidPolicy::ReplayBody(_) => ("max_replay_body", None),
@@ -126,19 +120,8 @@ impl Policy {
                 RetryOn::Grpc(status) => conditions.grpc.push(*status),
             }
         }
-        let methods = c
-            .methods
-            .iter()
-            .enumerate()
-            .map(|(index, m)| {
-                method(m).ok_or_else(|| InvalidPolicy::Method {
-                    index,
-                    name: m.clone(),
-                })
-            })
-            .collect::<Result<_, _>>()?;
-        let idempotency_header = HeaderName::from_bytes(c.idempotency_header.as_bytes())
-            .map_err(|_| InvalidPolicy::Header(c.idempotency_header.clone()))?;
+        let methods = c.methods.iter().map(|m| m.0.clone()).collect();
+        let idempotency_header = c.idempotency_header.0.clone();
         Ok(Self {
             attempts: c.attempts,
             per_try_timeout: c.per_try_timeout,
@@ -230,15 +213,6 @@ impl Policy {
 /// A server's "do not retry" (gRPC's negative or malformed
 /// `grpc-retry-pushback-ms`), given where a delay would be.
 pub const DO_NOT_RETRY: Duration = Duration::MAX;
-
-/// A method as the config writes it: a valid token, in capitals (a
-/// lower-case `get` is a different, extension method, and surely a typo).
-pub fn method(name: &str) -> Option<Method> {
-    if name.bytes().any(|b| b.is_ascii_lowercase()) {
-        return None;
-    }
-    Method::from_bytes(name.as_bytes()).ok()
-}
 
 /// A response's `Retry-After`, if it has one that parses. The clock is
 /// read only for a response that carries one.

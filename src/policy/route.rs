@@ -33,8 +33,6 @@ pub enum InvalidMatch {
     Path(&'static str, String),
     #[error("{0:?} is not a host name")]
     Host(String),
-    #[error("{name:?} is not a method (write it in capitals, e.g. \"GET\")")]
-    Method { index: usize, name: String },
     #[error("{0:?} is not a header name")]
     HeaderName(String),
     #[error("{value:?} is not a header value")]
@@ -77,20 +75,10 @@ impl Matcher {
             }
             None => None,
         };
-        let methods = match &m.methods {
-            Some(ms) => Some(
-                ms.iter()
-                    .enumerate()
-                    .map(|(index, name)| {
-                        crate::policy::retry::method(name).ok_or_else(|| InvalidMatch::Method {
-                            index,
-                            name: name.clone(),
-                        })
-                    })
-                    .collect::<Result<_, _>>()?,
-            ),
-            None => None,
-        };
+        let methods = m
+            .methods
+            .as_ref()
+            .map(|ms| ms.iter().map(|m| m.0.clone()).collect());
         let headers = m
             .headers
             .iter()
@@ -234,6 +222,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+    use crate::policy::settings::MethodName;
 
     fn compile(m: &MatchConfig) -> Matcher {
         Matcher::try_new(m).unwrap()
@@ -328,7 +317,7 @@ mod tests {
         headers.insert("x-env".to_owned(), "canary".to_owned());
         let m = compile(&MatchConfig {
             path_prefix: Some("/v1/".into()),
-            methods: Some(vec!["POST".into()]),
+            methods: Some(vec![MethodName(Method::POST)]),
             headers,
             ..Default::default()
         });

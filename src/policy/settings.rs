@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use http::{HeaderName, Method};
+use serde::{de, Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::policy::GrpcStatus;
 use crate::units::{duration, duration_opt, size};
@@ -95,9 +96,9 @@ pub struct RetryConfig {
     pub timeout: Duration,
     pub retry_on: Vec<RetryOn>,
     /// Methods that are retried after the request reached the upstream.
-    pub methods: Vec<String>,
+    pub methods: Vec<MethodName>,
     /// A request carrying this header may be retried whatever its method.
-    pub idempotency_header: String,
+    pub idempotency_header: FieldName,
     /// Every request on the route is safe to repeat, whatever its method:
     /// for gRPC and POST-based APIs whose calls are idempotent.
     pub idempotent: bool,
@@ -132,10 +133,17 @@ impl Default for RetryConfig {
                 RetryOn::Status(504),
                 RetryOn::Grpc(GrpcStatus::UNAVAILABLE),
             ],
-            methods: ["GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"]
-                .map(String::from)
-                .to_vec(),
-            idempotency_header: "idempotency-key".to_owned(),
+            methods: [
+                Method::GET,
+                Method::HEAD,
+                Method::OPTIONS,
+                Method::PUT,
+                Method::DELETE,
+                Method::TRACE,
+            ]
+            .map(MethodName)
+            .to_vec(),
+            idempotency_header: FieldName(HeaderName::from_static("idempotency-key")),
             idempotent: false,
             max_replay_body: 64 * 1024,
             respect_retry_after: true,
@@ -317,8 +325,74 @@ pub struct MatchConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path_prefix: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub methods: Option<Vec<String>>,
+    pub methods: Option<Vec<MethodName>>,
     /// Headers that must be present with exactly these values.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub headers: BTreeMap<String, String>,
+}
+
+/// An HTTP method, parsed as the config is read: in capitals, as HTTP
+/// writes it (a lower-case `get` is another method, which nobody sends).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MethodName(pub Method);
+
+impl MethodName {
+    pub fn parse(name: &str) -> Result<Self, String> {
+        let bad = || format!("{name:?} is not a method (write it in capitals, e.g. \"GET\")");
+        if name.bytes().any(|b| b.is_ascii_lowercase()) {
+            return Err(bad());
+        }
+        Method::from_bytes(name.as_bytes())
+            .map(Self)
+            .map_err(|_| bad())
+    }
+
+    pub fn as_str(&self) -> &str {
+        self.0.as_str()
+    }
+}
+
+impl Serialize for MethodName {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.0.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for MethodName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        MethodName::parse(&name).map_err(de::Error::custom)
+    }
+}
+
+/// A header field name, parsed as the config is read (field names are
+/// compared without case, and kept in lower case).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldName(pub HeaderName);
+
+impl FieldName {
+    pub fn as_str(&self) -> &str {
+        self.0.as_str()
+    }
+}
+
+impl fmt::Display for FieldName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.0.as_str())
+    }
+}
+
+impl Serialize for FieldName {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.0.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for FieldName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        HeaderName::from_bytes(name.as_bytes())
+            .map(FieldName)
+            .map_err(|_| de::Error::custom(format!("{name:?} is not a header name")))
+    }
 }

@@ -187,66 +187,107 @@ pub async fn run_until<T: Attempts>(
     let mut n = 0u32;
     loop {
         n += 1;
-        let admitted = admit(attempts, n, &kept, &mut books);
         // The retry goes, or is refused: either way its token is settled
-        // (kept, or given back by `refuse`).
-        spend(&mut token);
-        let probe = match admitted {
-            Ok(probe) => probe,
-            Err(refused) => return refuse(guards, n, kept, refused, books.trace),
+        // (kept, or given back by `refuse`). Matched where it is made: kept
+        // in a local, a refusal (an attempt's end) would take room in this
+        // future for as long as it runs.
+        let probe = match admit(attempts, n, &kept, &mut books) {
+            Ok(probe) => {
+                spend(&mut token);
+                probe
+            }
+            Err(refused) => {
+                spend(&mut token);
+                return refuse(guards, n, kept, refused, books.trace);
+            }
         };
         // The retry goes: count it, and let go of the answer kept in case
         // it could not.
         if let Some((_, cause, delay)) = kept.take() {
             guards.metrics.retry(cause, delay);
         }
-        let raced = attempt_once(guards, &facts, attempts, n, probe, deadline, &mut books).await;
+        // Should the caller go away mid-attempt, this whole future is
+        // dropped, and the guard tells the breaker and the metrics.
+        let unanswered = Unanswered::new(guards, probe);
+        let per_try = guards.policy.per_try_timeout;
+        let raced = match guards.policy.hedge_after {
+            // Awaited where it is made, in this future's own state: an
+            // attempt's future is large, each move of it is a copy, and a
+            // function of its own around it kept room for both.
+            None => {
+                let attempt = attempts.send(n, per_try, deadline, probe).await;
+                unanswered.disarm();
+                Raced::alone(attempt, n)
+            }
+            Some(after) => {
+                let first = (
+                    Box::pin(attempts.send(n, per_try, deadline, probe)),
+                    unanswered,
+                );
+                race(
+                    guards, &facts, attempts, first, n, after, deadline, &mut books,
+                )
+                .await
+            }
+        };
         n = raced.sent;
         let attempt = raced.attempt;
         let outcome = attempt.outcome;
         books.ended(&attempt, raced.number, probe);
         if let Some(loser) = raced.superseded {
             attempts.ended_with(raced.number);
-            guards.metrics.attempt(Outcome::Superseded, None);
-            note(
-                &mut books.trace,
-                format_args!("{loser}={}", Outcome::Superseded.label()),
-            );
+            books.superseded(loser);
         }
+        // Only a retry that could be made needs to know about the body.
+        let wanted = n < guards.policy.attempts && guards.policy.names(outcome);
+        let replayable = !wanted || attempts.replayable(deadline).await;
         let decision = next(
             guards,
             &facts,
-            attempts,
             &attempt,
             n,
+            wanted,
+            replayable,
             deadline,
             &mut backoff,
-        )
-        .await;
+        );
         let delay = match decision {
             Decision::Retry { delay } => delay,
             Decision::Stop(stop) => return stopped(attempts, stop, attempt, n, books),
         };
-        debug!(
-            route = %guards.route,
-            retry.attempt = n + 1,
-            delay_ms = delay.as_millis() as u64,
-            cause = outcome.cause(),
-            "retrying"
-        );
-        note(
-            &mut books.trace,
-            format_args!("backoff={}ms", delay.as_millis()),
-        );
-        let mut last = end(attempt);
-        if let End::Answer(answer) = &mut last {
-            attempts.park(answer);
-        }
-        kept = Some((last, outcome, delay));
+        kept = Some(retrying(attempts, &mut books, attempt, n, delay));
         // Should the caller go away during the wait, the token goes back.
         token = Some(Token::new(&guards.budget));
         tokio::time::sleep(delay).await;
     }
+}
+
+/// Attempt `n` is to be retried after `delay`: logged and traced, and its
+/// end kept (an answer parked) in case the retry cannot go.
+fn retrying<T: Attempts>(
+    attempts: &mut T,
+    books: &mut Books<'_>,
+    attempt: Attempt<T::Answer>,
+    n: u32,
+    delay: Duration,
+) -> Kept<T::Answer> {
+    let outcome = attempt.outcome;
+    debug!(
+        route = %books.guards.route,
+        retry.attempt = n + 1,
+        delay_ms = delay.as_millis() as u64,
+        cause = outcome.cause(),
+        "retrying"
+    );
+    note(
+        &mut books.trace,
+        format_args!("backoff={}ms", delay.as_millis()),
+    );
+    let mut last = end(attempt);
+    if let End::Answer(answer) = &mut last {
+        attempts.park(answer);
+    }
+    (last, outcome, delay)
 }
 
 /// The end of the attempt before a retry, kept while the retry is tried,
@@ -294,62 +335,23 @@ fn admit<T: Attempts>(
     Err(refused)
 }
 
-/// Sends attempt `n` and waits for its end, racing a hedge against it when
-/// the route hedges. Should the caller go away mid-attempt, this whole
-/// future is dropped, and the guard tells the breaker and the metrics.
-async fn attempt_once<T: Attempts>(
-    guards: &Guards,
-    facts: &RequestFacts,
-    attempts: &mut T,
-    n: u32,
-    probe: bool,
-    deadline: Instant,
-    books: &mut Books<'_>,
-) -> Raced<T::Answer> {
-    let policy = &guards.policy;
-    let unanswered = Unanswered::new(guards, probe);
-    match policy.hedge_after {
-        // Awaited where it is made: an attempt's future is large, and each
-        // move of it is a copy.
-        None => {
-            let attempt = attempts
-                .send(n, policy.per_try_timeout, deadline, probe)
-                .await;
-            unanswered.disarm();
-            Raced {
-                attempt,
-                number: n,
-                sent: n,
-                superseded: None,
-            }
-        }
-        Some(after) => {
-            let first = attempts.send(n, policy.per_try_timeout, deadline, probe);
-            let first = (Box::pin(first), unanswered);
-            race(guards, facts, attempts, first, n, after, deadline, books).await
-        }
-    }
-}
-
 /// What follows attempt `n`'s end: [`decide()`] over the facts the loop
-/// gathers (a replayable body only when a retry could be made; a budget
-/// token only when one could be wanted), and the token taken for a retry.
-async fn next<T: Attempts>(
+/// gathered (whether a retry could be `wanted` at all, and then whether the
+/// body is `replayable`; a budget token is looked for only when one could
+/// be wanted), and the token taken for a retry.
+#[allow(clippy::too_many_arguments)]
+fn next<A>(
     guards: &Guards,
     facts: &RequestFacts,
-    attempts: &mut T,
-    attempt: &Attempt<T::Answer>,
+    attempt: &Attempt<A>,
     n: u32,
+    wanted: bool,
+    replayable: bool,
     deadline: Instant,
     backoff: &mut BackoffState,
 ) -> Decision {
     let policy = &guards.policy;
     let outcome = attempt.outcome;
-    let wanted = n < policy.attempts && policy.names(outcome);
-    let replayable = match wanted {
-        true => attempts.replayable(deadline).await,
-        false => true,
-    };
     let ended = Ended {
         attempt: n,
         outcome,
@@ -438,6 +440,15 @@ impl Books<'_> {
     /// answering is counted as failed at its first per-try timeout, since
     /// waiting for its last one (or for its caller to give up, which counts
     /// for nothing) lets a pile-up grow.
+    /// Attempt `loser` lost a hedge race: cancelled, and counted so.
+    fn superseded(&mut self, loser: u32) {
+        self.guards.metrics.attempt(Outcome::Superseded, None);
+        note(
+            &mut self.trace,
+            format_args!("{loser}={}", Outcome::Superseded.label()),
+        );
+    }
+
     fn settle(&self, outcome: Outcome) {
         if !self.counted {
             self.guards.record(false, BreakerOutcome::of(outcome));
@@ -492,6 +503,18 @@ struct Raced<A> {
     superseded: Option<u32>,
 }
 
+impl<A> Raced<A> {
+    /// Attempt `n`, with no race.
+    fn alone(attempt: Attempt<A>, n: u32) -> Self {
+        Raced {
+            attempt,
+            number: n,
+            sent: n,
+            superseded: None,
+        }
+    }
+}
+
 /// Waits for attempt `n`, and races a hedge against it if the route hedges
 /// and it has no answer after `hedge_after`. [`decide::hedge`] says whether
 /// a hedge may go (and the budget's token is taken here); it passes the in-flight
@@ -519,12 +542,7 @@ where
     let policy = &guards.policy;
     let alone = |attempt, unanswered: Unanswered<'_>| {
         unanswered.disarm();
-        Raced {
-            attempt,
-            number: n,
-            sent: n,
-            superseded: None,
-        }
+        Raced::alone(attempt, n)
     };
     tokio::select! {
         biased;
@@ -536,28 +554,9 @@ where
         probe: unanswered.probe,
         body_whole: attempts.body_whole(),
     };
-    let now = Instant::now();
-    let gates = Gates {
-        breaker_open: !guards.breaker.is_closed(),
-        budget_has_token: guards.budget.has_token(now),
-    };
-    let left = deadline.saturating_duration_since(now);
-    let decided = match attempts.hedgeable() {
-        true => decide::hedge(policy, facts, &slow, left, gates),
-        false => None,
-    };
-    let skipped = match decided {
+    let skipped = match hedge_gates(guards, facts, attempts, &slow, deadline) {
         None => return alone(first.await, unanswered),
-        // Another request may have taken the last token since.
-        Some(Ok(())) if !guards.budget.withdraw(now) => Some(SkipReason::Budget),
-        Some(Ok(())) => match attempts.reserve() {
-            Ok(()) => None,
-            Err(_) => {
-                guards.budget.refund(Instant::now());
-                Some(SkipReason::Overloaded)
-            }
-        },
-        Some(Err(reason)) => Some(reason),
+        Some(skipped) => skipped,
     };
     if let Some(reason) = skipped {
         guards.metrics.hedge_skipped(reason);
@@ -620,6 +619,41 @@ where
         sent: m,
         superseded: None,
     }
+}
+
+/// Whether a hedge may go now (`Some(None)`), with its budget token taken
+/// and its in-flight slot reserved, or why not; `None` when the request is
+/// never hedged.
+fn hedge_gates<T: Attempts>(
+    guards: &Guards,
+    facts: &RequestFacts,
+    attempts: &mut T,
+    slow: &decide::Slow,
+    deadline: Instant,
+) -> Option<Option<SkipReason>> {
+    if !attempts.hedgeable() {
+        return None;
+    }
+    let now = Instant::now();
+    let gates = Gates {
+        breaker_open: !guards.breaker.is_closed(),
+        budget_has_token: guards.budget.has_token(now),
+    };
+    let left = deadline.saturating_duration_since(now);
+    Some(
+        match decide::hedge(&guards.policy, facts, slow, left, gates)? {
+            // Another request may have taken the last token since.
+            Ok(()) if !guards.budget.withdraw(now) => Some(SkipReason::Budget),
+            Ok(()) => match attempts.reserve() {
+                Ok(()) => None,
+                Err(_) => {
+                    guards.budget.refund(Instant::now());
+                    Some(SkipReason::Overloaded)
+                }
+            },
+            Err(reason) => Some(reason),
+        },
+    )
 }
 
 /// When a request that started at `start` must be over.

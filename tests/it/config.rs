@@ -233,7 +233,7 @@ idempotency_header = \"Content-Type\"
     );
     assert!(
         w.iter().any(|w| w.starts_with(
-            "routes[0].retry.idempotency_header (line 14): \"Content-Type\" is a standard field"
+            "routes[0].retry.idempotency_header (line 14): \"content-type\" is a standard field"
         )),
         "{w:#?}"
     );
@@ -270,6 +270,8 @@ breaker = { failure_rate = 2.0 }
     let expect = [
         "upstreams.api.adaptive_concurrency.tolerance (line 4): 0.5 must be at least 1.0",
         "routes[0].match.methods[0] (line 9): \"get\" is not a method (write it in capitals",
+        // Parsed as the file is read: reported beside the table's other errors.
+        "routes[0].retry.methods[1] (line 10): \"bad method\" is not a method",
         "routes[0].retry.attempts (line 10): 0 is out of range 1..=100",
         "routes[0].breaker.failure_rate (line 11): 2 is out of range (0.0, 1.0]",
     ];

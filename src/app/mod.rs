@@ -175,9 +175,9 @@ impl Server {
         let mut stop = self.shutdown.subscribe();
         // What is there now is what runs: read before returning, so that a
         // change made right after this call is seen as a change.
-        let mut loaded = std::fs::read(&path).ok();
+        let mut loaded = fingerprint(&path);
         tokio::spawn(async move {
-            let mut seen = loaded.clone();
+            let mut seen = loaded;
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -185,11 +185,15 @@ impl Server {
                     _ = stopped(&mut stop) => return,
                     _ = tick.tick() => {}
                 }
-                let now = tokio::fs::read(&path).await.ok();
+                let read = path.clone();
+                let now = tokio::task::spawn_blocking(move || fingerprint(&read))
+                    .await
+                    .ok()
+                    .flatten();
                 if now.is_some() && now == seen && now != loaded {
                     info!(path = %path.display(), "config file changed");
                     let _ = reloader.reload_file_in_background(path.clone()).await;
-                    loaded = now.clone();
+                    loaded = now;
                 }
                 seen = now;
             }
@@ -305,6 +309,23 @@ async fn upkeep(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
             }
         }
     }
+}
+
+/// What the config file at `path` holds, as a hash, never kept: read
+/// bounded. A file that cannot be a config (too large, a FIFO) is known by
+/// its size and time, so that a change to it is still tried, and refused
+/// with its reason; a file that is gone is no change.
+fn fingerprint(path: &Path) -> Option<u64> {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    match crate::config::files::read_bounded(path, crate::config::MAX_CONFIG_BYTES) {
+        Ok(bytes) => bytes.hash(&mut hasher),
+        Err(_) => {
+            let meta = std::fs::metadata(path).ok()?;
+            (meta.len(), meta.modified().ok()).hash(&mut hasher);
+        }
+    }
+    Some(hasher.finish())
 }
 
 /// One of the server's long-running parts.

@@ -24,7 +24,14 @@ impl Reloader {
     /// addresses cannot change without a restart: a change is logged and ignored.
     /// A config that fails its checks changes nothing.
     pub fn reload(&self, config: Config) -> Result<(), BuildError> {
-        self.reload_validated(config.validate()?)
+        match config.validate() {
+            Ok(config) => self.reload_validated(config),
+            Err(e) => {
+                self.shared.proxy.metrics().reloaded(false);
+                error!(error = %e, "config reload failed; the running config stays");
+                Err(e.into())
+            }
+        }
     }
 
     /// [`reload`](Self::reload) of a config already checked.

@@ -284,18 +284,9 @@ pub(super) fn compiled_or(
 pub const MAX_CONFIG_BYTES: u64 = 16 * 1024 * 1024;
 
 fn read_bounded(path: &Path) -> std::io::Result<String> {
-    use std::io::Read as _;
-    let mut text = String::new();
-    std::fs::File::open(path)?
-        .take(MAX_CONFIG_BYTES + 1)
-        .read_to_string(&mut text)?;
-    if text.len() as u64 > MAX_CONFIG_BYTES {
-        return Err(std::io::Error::other(format!(
-            "larger than {} MiB; is this the config file?",
-            MAX_CONFIG_BYTES / (1024 * 1024)
-        )));
-    }
-    Ok(text)
+    let bytes = super::files::read_bounded(path, MAX_CONFIG_BYTES)
+        .map_err(|e| std::io::Error::other(format!("{e}; is this the config file?")))?;
+    String::from_utf8(bytes).map_err(|_| std::io::Error::other("is not UTF-8 text"))
 }
 
 /// Reports an inherited value once, not once per route, in file order.

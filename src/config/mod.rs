@@ -1,6 +1,7 @@
 //! Configuration: the TOML schema, loading with defaults inheritance, and
 //! validation that names the key path and line of every problem.
 
+pub mod files;
 mod load;
 pub mod schema;
 pub mod tls;
@@ -8,7 +9,7 @@ pub use crate::units;
 mod validate;
 mod validated;
 
-pub use load::{Checked, ConfigError, ConfigErrors, KeyPath, LoadError};
+pub use load::{Checked, ConfigError, ConfigErrors, KeyPath, LoadError, MAX_CONFIG_BYTES};
 pub use schema::*;
 pub use validated::{CompiledRoute, Validated};
 

@@ -41,35 +41,32 @@ fn file_error(path: &Path, message: impl std::fmt::Display) -> TlsError {
 /// memory.
 const MAX_PEM_BYTES: u64 = 1024 * 1024;
 
-/// The whole of a PEM file, if it is no larger than [`MAX_PEM_BYTES`].
+/// The whole of a PEM file, if it is a regular file no larger than
+/// [`MAX_PEM_BYTES`].
 fn read_pem(path: &Path) -> Result<Vec<u8>, TlsError> {
-    use std::io::Read as _;
-    let file = std::fs::File::open(path).map_err(|e| file_error(path, e))?;
-    let mut bytes = Vec::new();
-    file.take(MAX_PEM_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| file_error(path, e))?;
-    if bytes.len() as u64 > MAX_PEM_BYTES {
-        return Err(file_error(path, "is larger than 1MiB: not a PEM file"));
-    }
-    Ok(bytes)
+    super::files::read_bounded(path, MAX_PEM_BYTES).map_err(|e| file_error(path, e))
 }
 
 /// The certificates of a PEM file.
-fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+pub(crate) fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let pem = read_pem(path)?;
     CertificateDer::pem_slice_iter(&pem)
         .collect::<Result<_, _>>()
         .map_err(|e| file_error(path, e))
 }
 
+/// The private key of a PEM file.
+pub(crate) fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_slice(&read_pem(path)?).map_err(|e| file_error(path, e))
+}
+
 /// The certificate chain and key of `cert` and `key`, checked to match.
-fn load_pair(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
+pub(crate) fn load_pair(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
     let chain = read_certs(cert)?;
     if chain.is_empty() {
         return Err(file_error(cert, "holds no certificate"));
     }
-    let key_der = PrivateKeyDer::from_pem_slice(&read_pem(key)?).map_err(|e| file_error(key, e))?;
+    let key_der = read_key(key)?;
     let provider = rustls::crypto::ring::default_provider();
     let signing = provider
         .key_provider

@@ -5,6 +5,7 @@
 //! here builds.
 
 use std::collections::HashSet;
+use std::path::Path;
 use std::time::Duration;
 
 use http::{HeaderValue, Uri};
@@ -212,6 +213,34 @@ fn host_rewrite(
     }
 }
 
+/// The files an upstream's TLS names, loaded as the upstream will load
+/// them, so that a `check` that passes builds: `ca_file` must hold a
+/// certificate, `client_cert` and `client_key` a matching pair.
+fn upstream_tls_files(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) {
+    use super::tls::{load_pair, read_certs};
+    if let Some(ca) = &u.ca_file {
+        match read_certs(ca) {
+            Ok(certs) if certs.is_empty() => report(
+                path.key("ca_file"),
+                format!("{}: holds no certificate", ca.display()),
+            ),
+            Ok(_) => {}
+            Err(e) => report(path.key("ca_file"), e.to_string()),
+        }
+    }
+    if let (Some(cert), Some(key)) = (&u.client_cert, &u.client_key) {
+        if let Err(e) = load_pair(cert, key) {
+            let at = match &e {
+                super::tls::TlsError::File { path: file, .. } if Path::new(file) == cert => {
+                    "client_cert"
+                }
+                _ => "client_key",
+            };
+            report(path.key(at), e.to_string());
+        }
+    }
+}
+
 fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) {
     if u.endpoints.is_empty() {
         report(
@@ -258,20 +287,7 @@ fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) 
         ),
         _ => {}
     }
-    for (key, file) in [
-        ("ca_file", &u.ca_file),
-        ("client_cert", &u.client_cert),
-        ("client_key", &u.client_key),
-    ] {
-        if let Some(file) = file {
-            if let Err(e) = std::fs::metadata(file) {
-                report(
-                    path.key(key),
-                    format!("cannot read {}: {e}", file.display()),
-                );
-            }
-        }
-    }
+    upstream_tls_files(report, path, u);
     if let Some(name) = &u.server_name {
         if rustls::pki_types::ServerName::try_from(name.as_str()).is_err() {
             report(

@@ -790,13 +790,15 @@ mod tests {
         route.guards.budget.deposit(Instant::now());
         let before = state(&running);
 
-        // Passes the checks (the file exists) and fails to build (it holds
-        // no certificate), after the kept upstream and with the kept
-        // route's breaker and budget changed.
+        // Passes the checks, then the CA file is replaced before the build
+        // (a rotation caught half way): the build fails at the new upstream,
+        // after the kept one, with the kept route's breaker and budget changed.
         let dir = tempfile::tempdir().unwrap();
         let ca = dir.path().join("ca.pem");
-        std::fs::write(&ca, "not a certificate\n").unwrap();
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+        std::fs::write(&ca, cert.cert.pem()).unwrap();
         let broken = config(Some(&ca), 50);
+        std::fs::write(&ca, "not a certificate\n").unwrap();
         match Runtime::rebuild(broken, &registry, Some(&running)) {
             Err(BuildError::Upstream(_)) => {}
             Err(e) => panic!("failed, but not at the upstream: {e}"),

@@ -26,11 +26,11 @@ use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilde
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::pki_types::ServerName;
 use rustls::{ClientConfig, RootCertStore};
 use tokio::time::Instant;
 
+use crate::config::tls::{read_certs, read_key};
 use crate::config::{Http2Mode, UpstreamConfig};
 use crate::observe::metrics::{Metrics, UpstreamMetrics};
 use crate::policy::limit::{Limiter, Sample};
@@ -717,9 +717,7 @@ fn tls_config(name: &str, config: &UpstreamConfig) -> Result<ClientConfig, Upstr
     };
     let mut roots = system_roots().clone();
     if let Some(ca_file) = &config.ca_file {
-        let certs = CertificateDer::pem_file_iter(ca_file)
-            .and_then(|it| it.collect::<Result<Vec<_>, _>>())
-            .map_err(|e| err("ca_file", format!("{}: {e}", ca_file.display())))?;
+        let certs = read_certs(ca_file).map_err(|e| err("ca_file", e.to_string()))?;
         if certs.is_empty() {
             return Err(err(
                 "ca_file",
@@ -739,11 +737,8 @@ fn tls_config(name: &str, config: &UpstreamConfig) -> Result<ClientConfig, Upstr
         .with_root_certificates(roots);
     match (&config.client_cert, &config.client_key) {
         (Some(cert), Some(key)) => {
-            let chain = CertificateDer::pem_file_iter(cert)
-                .and_then(|it| it.collect::<Result<Vec<_>, _>>())
-                .map_err(|e| err("client_cert", format!("{}: {e}", cert.display())))?;
-            let key = PrivateKeyDer::from_pem_file(key)
-                .map_err(|e| err("client_key", format!("{}: {e}", key.display())))?;
+            let chain = read_certs(cert).map_err(|e| err("client_cert", e.to_string()))?;
+            let key = read_key(key).map_err(|e| err("client_key", e.to_string()))?;
             builder
                 .with_client_auth_cert(chain, key)
                 .map_err(|e| err("client_key", e.to_string()))

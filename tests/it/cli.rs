@@ -437,6 +437,23 @@ fn check_survives_a_closed_or_full_stdout_and_refuses_an_endless_file() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not a regular file"),
+        "{out:?}"
+    );
+    // A regular file too large to be a config (sparse: nothing is written).
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("big.toml");
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len(17 << 20)
+        .unwrap();
+    let out = Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(&big)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
         String::from_utf8_lossy(&out.stderr).contains("larger than 16 MiB"),
         "{out:?}"
     );

@@ -292,3 +292,74 @@ fn an_endpoint_listed_twice_is_named() {
     assert!(err.contains("upstreams.api.endpoints[1]"), "{err}");
     assert!(err.contains("listed twice"), "{err}");
 }
+
+/// The files an upstream's TLS names are loaded by `check` as the upstream
+/// loads them, bounded and without waiting: a "file" that is endless
+/// (`/dev/zero`), a FIFO, garbage or a key that does not match its
+/// certificate is an error with its key, never an outage at start or reload.
+#[test]
+fn upstream_tls_files_are_loaded_by_check_bounded_and_without_waiting() {
+    let dir = tempfile::tempdir().unwrap();
+    let garbage = dir.path().join("garbage.pem");
+    std::fs::write(&garbage, "bm90IGEgY2VydGlmaWNhdGU=\n").unwrap();
+    let fifo = dir.path().join("fifo");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let pair = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    let other = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    let (cert, key, wrong_key) = (
+        dir.path().join("cert.pem"),
+        dir.path().join("key.pem"),
+        dir.path().join("other-key.pem"),
+    );
+    std::fs::write(&cert, pair.cert.pem()).unwrap();
+    std::fs::write(&key, pair.signing_key.serialize_pem()).unwrap();
+    std::fs::write(&wrong_key, other.signing_key.serialize_pem()).unwrap();
+    let upstream = |tls: &str| {
+        format!(
+            "[upstreams.t]\nendpoints = [\"https://127.0.0.1:9\"]\n{tls}\n\
+             [[routes]]\nname = \"r\"\nupstream = \"t\"\n"
+        )
+    };
+    for (tls, key_path, why) in [
+        (
+            format!("ca_file = {:?}", "/dev/zero"),
+            "upstreams.t.ca_file",
+            "regular file",
+        ),
+        (
+            format!("ca_file = {fifo:?}"),
+            "upstreams.t.ca_file",
+            "regular file",
+        ),
+        (
+            format!("ca_file = {garbage:?}"),
+            "upstreams.t.ca_file",
+            "no certificate",
+        ),
+        (
+            format!("client_cert = {cert:?}\nclient_key = {wrong_key:?}"),
+            "upstreams.t.client_key",
+            "does not match",
+        ),
+        (
+            format!("client_cert = {garbage:?}\nclient_key = {key:?}"),
+            "upstreams.t.client_cert",
+            "no certificate",
+        ),
+    ] {
+        let errs = errors(&upstream(&tls));
+        assert!(
+            errs.iter()
+                .any(|e| e.starts_with(key_path) && e.contains(why)),
+            "{tls}: {errs:#?}"
+        );
+    }
+    let good = upstream(&format!(
+        "ca_file = {cert:?}\nclient_cert = {cert:?}\nclient_key = {key:?}"
+    ));
+    assert!(Config::check_str(&good).is_ok());
+}

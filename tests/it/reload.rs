@@ -96,6 +96,43 @@ async fn a_changed_file_is_reloaded_by_the_watcher() {
     .await;
 }
 
+/// A config path that becomes a FIFO (or a file too large to be a config)
+/// is a reload refused with its reason, not a watcher that waits forever
+/// for a writer: the next good file is applied.
+#[tokio::test]
+async fn a_fifo_in_place_of_the_file_does_not_wedge_the_watcher() {
+    let up = ok_upstream("ok").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("herdguard.toml");
+    std::fs::write(&path, toml(&[("a", "/a", "")], &up.url())).unwrap();
+    let server = herdguard::app::Server::start(Config::from_file(&path).unwrap())
+        .await
+        .unwrap();
+    server.watch(path.clone(), Duration::from_millis(20));
+    let fifo = dir.path().join("fifo");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    std::fs::rename(&fifo, &path).unwrap();
+    let server_ref = &server;
+    eventually(
+        Duration::from_secs(5),
+        "the FIFO's reload is refused",
+        || async move { reloads(&admin(server_ref, "/metrics").await.1, "error") >= 1.0 },
+    )
+    .await;
+    std::fs::remove_file(&path).unwrap();
+    std::fs::write(&path, toml(&[("a", "/a", ""), ("c", "/c", "")], &up.url())).unwrap();
+    eventually(
+        Duration::from_secs(5),
+        "the next good file serves",
+        || async move { get(server_ref, "/c").await.0 == StatusCode::OK },
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn an_in_flight_request_survives_a_reload() {
     let Held {
@@ -345,9 +382,9 @@ async fn a_big_broken_reload_does_not_stall_a_one_thread_proxy() {
     child.wait().unwrap();
 }
 
-/// A config that passes its checks but cannot be built (a CA file that
-/// holds no certificate) changes nothing: breakers, limits and pools are as
-/// they were, as `/breakers` shows them, and the failure is counted.
+/// A config whose CA file stops holding a certificate between its parse
+/// and its reload changes nothing: breakers, limits and pools are as they
+/// were, as `/breakers` shows them, and the failure is counted.
 #[tokio::test]
 async fn a_reload_that_cannot_be_built_touches_no_live_state() {
     let up = ok_upstream("ok").await;
@@ -370,7 +407,8 @@ async fn a_reload_that_cannot_be_built_touches_no_live_state() {
 
     let dir = tempfile::tempdir().unwrap();
     let ca = dir.path().join("ca.pem");
-    std::fs::write(&ca, "not a certificate\n").unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    std::fs::write(&ca, cert.cert.pem()).unwrap();
     let broken = format!(
         "{}[upstreams.t]\nendpoints = [\"https://127.0.0.1:9\"]\nca_file = {:?}\n\
          [[routes]]\nname = \"t\"\nupstream = \"t\"\nmatch = {{ path_prefix = \"/t\" }}\n",
@@ -384,7 +422,9 @@ async fn a_reload_that_cannot_be_built_touches_no_live_state() {
         ),
         ca.display()
     );
-    let err = server.reload(Config::parse(&broken).unwrap()).unwrap_err();
+    let broken = Config::parse(&broken).unwrap();
+    std::fs::write(&ca, "not a certificate\n").unwrap();
+    let err = server.reload(broken).unwrap_err();
     assert!(err.to_string().contains("upstreams.t.ca_file"), "{err}");
     assert_eq!(breakers(admin(&server, "/breakers").await.1), before);
     assert_eq!(get(&server, "/t").await.0, StatusCode::NOT_FOUND);

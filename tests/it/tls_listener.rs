@@ -282,7 +282,7 @@ fn bad_tls_files_are_config_errors() {
         (
             // Not a file to read whole: refused, not read into memory.
             "tls = { cert = \"/dev/zero\", key = \"/dev/zero\" }".to_owned(),
-            "larger than 1MiB",
+            "not a regular file",
         ),
     ] {
         let src = format!("[listen]\n{tls}\n{body}");

@@ -72,19 +72,29 @@ pin_project! {
         #[pin]
         inner: Incoming,
         end: Option<Arc<dyn BodyEnd>>,
+        // Bytes its `Content-Length` still promises.
+        promised: Option<u64>,
     }
 }
 
+/// Why a caller's body could not be read.
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
 impl CallerBody {
     pub fn new(inner: Incoming) -> Self {
-        Self { inner, end: None }
+        let promised = inner.size_hint().exact();
+        Self {
+            inner,
+            end: None,
+            promised,
+        }
     }
 
     /// A body that tells `end` once it has been read to its end.
     pub fn noting_end(inner: Incoming, end: Arc<dyn BodyEnd>) -> Self {
         Self {
-            inner,
             end: Some(end),
+            ..Self::new(inner)
         }
     }
 
@@ -101,16 +111,39 @@ impl std::fmt::Debug for CallerBody {
     }
 }
 
+/// An HTTP/2 caller that cancels its stream (`RST_STREAM` with `CANCEL` or
+/// `NO_ERROR`) ends its body as if it were complete, as hyper reads it: a
+/// body that ends before its `Content-Length` is the caller's doing, and
+/// must not reach the upstream as a short body the upstream is then blamed
+/// for breaking off.
 impl Body for CallerBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let mut this = self.project();
-        let polled = this.inner.as_mut().poll_frame(cx);
+        let polled = match this.inner.as_mut().poll_frame(cx) {
+            Poll::Ready(None) if this.promised.is_some_and(|left| left > 0) => {
+                let left = this.promised.unwrap_or_default();
+                return Poll::Ready(Some(Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("the caller's body ended {left} bytes short of its Content-Length"),
+                )
+                .into())));
+            }
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(left), Some(data)) = (this.promised.as_mut(), frame.data_ref()) {
+                    *left = left.saturating_sub(data.len() as u64);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        };
         if let Some(end) = this.end {
             let ended = match &polled {
                 Poll::Ready(None) => true,
@@ -125,7 +158,8 @@ impl Body for CallerBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        let end = self.inner.is_end_stream();
+        // Not while its length promises more: polled, it says why not.
+        let end = self.inner.is_end_stream() && self.promised.is_none_or(|left| left == 0);
         if end {
             self.ended();
         }

@@ -516,3 +516,82 @@ async fn an_upstream_that_gives_up_on_a_stalled_upload_is_not_blamed() {
     assert_eq!(sum(&text, "herdguard_retries_total{"), 0.0);
     hg.terminate().await;
 }
+
+/// An HTTP/2 caller that cancels its stream mid-upload (`RST_STREAM`
+/// `CANCEL`, which hyper reads as the body's end) is the caller's doing:
+/// the short body never goes upstream as if it were whole, and the upstream
+/// is never blamed for breaking off, however the race between the cancel
+/// and the upload goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_caller_that_cancels_mid_upload_is_never_the_upstreams_fault() {
+    let arrived = Arc::new(tokio::sync::Notify::new());
+    let whole = Arc::new(AtomicUsize::new(0));
+    let (arrived_up, whole_up) = (arrived.clone(), whole.clone());
+    let up = upstream(move |req| {
+        let (arrived, whole) = (arrived_up.clone(), whole_up.clone());
+        async move {
+            arrived.notify_one();
+            if req.into_body().collect().await.is_ok() {
+                whole.fetch_add(1, Ordering::SeqCst);
+            }
+            http::Response::new(full("ok"))
+        }
+    })
+    .await;
+    let hg = proxy(&route(&up.url(), "", "consecutive_failures = 3")).await;
+    const CALLERS: usize = 10;
+    for _ in 0..CALLERS {
+        let tcp = TcpStream::connect(hg.proxy_addr()).await.unwrap();
+        let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let mut client = client.ready().await.unwrap();
+        // Larger than max_replay_body: streamed through as it comes.
+        let req = http::Request::put("http://a/upload")
+            .header("content-length", "200000")
+            .body(())
+            .unwrap();
+        let (resp, mut body) = client.send_request(req, false).unwrap();
+        body.send_data(Bytes::from(vec![b'q'; 100]), false).unwrap();
+        arrived.notified().await;
+        // A caller that pauses mid-upload, then gives up.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        body.send_reset(h2::Reason::CANCEL);
+        drop(resp);
+    }
+    let text = || async { admin(&hg, "/metrics").await.1 };
+    eventually(
+        Duration::from_secs(5),
+        "every upload is accounted for",
+        || async {
+            let t = text().await;
+            sum(&t, "herdguard_upstream_attempts_total{") >= CALLERS as f64
+                || sum(&t, "herdguard_requests_total{") >= CALLERS as f64
+        },
+    )
+    .await;
+    let t = text().await;
+    assert_eq!(
+        whole.load(Ordering::SeqCst),
+        0,
+        "a short body reached the upstream whole"
+    );
+    // Every attempt is the caller's: cancelled, none booked against the
+    // upstream.
+    assert_eq!(
+        metric(&t, &attempts_with("cancelled")),
+        Some(CALLERS as f64),
+        "{t}"
+    );
+    assert_eq!(
+        sum(&t, "herdguard_upstream_attempts_total{"),
+        CALLERS as f64,
+        "{t}"
+    );
+    assert_eq!(
+        metric(&t, BREAKER_CLOSED),
+        Some(0.0),
+        "the breaker stays closed:\n{t}"
+    );
+}

@@ -34,6 +34,9 @@ if [ "${HOT_TEXT:-1}" = 0 ] || ! ships_lld; then
     exit 0
 fi
 
+# Cargo does not see the script as an input of the link: the binary is
+# removed so that it is linked again, with the script as it is now.
+find target/release/deps -maxdepth 1 -type f -name 'herdguard-*' -perm -u+x -delete 2>/dev/null || true
 # `cargo rustc` hands the link arguments to the herdguard binary alone; two
 # arguments, so that no character of the path is read as a separator.
 cargo rustc --release --locked --bin herdguard -- \

@@ -75,7 +75,7 @@ pub enum Stop {
 ///
 /// The gates, in order: the outcome (only what `retry_on` names; the
 /// deadline's cut is a `deadline` skip), an outer hop that retries for us,
-/// then those of [`another_attempt`]: `attempts`, idempotency (a request
+/// then those of `another_attempt`: `attempts`, idempotency (a request
 /// that never reached the upstream is always safe), a replayable body,
 /// `Retry-After` against `max_retry_after`, time (after its delay, a retry
 /// must have [`Policy::min_retry_time`] left), the breaker, and last the
@@ -187,7 +187,7 @@ pub struct Slow {
 /// why not. Only for requests where hedging is on and that are safe to
 /// repeat (idempotent, first hop): `None` for others, which are never
 /// hedged and never counted as skipped. The gates are a retry's
-/// ([`another_attempt`]) with no delay; a probe is never raced, as if the
+/// (`another_attempt`) with no delay; a probe is never raced, as if the
 /// breaker were open. A hedge pays its token like a retry.
 pub fn hedge(
     policy: &Policy,

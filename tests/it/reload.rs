@@ -76,24 +76,38 @@ async fn a_broken_file_keeps_the_old_config_and_counts_an_error() {
     assert_eq!((reloads(&text, "ok"), reloads(&text, "error")), (0.0, 3.0));
 }
 
-#[tokio::test]
-async fn a_changed_file_is_reloaded_by_the_watcher() {
-    let up = ok_upstream("ok").await;
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("herdguard.toml");
-    std::fs::write(&path, toml(&[("a", "/a", "")], &up.url())).unwrap();
+/// A server started from a file with route `a`, its watcher on, and the
+/// file's path.
+async fn watched(
+    dir: &std::path::Path,
+    upstream: &str,
+) -> (herdguard::app::Server, std::path::PathBuf) {
+    let path = dir.join("herdguard.toml");
+    std::fs::write(&path, toml(&[("a", "/a", "")], upstream)).unwrap();
     let server = herdguard::app::Server::start(Config::from_file(&path).unwrap())
         .await
         .unwrap();
     server.watch(path.clone(), Duration::from_millis(20));
-    std::fs::write(&path, toml(&[("a", "/a", ""), ("c", "/c", "")], &up.url())).unwrap();
-    let server_ref = &server;
+    (server, path)
+}
+
+/// Writes a file that adds route `c`, and waits for it to serve.
+async fn adds_route_c(server: &herdguard::app::Server, path: &std::path::Path, upstream: &str) {
+    std::fs::write(path, toml(&[("a", "/a", ""), ("c", "/c", "")], upstream)).unwrap();
     eventually(
         Duration::from_secs(5),
         "the new route serves",
-        || async move { get(server_ref, "/c").await.0 == StatusCode::OK },
+        || async move { get(server, "/c").await.0 == StatusCode::OK },
     )
     .await;
+}
+
+#[tokio::test]
+async fn a_changed_file_is_reloaded_by_the_watcher() {
+    let up = ok_upstream("ok").await;
+    let dir = tempfile::tempdir().unwrap();
+    let (server, path) = watched(dir.path(), &up.url()).await;
+    adds_route_c(&server, &path, &up.url()).await;
 }
 
 /// A config path that becomes a FIFO (or a file too large to be a config)
@@ -103,12 +117,7 @@ async fn a_changed_file_is_reloaded_by_the_watcher() {
 async fn a_fifo_in_place_of_the_file_does_not_wedge_the_watcher() {
     let up = ok_upstream("ok").await;
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("herdguard.toml");
-    std::fs::write(&path, toml(&[("a", "/a", "")], &up.url())).unwrap();
-    let server = herdguard::app::Server::start(Config::from_file(&path).unwrap())
-        .await
-        .unwrap();
-    server.watch(path.clone(), Duration::from_millis(20));
+    let (server, path) = watched(dir.path(), &up.url()).await;
     let fifo = dir.path().join("fifo");
     assert!(std::process::Command::new("mkfifo")
         .arg(&fifo)
@@ -124,13 +133,7 @@ async fn a_fifo_in_place_of_the_file_does_not_wedge_the_watcher() {
     )
     .await;
     std::fs::remove_file(&path).unwrap();
-    std::fs::write(&path, toml(&[("a", "/a", ""), ("c", "/c", "")], &up.url())).unwrap();
-    eventually(
-        Duration::from_secs(5),
-        "the next good file serves",
-        || async move { get(server_ref, "/c").await.0 == StatusCode::OK },
-    )
-    .await;
+    adds_route_c(&server, &path, &up.url()).await;
 }
 
 #[tokio::test]

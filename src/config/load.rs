@@ -291,8 +291,22 @@ fn read_bounded(path: &Path) -> std::io::Result<String> {
 
 /// Reports an inherited value once, not once per route, in file order.
 fn tidy(mut errors: Vec<ConfigError>) -> Vec<ConfigError> {
+    // The same key of `[defaults]` and of every route that inherits it:
+    // one report. Two keys on one line (an inline table) are two.
+    let key = |e: &ConfigError| {
+        let path = e.path.to_string();
+        if let Some(inherited) = path.strip_prefix("defaults.") {
+            return inherited.to_owned();
+        }
+        match path.strip_prefix("routes[") {
+            Some(rest) => rest
+                .split_once("].")
+                .map_or(path.clone(), |(_, key)| key.to_owned()),
+            None => path,
+        }
+    };
     let mut seen = std::collections::HashSet::new();
-    errors.retain(|e| e.line.is_none() || seen.insert((e.line, e.message.clone())));
+    errors.retain(|e| e.line.is_none() || seen.insert((e.line, key(e), e.message.clone())));
     errors.sort_by_key(|e| e.line.unwrap_or(usize::MAX));
     errors
 }

@@ -402,23 +402,25 @@ fn matcher(report: &mut Report<'_>, path: &KeyPath, m: &MatchConfig) -> Option<M
 }
 
 fn retry(report: &mut Report<'_>, path: &KeyPath, r: &RetryConfig) -> Option<(Policy, Budget)> {
-    let policy = Policy::from_config(r).map_err(|e| {
+    for e in Policy::problems(r) {
         let at = match (&e, e.key()) {
             (InvalidPolicy::Backoff(inner), _) => path.key("backoff").key(inner.key()),
             (_, (key, Some(index))) => path.key(key).index(index),
             (_, (key, None)) => path.key(key),
         };
         report(at, e.to_string());
-    });
+    }
+    let policy = Policy::from_config(r);
     let budget = Budget::from_config(&r.budget, Instant::now())
         .map_err(|e| report(path.key("budget").key(e.key()), e.to_string()));
     Some((policy.ok()?, budget.ok()?))
 }
 
 fn breaker(report: &mut Report<'_>, path: &KeyPath, b: &BreakerConfig) -> Option<Breaker> {
-    Breaker::try_new(b, Instant::now())
-        .map_err(|e| report(path.key(e.key()), e.to_string()))
-        .ok()
+    for e in Breaker::problems(b) {
+        report(path.key(e.key()), e.to_string());
+    }
+    Breaker::try_new(b, Instant::now()).ok()
 }
 
 fn positive(report: &mut Report<'_>, path: &KeyPath, d: Duration) {

@@ -182,22 +182,24 @@ pub struct Snapshot {
 }
 
 impl Breaker {
-    pub fn try_new(c: &BreakerConfig, now: Instant) -> Result<Self, InvalidBreaker> {
+    /// Every problem of `c`, not only the first: `check` lists them all.
+    pub fn problems(c: &BreakerConfig) -> Vec<InvalidBreaker> {
+        let mut found = Vec::new();
         for (key, n) in [
             ("consecutive_failures", c.consecutive_failures),
             ("min_requests", c.min_requests),
             ("half_open_probes", c.half_open_probes),
         ] {
             if n == 0 {
-                return Err(InvalidBreaker::Zero(key));
+                found.push(InvalidBreaker::Zero(key));
             }
         }
         // More probes than this is no half-open state at all.
         if c.half_open_probes > 1000 {
-            return Err(InvalidBreaker::TooManyProbes);
+            found.push(InvalidBreaker::TooManyProbes);
         }
         if !(c.failure_rate > 0.0 && c.failure_rate <= 1.0) {
-            return Err(InvalidBreaker::Rate(c.failure_rate));
+            found.push(InvalidBreaker::Rate(c.failure_rate));
         }
         for (key, d) in [
             ("window", c.window),
@@ -205,11 +207,18 @@ impl Breaker {
             ("probe_interval", c.probe_interval),
         ] {
             if d.is_zero() {
-                return Err(InvalidBreaker::ZeroDuration(key));
+                found.push(InvalidBreaker::ZeroDuration(key));
             }
         }
         if c.max_open_for < c.open_for {
-            return Err(InvalidBreaker::MaxOpenFor);
+            found.push(InvalidBreaker::MaxOpenFor);
+        }
+        found
+    }
+
+    pub fn try_new(c: &BreakerConfig, now: Instant) -> Result<Self, InvalidBreaker> {
+        if let Some(first) = Self::problems(c).into_iter().next() {
+            return Err(first);
         }
         Ok(Self {
             consecutive_limit: c.consecutive_failures,

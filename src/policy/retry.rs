@@ -87,23 +87,40 @@ impl InvalidPolicy {
 }
 
 impl Policy {
-    pub fn from_config(c: &RetryConfig) -> Result<Self, InvalidPolicy> {
+    /// Every problem of `c`, not only the first: `check` lists them all.
+    pub fn problems(c: &RetryConfig) -> Vec<InvalidPolicy> {
+        let mut found = Vec::new();
         if !(1..=100).contains(&c.attempts) {
-            return Err(InvalidPolicy::Attempts(c.attempts));
+            found.push(InvalidPolicy::Attempts(c.attempts));
         }
         for (key, d) in [
-            ("per_try_timeout", c.per_try_timeout),
-            ("timeout", c.timeout),
+            ("per_try_timeout", Some(c.per_try_timeout)),
+            ("timeout", Some(c.timeout)),
+            ("hedge_after", c.hedge_after),
         ] {
-            if d.is_zero() {
-                return Err(InvalidPolicy::ZeroDuration(key));
+            if d.is_some_and(|d| d.is_zero()) {
+                found.push(InvalidPolicy::ZeroDuration(key));
             }
         }
-        if c.hedge_after.is_some_and(|d| d.is_zero()) {
-            return Err(InvalidPolicy::ZeroDuration("hedge_after"));
-        }
         if c.max_replay_body > MAX_REPLAY_BODY {
-            return Err(InvalidPolicy::ReplayBody(c.max_replay_body));
+            found.push(InvalidPolicy::ReplayBody(c.max_replay_body));
+        }
+        for (index, r) in c.retry_on.iter().enumerate() {
+            if let RetryOn::Status(code) = r {
+                if StatusCode::from_u16(*code).is_err() {
+                    found.push(InvalidPolicy::Status { index, code: *code });
+                }
+            }
+        }
+        if let Err(e) = Backoff::from_config(&c.backoff) {
+            found.push(e.into());
+        }
+        found
+    }
+
+    pub fn from_config(c: &RetryConfig) -> Result<Self, InvalidPolicy> {
+        if let Some(first) = Self::problems(c).into_iter().next() {
+            return Err(first);
         }
         let mut conditions = Conditions::default();
         for (index, r) in c.retry_on.iter().enumerate() {

@@ -363,3 +363,34 @@ fn upstream_tls_files_are_loaded_by_check_bounded_and_without_waiting() {
     ));
     assert!(Config::check_str(&good).is_ok());
 }
+
+/// Every problem of one retry or breaker table is listed, not only the
+/// first its policy's constructor met.
+#[test]
+fn every_problem_of_one_table_is_listed() {
+    let src = r#"
+[upstreams.api]
+endpoints = ["http://127.0.0.1:3000"]
+
+[[routes]]
+name = "a"
+upstream = "api"
+retry = { attempts = 0, max_replay_body = "1GiB", timeout = "0s" }
+breaker = { failure_rate = 2.0, consecutive_failures = 0, min_requests = 0 }
+"#;
+    let errs = errors(src);
+    for e in [
+        "routes[0].retry.attempts (line 8)",
+        "routes[0].retry.max_replay_body (line 8)",
+        "routes[0].retry.timeout (line 8)",
+        "routes[0].breaker.failure_rate (line 9)",
+        "routes[0].breaker.consecutive_failures (line 9)",
+        "routes[0].breaker.min_requests (line 9)",
+    ] {
+        assert!(
+            errs.iter().any(|got| got.starts_with(e)),
+            "missing {e:?} in {errs:#?}"
+        );
+    }
+    assert_eq!(errs.len(), 6, "{errs:#?}");
+}

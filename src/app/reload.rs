@@ -43,33 +43,11 @@ impl Reloader {
             .unwrap_or_else(|e| e.into_inner());
         let proxy = &self.shared.proxy;
         let current = proxy.runtime();
-        let new = config.config();
-        for (what, old, new) in [
-            (
-                "listen.address",
-                current.config.listen.address,
-                new.listen.address,
-            ),
-            (
-                "admin.address",
-                current.config.admin.address,
-                new.admin.address,
-            ),
-        ] {
-            if new != old {
-                warn!(key = what, running = %old, configured = %new, "a new listen address needs a restart; keeping the running one");
-            }
-        }
-        if new.listen.tls != current.config.listen.tls {
-            warn!(
-                key = "listen.tls",
-                "a change to listen.tls needs a restart (the certificate files themselves are reloaded as they change); keeping the running one"
-            );
-        }
-        let config = config.keep_listeners(&current.config);
         let built = if config.config().routes.is_empty() && !current.config.routes.is_empty() {
             Err(BuildError::NoRoutes)
         } else {
+            warn_of_kept_listeners(&current.config, config.config());
+            let config = config.keep_listeners(&current.config);
             Runtime::rebuild(config, proxy.metrics(), Some(&current))
         };
         match built {
@@ -129,6 +107,25 @@ impl Reloader {
                 Err(e.to_string())
             }
         }
+    }
+}
+
+/// A reload cannot move a bound listener: a new address or TLS setting is
+/// said, and the running one kept.
+fn warn_of_kept_listeners(running: &Config, new: &Config) {
+    for (what, old, new) in [
+        ("listen.address", running.listen.address, new.listen.address),
+        ("admin.address", running.admin.address, new.admin.address),
+    ] {
+        if new != old {
+            warn!(key = what, running = %old, configured = %new, "a new listen address needs a restart; keeping the running one");
+        }
+    }
+    if new.listen.tls != running.listen.tls {
+        warn!(
+            key = "listen.tls",
+            "a change to listen.tls needs a restart (the certificate files themselves are reloaded as they change); keeping the running one"
+        );
     }
 }
 

@@ -142,9 +142,9 @@ fn run_demo(callers: usize, duration: std::time::Duration) -> ExitCode {
     };
     out_line!(
         "herdguard demo: a flaky API (10% 503s, a third with Retry-After; 3% connection resets; an outage \
-         from {}s to {}s), herdguard with default policies in front, {} callers sending every {} ms for {}s.\n",
-        params.outage_at.as_secs(),
-        (params.outage_at + params.outage_for).as_secs(),
+         from {:.1}s to {:.1}s), herdguard with default policies in front, {} callers sending every {} ms for {}s.\n",
+        params.outage_at.as_secs_f64(),
+        (params.outage_at + params.outage_for).as_secs_f64(),
         params.callers,
         params.interval.as_millis(),
         params.duration.as_secs()

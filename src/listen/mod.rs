@@ -1,10 +1,10 @@
 //! What talks to callers: the accept loop and its limits, HTTP/1.1 and
 //! HTTP/2 serving, TLS, eviction of silent connections and the drain.
 
-pub mod drain;
+pub(crate) mod drain;
 pub mod h1;
 mod sniff;
-pub mod stall;
+pub(crate) mod stall;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -81,10 +81,6 @@ impl<T> WriteStall<T> {
     pub fn get_mut(&mut self) -> &mut T {
         &mut self.inner
     }
-
-    pub fn into_inner(self) -> T {
-        self.inner
-    }
 }
 
 /// Turns a pending write into an error once it has been pending `timeout`.

@@ -1,5 +1,5 @@
 //! What operators see: Prometheus metrics, the access log, logging.
 
 pub mod access_log;
-pub mod metrics;
+pub(crate) mod metrics;
 pub mod telemetry;

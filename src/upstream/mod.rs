@@ -3,12 +3,12 @@
 //! endpoints get their own lean connection pool (`pool.rs`); TLS (rustls,
 //! ring provider) and HTTP/2 go through hyper-util's pooled client.
 
-pub mod attempt;
-pub mod body;
-pub mod classify;
-pub mod pool;
+pub(crate) mod attempt;
+pub(crate) mod body;
+pub(crate) mod classify;
+pub(crate) mod pool;
 pub mod replay;
-pub mod tunnel;
+pub(crate) mod tunnel;
 
 pub use body::{caller_fault, BoxError, Progress, RequestBody};
 pub use pool::{PoolError, Pooled};

@@ -2,9 +2,9 @@
 //! the caller's body and upgraded connection as the listener hands them
 //! over, and streams that note when they were last active.
 
-pub mod caller;
+pub(crate) mod caller;
 pub mod headers;
-pub mod stamp;
+pub(crate) mod stamp;
 
 pub use caller::{BodyEnd, CallerBody, CallerUpgrade, Io, Upgraded};
 

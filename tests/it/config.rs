@@ -4,6 +4,16 @@ use std::time::Duration;
 
 use herdguard::config::{Config, Jitter, RetryOn};
 
+/// Each of `expect` begins one of the errors reported.
+fn assert_reported(errs: &[String], expect: &[&str]) {
+    for e in expect {
+        assert!(
+            errs.iter().any(|got| got.starts_with(e)),
+            "missing {e:?} in {errs:#?}"
+        );
+    }
+}
+
 fn errors(src: &str) -> Vec<String> {
     match Config::parse(src) {
         Ok(_) => panic!("config was accepted:\n{src}"),
@@ -134,12 +144,7 @@ match = { path_prefix = "v1" }
         "routes[1].name (line 20): \"a\" names another route too",
         "routes[1].match.path_prefix (line 22): \"v1\" must start with '/'",
     ];
-    for e in expect {
-        assert!(
-            errs.iter().any(|got| got.starts_with(e)),
-            "missing {e:?} in {errs:#?}"
-        );
-    }
+    assert_reported(&errs, &expect);
     // Inherited bad values are reported once, at the defaults, not once per route.
     assert_eq!(errs.len(), expect.len(), "{errs:#?}");
 }
@@ -275,12 +280,7 @@ breaker = { failure_rate = 2.0 }
         "routes[0].retry.attempts (line 10): 0 is out of range 1..=100",
         "routes[0].breaker.failure_rate (line 11): 2 is out of range (0.0, 1.0]",
     ];
-    for e in expect {
-        assert!(
-            errs.iter().any(|got| got.starts_with(e)),
-            "missing {e:?} in {errs:#?}"
-        );
-    }
+    assert_reported(&errs, &expect);
     assert_eq!(errs.len(), expect.len(), "{errs:#?}");
 }
 
@@ -302,12 +302,7 @@ fn upstream_tls_files_are_loaded_by_check_bounded_and_without_waiting() {
     let dir = tempfile::tempdir().unwrap();
     let garbage = dir.path().join("garbage.pem");
     std::fs::write(&garbage, "bm90IGEgY2VydGlmaWNhdGU=\n").unwrap();
-    let fifo = dir.path().join("fifo");
-    assert!(std::process::Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .unwrap()
-        .success());
+    let fifo = crate::common::fifo(&dir.path().join("fifo"));
     let pair = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
     let other = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
     let (cert, key, wrong_key) = (
@@ -379,18 +374,14 @@ retry = { attempts = 0, max_replay_body = "1GiB", timeout = "0s" }
 breaker = { failure_rate = 2.0, consecutive_failures = 0, min_requests = 0 }
 "#;
     let errs = errors(src);
-    for e in [
+    let expect = [
         "routes[0].retry.attempts (line 8)",
         "routes[0].retry.max_replay_body (line 8)",
         "routes[0].retry.timeout (line 8)",
         "routes[0].breaker.failure_rate (line 9)",
         "routes[0].breaker.consecutive_failures (line 9)",
         "routes[0].breaker.min_requests (line 9)",
-    ] {
-        assert!(
-            errs.iter().any(|got| got.starts_with(e)),
-            "missing {e:?} in {errs:#?}"
-        );
-    }
+    ];
+    assert_reported(&errs, &expect);
     assert_eq!(errs.len(), 6, "{errs:#?}");
 }

@@ -118,12 +118,7 @@ async fn a_fifo_in_place_of_the_file_does_not_wedge_the_watcher() {
     let up = ok_upstream("ok").await;
     let dir = tempfile::tempdir().unwrap();
     let (server, path) = watched(dir.path(), &up.url()).await;
-    let fifo = dir.path().join("fifo");
-    assert!(std::process::Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .unwrap()
-        .success());
+    let fifo = common::fifo(&dir.path().join("fifo"));
     std::fs::rename(&fifo, &path).unwrap();
     let server_ref = &server;
     eventually(

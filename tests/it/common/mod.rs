@@ -323,3 +323,11 @@ pub async fn raw_exchange(addr: impl tokio::net::ToSocketAddrs, request: &[u8]) 
     let _ = stream.read_to_end(&mut out).await;
     String::from_utf8_lossy(&out).into_owned()
 }
+
+/// A FIFO made at `path` (with `mkfifo`), for tests of what must not wait
+/// for a writer.
+pub fn fifo(path: &std::path::Path) -> std::path::PathBuf {
+    let made = std::process::Command::new("mkfifo").arg(path).status();
+    assert!(made.is_ok_and(|s| s.success()), "mkfifo {}", path.display());
+    path.to_owned()
+}

@@ -67,6 +67,22 @@ enum Lab {
         #[arg(long, default_value = "lab-results")]
         out: PathBuf,
     },
+    /// A fleet of sidecars in front of one upstream that freezes: 1,000
+    /// callers (2 s timeout, fixed 100 ms retries) split over N sidecars with
+    /// default policies, per sidecar count.
+    Fleet {
+        /// Sidecar counts to run, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,3,10", value_parser = herdguard::units::at_least_one::<usize>)]
+        sidecars: Vec<usize>,
+        #[arg(long, default_value_t = 1000, value_parser = herdguard::units::at_least_one::<usize>)]
+        callers: usize,
+        /// How long the upstream freezes.
+        #[arg(long, default_value = "10s", value_parser = herdguard::units::parse_duration)]
+        stall: std::time::Duration,
+        /// Directory for the CSV files, the summary and the plot.
+        #[arg(long, default_value = "lab-results")]
+        out: PathBuf,
+    },
     /// Draws the SVG plots again from the CSV files of earlier runs.
     Plot {
         /// Directory holding backoff.csv and outage-*.csv.
@@ -107,6 +123,12 @@ fn run_lab(lab: Lab) -> ExitCode {
             };
             lab_outage(&setups, &params, &out)
         }
+        Lab::Fleet {
+            sidecars,
+            callers,
+            stall,
+            out,
+        } => lab_fleet(&sidecars, callers, stall, &out),
         Lab::Plot { from, out } => lab_plot(&from, out.as_deref().unwrap_or(&from)),
     };
     match result {
@@ -207,6 +229,43 @@ fn lab_outage(
         .collect();
     let svg = plot::outage(&runs)?;
     write(&out.join("outage.svg"), &svg)
+}
+
+fn fleet_name(sidecars: usize) -> String {
+    format!("{sidecars} sidecar{}", if sidecars == 1 { "" } else { "s" })
+}
+
+fn lab_fleet(
+    counts: &[usize],
+    callers: usize,
+    stall: std::time::Duration,
+    out: &std::path::Path,
+) -> Result<(), LabError> {
+    create_dir(out)?;
+    let rt = tokio::runtime::Runtime::new()
+        .map_err(|e| LabError::Failed(format!("cannot start the runtime: {e}")))?;
+    let mut reports = Vec::new();
+    for &n in counts {
+        let params = outage::Params {
+            callers,
+            stall,
+            ..outage::Params::fleet(n)
+        };
+        err_line!("fleet: {} ({callers} callers, freeze {stall:?})...", fleet_name(n));
+        let report = rt.block_on(outage::run(outage::Setup::Defaults, &params));
+        write(&out.join(format!("fleet-{n}.csv")), &report.csv())?;
+        reports.push(report);
+    }
+    let table = outage::fleet_table(&reports);
+    out!("{table}");
+    write(&out.join("fleet-summary.txt"), &table)?;
+    let names: Vec<String> = counts.iter().map(|&n| fleet_name(n)).collect();
+    let runs: Vec<(&str, &[outage::Second])> = names
+        .iter()
+        .zip(&reports)
+        .map(|(name, r)| (name.as_str(), r.seconds.as_slice()))
+        .collect();
+    write(&out.join("fleet.svg"), &plot::outage(&runs)?)
 }
 
 /// Redraws the plots from whatever CSV files `from` holds.

@@ -48,6 +48,21 @@ pub struct Params {
     pub retry_interval: Duration,
     /// Pause between a caller's successful requests.
     pub think: Duration,
+    /// herdguard sidecars in front of the upstream, the callers split evenly
+    /// over them (the setups without a proxy ignore it).
+    pub sidecars: usize,
+    /// What the upstream does with work whose caller hung up.
+    pub abandoned: Abandoned,
+}
+
+/// What the upstream does with a request whose caller hung up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Abandoned {
+    /// Works it to the end: the stalled backlog must be worked off.
+    Kept,
+    /// Notices and drops it, as hyper, Go's net/http (through the request's
+    /// context) and most servers that watch the connection do.
+    Dropped,
 }
 
 impl Default for Params {
@@ -60,6 +75,29 @@ impl Default for Params {
             caller_timeout: Duration::from_secs(3),
             retry_interval: Duration::from_millis(100),
             think: Duration::from_secs(1),
+            sidecars: 1,
+            abandoned: Abandoned::Kept,
+        }
+    }
+}
+
+impl Params {
+    /// The fleet experiment: 1,000 callers with a 2 s timeout and fixed
+    /// 100 ms retries, split over `sidecars` sidecars, in front of an
+    /// upstream that freezes for 10 s and drops the work of callers who
+    /// left. Each caller thinks 5 s between successes: 200 requests/s, about
+    /// 20 in flight at the upstream, one or two per sidecar of ten.
+    pub fn fleet(sidecars: usize) -> Self {
+        Self {
+            callers: 1000,
+            warmup: Duration::from_secs(5),
+            stall: Duration::from_secs(10),
+            after: Duration::from_secs(10),
+            caller_timeout: Duration::from_secs(2),
+            retry_interval: Duration::from_millis(100),
+            think: Duration::from_secs(5),
+            sidecars,
+            abandoned: Abandoned::Dropped,
         }
     }
 }
@@ -126,6 +164,8 @@ pub struct Second {
     pub goodput: u64,
     pub timeouts: u64,
     pub errors: u64,
+    /// Requests the upstream received this second (0 in data from before it was recorded).
+    pub upstream_attempts: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -140,6 +180,12 @@ pub struct Report {
     pub serving: Option<Duration>,
     /// From resume to three seconds in a row with 90% of it.
     pub recovery: Option<Duration>,
+    /// The upstream's peak concurrency from the second it resumed on.
+    pub peak_after_resume: usize,
+    /// Requests the upstream received from the stall's start to its end.
+    pub attempts_in_stall: u64,
+    /// How many sidecars ran (0: none).
+    pub sidecars: usize,
 }
 
 /// The upstream's shared state.
@@ -147,6 +193,34 @@ pub struct Report {
 struct Upstream {
     in_flight: AtomicUsize,
     peak: AtomicUsize,
+    received: AtomicU64,
+}
+
+/// Counts one request in flight at the upstream until dropped, finished or not.
+struct Working(Arc<Upstream>);
+
+impl Working {
+    fn start(state: &Arc<Upstream>) -> Self {
+        state.received.fetch_add(1, Ordering::SeqCst);
+        let n = state.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        state.peak.fetch_max(n, Ordering::SeqCst);
+        Self(state.clone())
+    }
+}
+
+impl Drop for Working {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The work of one request: wait out a stall, then take the time the
+/// concurrency at that moment gives.
+async fn work(state: Arc<Upstream>, mut stalled: watch::Receiver<bool>) {
+    let _working = Working::start(&state);
+    let _ = stalled.wait_for(|s| !*s).await;
+    let now = state.in_flight.load(Ordering::SeqCst);
+    tokio::time::sleep(latency(now)).await;
 }
 
 /// Service time for a request that arrives with `n` in flight (itself included).
@@ -155,7 +229,10 @@ pub fn latency(n: usize) -> Duration {
     Duration::from_secs_f64((0.1 * 1.08f64.powi(excess)).min(20.0))
 }
 
-async fn start_upstream(stalled: watch::Receiver<bool>) -> (SocketAddr, Arc<Upstream>) {
+async fn start_upstream(
+    stalled: watch::Receiver<bool>,
+    abandoned: Abandoned,
+) -> (SocketAddr, Arc<Upstream>) {
     let listener = TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind loopback");
@@ -170,18 +247,16 @@ async fn start_upstream(stalled: watch::Receiver<bool>) -> (SocketAddr, Arc<Upst
             let (state, stalled) = (shared.clone(), stalled.clone());
             tokio::spawn(async move {
                 let service = service_fn(move |_req: Request<Incoming>| {
-                    let (state, mut stalled) = (state.clone(), stalled.clone());
+                    let (state, stalled) = (state.clone(), stalled.clone());
                     async move {
-                        // The work runs on its own: a caller hanging up does not stop it.
-                        let work = tokio::spawn(async move {
-                            let n = state.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-                            state.peak.fetch_max(n, Ordering::SeqCst);
-                            let _ = stalled.wait_for(|s| !*s).await;
-                            let now = state.in_flight.load(Ordering::SeqCst);
-                            tokio::time::sleep(latency(now)).await;
-                            state.in_flight.fetch_sub(1, Ordering::SeqCst);
-                        });
-                        let _ = work.await;
+                        match abandoned {
+                            // Work of its own: a caller hanging up does not stop it.
+                            Abandoned::Kept => {
+                                let _ = tokio::spawn(work(state, stalled)).await;
+                            }
+                            // Dropped with the connection when the caller hangs up.
+                            Abandoned::Dropped => work(state, stalled).await,
+                        }
                         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
                     }
                 });
@@ -204,22 +279,27 @@ struct Counters {
 /// Runs one setup through warm-up, stall and recovery.
 pub async fn run(setup: Setup, p: &Params) -> Report {
     let (stall_tx, stall_rx) = watch::channel(false);
-    let (upstream_addr, upstream) = start_upstream(stall_rx).await;
-    let server = match setup.config(upstream_addr) {
-        Some(toml) => {
+    let (upstream_addr, upstream) = start_upstream(stall_rx, p.abandoned).await;
+    let mut servers = Vec::new();
+    if let Some(toml) = setup.config(upstream_addr) {
+        for _ in 0..p.sidecars.max(1) {
             let config = Config::parse(&toml).expect("the lab's configs are valid");
-            Some(
+            servers.push(
                 Server::start(config)
                     .await
                     .expect("the proxy starts on loopback"),
-            )
+            );
         }
-        None => None,
+    }
+    let targets: Vec<SocketAddr> = if servers.is_empty() {
+        vec![upstream_addr]
+    } else {
+        servers.iter().map(Server::proxy_addr).collect()
     };
-    let target = server.as_ref().map_or(upstream_addr, Server::proxy_addr);
-    let url: http::Uri = format!("http://{target}/work")
-        .parse()
-        .expect("a loopback URL");
+    let urls: Vec<http::Uri> = targets
+        .iter()
+        .map(|t| format!("http://{t}/work").parse().expect("a loopback URL"))
+        .collect();
 
     let counters = Arc::new(Counters::default());
     let stop = Arc::new(AtomicBool::new(false));
@@ -230,7 +310,7 @@ pub async fn run(setup: Setup, p: &Params) -> Report {
     for i in 0..p.callers {
         let (client, url, counters, stop, p) = (
             client.clone(),
-            url.clone(),
+            urls[i % urls.len()].clone(),
             counters.clone(),
             stop.clone(),
             p.clone(),
@@ -293,6 +373,7 @@ pub async fn run(setup: Setup, p: &Params) -> Report {
             goodput: counters.goodput.swap(0, Ordering::Relaxed),
             timeouts: counters.timeouts.swap(0, Ordering::Relaxed),
             errors: counters.errors.swap(0, Ordering::Relaxed),
+            upstream_attempts: upstream.received.swap(0, Ordering::SeqCst),
         });
     }
     stop.store(true, Ordering::Relaxed);
@@ -302,10 +383,13 @@ pub async fn run(setup: Setup, p: &Params) -> Report {
     for c in callers {
         c.abort();
     }
-    if let Some(server) = server {
+    let sidecars = servers.len();
+    for server in servers {
         server.shutdown();
     }
-    summarize(setup, seconds, p)
+    let mut report = summarize(setup, seconds, p);
+    report.sidecars = sidecars;
+    report
 }
 
 fn summarize(setup: Setup, seconds: Vec<Second>, p: &Params) -> Report {
@@ -333,9 +417,20 @@ fn summarize(setup: Setup, seconds: Vec<Second>, p: &Params) -> Report {
                 .all(|s| s.goodput as f64 >= 0.9 * baseline)
         })
         .map(|i| Duration::from_secs((i - resume) as u64));
+    let stall = warm..resume.min(seconds.len());
     Report {
         setup,
         peak_concurrency: seconds.iter().map(|s| s.upstream_peak).max().unwrap_or(0),
+        peak_after_resume: seconds
+            .iter()
+            .skip(resume)
+            .map(|s| s.upstream_peak)
+            .max()
+            .unwrap_or(0),
+        attempts_in_stall: seconds
+            .get(stall)
+            .map_or(0, |s| s.iter().map(|s| s.upstream_attempts).sum()),
+        sidecars: 0,
         seconds,
         baseline,
         serving,
@@ -345,17 +440,20 @@ fn summarize(setup: Setup, seconds: Vec<Second>, p: &Params) -> Report {
 
 impl Report {
     pub fn csv(&self) -> String {
-        let mut out = String::from("t,stalled,upstream_peak_concurrency,goodput,timeouts,errors\n");
+        let mut out = String::from(
+            "t,stalled,upstream_peak_concurrency,goodput,timeouts,errors,upstream_attempts\n",
+        );
         for s in &self.seconds {
             let _ = writeln!(
                 out,
-                "{},{},{},{},{},{}",
+                "{},{},{},{},{},{},{}",
                 s.t,
                 u8::from(s.stalled),
                 s.upstream_peak,
                 s.goodput,
                 s.timeouts,
-                s.errors
+                s.errors,
+                s.upstream_attempts
             );
         }
         out
@@ -369,10 +467,16 @@ pub fn parse_csv(text: &str) -> Result<Vec<Second>, String> {
         let bad = |what: &str| format!("line {}: {what}: {line:?}", i + 1);
         let fields: Result<Vec<u64>, _> = line.split(',').map(str::parse::<u64>).collect();
         let fields = fields.map_err(|_| bad("expected whole numbers"))?;
-        let [t, stalled, peak, goodput, timeouts, errors] = fields[..] else {
-            return Err(bad(
-                "expected t,stalled,upstream_peak_concurrency,goodput,timeouts,errors",
-            ));
+        let (t, stalled, peak, goodput, timeouts, errors, attempts) = match fields[..] {
+            [t, stalled, peak, goodput, timeouts, errors] => {
+                (t, stalled, peak, goodput, timeouts, errors, 0)
+            }
+            [t, stalled, peak, goodput, timeouts, errors, attempts] => {
+                (t, stalled, peak, goodput, timeouts, errors, attempts)
+            }
+            _ => return Err(bad(
+                "expected t,stalled,upstream_peak_concurrency,goodput,timeouts,errors[,upstream_attempts]",
+            )),
         };
         seconds.push(Second {
             t: u32::try_from(t).map_err(|_| bad("t is too large"))?,
@@ -381,6 +485,7 @@ pub fn parse_csv(text: &str) -> Result<Vec<Second>, String> {
             goodput,
             timeouts,
             errors,
+            upstream_attempts: attempts,
         });
     }
     Ok(seconds)
@@ -411,6 +516,39 @@ pub fn table(reports: &[Report]) -> String {
             r.peak_concurrency,
             secs(r.serving),
             secs(r.recovery)
+        );
+    }
+    out
+}
+
+/// The fleet table: one row per sidecar count.
+pub fn fleet_table(reports: &[Report]) -> String {
+    let mut out = format!(
+        "{:<10} {:>14} {:>24} {:>20} {:>22} {:>26}\n",
+        "sidecars",
+        "baseline req/s",
+        "peak conc. after resume",
+        "serving (50%) after",
+        "recovery (90%) after",
+        "upstream attempts in stall"
+    );
+    // A second of data ends a second after it starts: 0 is \"within 1 s\".
+    let ms = |d: Option<Duration>| {
+        d.map_or_else(
+            || "not within the run".to_owned(),
+            |d| format!("within {} s", d.as_secs() + 1),
+        )
+    };
+    for r in reports {
+        let _ = writeln!(
+            out,
+            "{:<10} {:>14.0} {:>24} {:>20} {:>22} {:>26}",
+            r.sidecars,
+            r.baseline,
+            r.peak_after_resume,
+            ms(r.serving),
+            ms(r.recovery),
+            r.attempts_in_stall
         );
     }
     out

@@ -2,12 +2,24 @@
 //! concurrency-limits (Gradient2) and Envoy's adaptive concurrency filter.
 //!
 //! Why: a static `max_in_flight` is either too high to protect a slow
-//! upstream or too low for a fast one. This limit follows the upstream: it
-//! compares each request's latency with the long-run average latency; while
-//! they agree the limit may grow (by about its square root, and only while
-//! the limit is actually in use), and when latency climbs above `tolerance`
-//! times the average, or attempts time out or fail, it shrinks. An upstream
-//! that slows down thus gets fewer requests at once, by itself.
+//! upstream or too low for a fast one, and a sidecar is one of a fleet: a
+//! limit that stands far above what its own traffic uses lets every replica
+//! pile that many requests onto an upstream that freezes, before any of
+//! them learns anything. So the limit follows two things:
+//!
+//! - **the upstream's latency**: each window's average latency is compared
+//!   with the upstream's baseline, the lowest window average of the last
+//!   30 to 60 s. Above `tolerance` times the baseline the limit shrinks in
+//!   proportion; a per-try timeout halves it at once;
+//! - **the traffic's own use**: the limit never stands above twice the
+//!   peak in flight of the last 5 to 10 s plus two ([`USE_MULTIPLE`],
+//!   [`USE_HEADROOM`]), and grows only while it is what holds requests back
+//!   (requests wait for a slot or were shed), by each answer that came
+//!   within the tolerance: by one per answer (doubling per round trip, as
+//!   TCP's slow start) up to where it was last cut, by one per round trip
+//!   above that. An idle sidecar thus adds at most two requests to an
+//!   upstream that freezes, and a fleet of them grows back after an outage
+//!   by one request per sidecar per round trip.
 //!
 //! Pure: latencies come in as numbers; the upstream keeps it behind a mutex
 //! taken once per completed attempt.
@@ -18,28 +30,27 @@ use tokio::time::Instant;
 
 use crate::policy::settings::AdaptiveConfig;
 
-use super::outcome::{Outcome, UpstreamFault};
+use super::outcome::{CallerFault, Outcome, UpstreamFault};
 
 #[derive(Debug, Clone)]
 pub struct Limiter {
     limit: f64,
-    /// Where the limit starts, and where it comes back to when the upstream
-    /// is healthy, however light the traffic.
-    initial: f64,
     min_limit: f64,
     max_limit: f64,
     tolerance: f64,
     smoothing: f64,
-    /// Long-run average latency, in seconds (exponentially weighted).
-    long_rtt: Option<f64>,
+    baseline: Baseline,
     window: Option<Window>,
+    use_: Use,
+    /// Where the limit was last cut, or the calm level if higher: slow
+    /// start below it, one per round trip above it.
+    threshold: f64,
+    /// The mean in flight while latency was calm (windows within the
+    /// tolerance), remembered through an outage: after one, the limit
+    /// comes back to it by slow start, and no faster past it.
+    calm: f64,
     /// When a timeout last cut the limit: it is cut at most once per window.
     last_cut: Option<Instant>,
-    /// When an attempt last timed out at all.
-    last_drop: Option<Instant>,
-    /// When a sample last came: a limit left low by a past spell comes back
-    /// once the upstream has been quiet for [`QUIET`].
-    last_sample: Option<Instant>,
 }
 
 /// Why a limiter could not be built; [`key`](InvalidLimiter::key) names
@@ -72,7 +83,10 @@ impl InvalidLimiter {
 pub enum Sample {
     /// Response headers after this long.
     Latency(Duration),
-    /// Timed out or failed in a way that says the upstream is struggling.
+    /// No answer yet after this long, when the caller left or the request's
+    /// deadline ended the attempt: the latency was at least this.
+    Unanswered(Duration),
+    /// Timed out in a way that says the upstream is struggling.
     Dropped,
 }
 
@@ -81,24 +95,34 @@ impl Sample {
     /// limit: the one mapping from an outcome to the limiter.
     ///
     /// An answer is a latency. A per-try timeout is a drop: the upstream is
-    /// struggling now. Nothing else is a sample: a caller that hung up, sent
-    /// a bad body or stalled, and a request cut short by its own deadline,
-    /// say nothing about the upstream, so callers who give up cannot move
-    /// the limit. Neither do connection failures, which the breaker counts.
+    /// struggling now. An attempt cut short by its caller leaving or by its
+    /// deadline is a lower bound of the latency, which counts only when it
+    /// is already above what the limit tolerates (see [`Limiter::update`]):
+    /// a caller who gives up early cannot move the limit, but a thousand
+    /// callers who gave up after waiting far longer than the upstream
+    /// usually takes do tell that it is slow. A caller's bad or stalled
+    /// body and connection failures (which the breaker counts) are nothing.
     pub fn of(outcome: Outcome, elapsed: Duration) -> Option<Sample> {
         match outcome {
             Outcome::Response(_) | Outcome::Grpc(_) => Some(Sample::Latency(elapsed)),
             Outcome::Upstream(UpstreamFault::Timeout) => Some(Sample::Dropped),
+            Outcome::Caller(CallerFault::Gone) | Outcome::Deadline => {
+                Some(Sample::Unanswered(elapsed))
+            }
             _ => None,
         }
     }
 }
 
-/// With no samples this long, a limit that fell comes back to its initial value.
-const QUIET: Duration = Duration::from_secs(5);
+/// The limit never stands above `USE_MULTIPLE` times the recent peak in
+/// flight plus `USE_HEADROOM`.
+pub const USE_MULTIPLE: f64 = 2.0;
+pub const USE_HEADROOM: f64 = 2.0;
+/// The recent peak is the larger of this period's and the last one's.
+const USE_PERIOD: Duration = Duration::from_secs(5);
+/// The baseline is the lowest window average of this period and the last.
+const BASELINE_PERIOD: Duration = Duration::from_secs(30);
 
-/// Samples over which the long-run average mostly forms.
-const LONG_WINDOW: f64 = 500.0;
 /// The limit moves at most once per window of samples this long ...
 const WINDOW: Duration = Duration::from_millis(100);
 /// ... holding at least this many samples (or a timeout).
@@ -123,16 +147,16 @@ impl Limiter {
         }
         Ok(Self {
             limit: (c.initial_limit as f64).min(max),
-            initial: (c.initial_limit as f64).min(max),
-            last_cut: None,
-            last_drop: None,
-            last_sample: None,
             min_limit: (c.min_limit as f64).min(max),
             max_limit: max,
             tolerance: c.tolerance,
             smoothing: c.smoothing,
-            long_rtt: None,
+            baseline: Baseline::default(),
             window: None,
+            use_: Use::default(),
+            threshold: max,
+            calm: 0.0,
+            last_cut: None,
         })
     }
 
@@ -141,39 +165,56 @@ impl Limiter {
         self.limit as usize
     }
 
-    /// Records an attempt's outcome at `now`; `in_flight` counts it too.
+    /// Records an attempt's outcome at `now`; `in_flight` counts it too;
+    /// `queued`: requests waiting for a slot now, or 1 when none waits but
+    /// one was shed since the last sample.
     ///
     /// Samples are gathered over a window (100 ms, and at least 10 samples,
     /// as Netflix's `WindowedLimit` does) and the limit moves once per window
     /// on the window's average latency: a burst of slow answers caused by a
     /// hiccup of the proxy itself does not collapse the limit.
-    pub fn update(&mut self, sample: Sample, in_flight: usize, now: Instant) {
-        self.last_sample = Some(now);
-        if sample == Sample::Dropped {
-            self.last_drop = Some(now);
-            // A timeout says the upstream is struggling now: halve at once,
-            // but once per window, however many time out together.
-            let cut_lately = self
-                .last_cut
-                .is_some_and(|at| now.saturating_duration_since(at) < WINDOW);
-            if !cut_lately {
-                self.limit = (self.limit * 0.5).clamp(self.min_limit, self.max_limit);
-                self.last_cut = Some(now);
+    pub fn update(&mut self, sample: Sample, in_flight: usize, queued: usize, now: Instant) {
+        self.use_.record(in_flight, now);
+        let latency = match sample {
+            Sample::Dropped => {
+                // A timeout says the upstream is struggling now: halve at
+                // once, but once per window, however many time out together.
+                let cut_lately = self
+                    .last_cut
+                    .is_some_and(|at| now.saturating_duration_since(at) < WINDOW);
+                if !cut_lately {
+                    self.limit = (self.limit * 0.5).clamp(self.min_limit, self.max_limit);
+                    self.threshold = self.limit.max(self.calm);
+                    self.last_cut = Some(now);
+                }
+                self.window = None;
+                return;
             }
-            self.window = None;
-            return;
-        }
+            Sample::Latency(rtt) => {
+                let rtt = rtt.as_secs_f64();
+                if queued > 0 {
+                    self.grow(rtt, in_flight + queued);
+                }
+                rtt
+            }
+            Sample::Unanswered(waited) => {
+                let waited = waited.as_secs_f64();
+                let tolerated = self.baseline.get().map(|b| b * self.tolerance);
+                if tolerated.is_none_or(|t| waited <= t) {
+                    return;
+                }
+                waited
+            }
+        };
         let w = self.window.get_or_insert(Window {
             start: now,
             sum: 0.0,
             count: 0,
-            max_in_flight: 0,
+            in_flight: 0,
         });
-        if let Sample::Latency(rtt) = sample {
-            w.sum += rtt.as_secs_f64();
-            w.count += 1;
-        }
-        w.max_in_flight = w.max_in_flight.max(in_flight);
+        w.sum += latency;
+        w.count += 1;
+        w.in_flight = w.in_flight.saturating_add(in_flight);
         let age = now.saturating_duration_since(w.start);
         // Light traffic fills no window of MIN_SAMPLES: after ten windows'
         // time, what came is enough.
@@ -184,65 +225,72 @@ impl Limiter {
         let Some(w) = self.window.take() else {
             return;
         };
-        self.apply(
-            (w.sum / f64::from(w.count.max(1))).max(1e-6),
-            w.max_in_flight,
-        );
+        let count = f64::from(w.count.max(1));
+        self.apply((w.sum / count).max(1e-6), w.in_flight as f64 / count, now);
     }
 
-    /// A limit left below its initial value by a past spell comes back to it
-    /// once the upstream has had no traffic for `QUIET` and no timeout for
-    /// six times that: with nothing bad learnt since, the first burst after
-    /// a quiet time is not shed for what happened before it. An upstream
-    /// that still times out now and then (breaker probes into an outage)
-    /// keeps its low limit, so the burst when the breaker closes is held.
-    /// Called once a second.
+    /// Once a second: the limit of a sidecar whose traffic fell comes down
+    /// to what the traffic uses, samples or not.
     pub fn relax(&mut self, now: Instant) {
-        let since = |at: Option<Instant>| at.map(|at| now.saturating_duration_since(at));
-        let quiet = since(self.last_sample).is_none_or(|d| d >= QUIET);
-        let calm = since(self.last_drop).is_none_or(|d| d >= QUIET * 6);
-        if quiet && calm && self.limit < self.initial {
-            self.limit = self.initial;
-            self.window = None;
-        }
+        self.use_.record(0, now);
+        self.limit = self.limit.min(self.use_bound()).max(self.min_limit);
     }
 
-    fn apply(&mut self, short: f64, in_flight: usize) {
-        let long = match self.long_rtt {
-            None => short,
-            Some(long) => {
-                let mut long = long + (short - long) / LONG_WINDOW;
-                // After a slow spell, let the average come back down quickly.
-                if long > 2.0 * short {
-                    long *= 0.95;
-                }
-                long
-            }
-        };
-        self.long_rtt = Some(long);
-        let gradient = (self.tolerance * long / short).clamp(0.5, 1.0);
-        let mut new = self.limit * gradient + self.limit.sqrt();
-        // Grow only when the limit is what holds requests back; but a limit
-        // below where it started grows back toward it while latency is
-        // normal, however light the traffic (by its square root per window,
-        // as when in use: not in one leap that would flood an upstream that
-        // has just recovered).
-        if (in_flight as f64) < self.limit / 2.0 {
-            let ceiling = if gradient >= 1.0 {
-                self.limit.max(self.initial)
-            } else {
-                self.limit
-            };
-            new = new.min(ceiling);
+    /// One answer that came while the limit held requests back: if it came
+    /// within half the tolerance (1.5 times the baseline at the default
+    /// 2.0: a band between growing and shrinking, so that the limit settles
+    /// instead of swinging), the limit grows by one below the threshold, by
+    /// one over the limit above it (one per round trip); never past
+    /// `demand`, the requests in flight and waiting, so that a backlog
+    /// cleared at once does not leave it far above the traffic.
+    fn grow(&mut self, rtt: f64, demand: usize) {
+        let calm = 1.0 + (self.tolerance - 1.0) / 2.0;
+        if self.baseline.get().is_some_and(|b| rtt > b * calm) {
+            return;
         }
-        // Shrink smoothly (one slow window is not a trend), grow at once:
-        // a recovered upstream gets its traffic back within a second or so.
-        let next = if new < self.limit {
-            self.limit * (1.0 - self.smoothing) + new * self.smoothing
+        let step = if self.limit < self.threshold {
+            1.0
         } else {
-            new
+            1.0 / self.limit
         };
-        self.limit = next.clamp(self.min_limit, self.max_limit);
+        self.limit = (self.limit + step)
+            .min((demand as f64).max(self.limit))
+            .min(self.max_limit);
+    }
+
+    /// How long a request may wait for a slot: four times the tolerated
+    /// latency (`None` before there is a baseline; the caller bounds it).
+    pub fn wait(&self) -> Option<Duration> {
+        let tolerated = self.baseline.get()? * self.tolerance * 4.0;
+        Some(Duration::try_from_secs_f64(tolerated).unwrap_or(Duration::MAX))
+    }
+
+    /// The most the recent use allows (no bound until it is known).
+    fn use_bound(&self) -> f64 {
+        self.use_
+            .peak()
+            .map_or(f64::INFINITY, |p| USE_MULTIPLE * p as f64 + USE_HEADROOM)
+    }
+
+    /// A window closed with average latency `short`: above the tolerance,
+    /// the limit shrinks toward `tolerance × baseline / short` of itself,
+    /// smoothly (one slow window is not a trend), and slow start ends there.
+    fn apply(&mut self, short: f64, mean_in_flight: f64, now: Instant) {
+        self.baseline.record(short, now);
+        let base = self.baseline.get().unwrap_or(short);
+        let gradient = (self.tolerance * base / short).clamp(0.5, 1.0);
+        if gradient < 1.0 {
+            let target = self.limit * gradient;
+            self.limit = (self.limit * (1.0 - self.smoothing) + target * self.smoothing)
+                .clamp(self.min_limit, self.max_limit);
+            self.threshold = self.limit.max(self.calm);
+        } else {
+            self.calm += (mean_in_flight - self.calm) * 0.2;
+        }
+        self.limit = self
+            .limit
+            .min(self.use_bound())
+            .clamp(self.min_limit, self.max_limit);
     }
 }
 
@@ -252,7 +300,64 @@ struct Window {
     start: Instant,
     sum: f64,
     count: u32,
-    max_in_flight: usize,
+    /// The sum of the in-flight counts the samples came with.
+    in_flight: usize,
+}
+
+/// The peak in flight over the current [`USE_PERIOD`] and the one before.
+#[derive(Debug, Clone, Default)]
+struct Use {
+    since: Option<Instant>,
+    current: usize,
+    /// `None` until a whole period has passed: a sidecar just started has
+    /// its initial limit until its use is known.
+    previous: Option<usize>,
+}
+
+impl Use {
+    fn record(&mut self, in_flight: usize, now: Instant) {
+        let since = *self.since.get_or_insert(now);
+        let periods = now.saturating_duration_since(since).as_nanos() / USE_PERIOD.as_nanos();
+        if periods >= 1 {
+            self.previous = Some(if periods == 1 { self.current } else { 0 });
+            self.current = 0;
+            self.since = Some(now);
+        }
+        self.current = self.current.max(in_flight);
+    }
+
+    fn peak(&self) -> Option<usize> {
+        Some(self.current.max(self.previous?))
+    }
+}
+
+/// The lowest window average over the current [`BASELINE_PERIOD`] and the
+/// one before: what the upstream takes when it is not queueing. A minimum,
+/// not an average, so that a long overload does not become the norm; it
+/// expires, so that an upstream that really became slower is followed.
+#[derive(Debug, Clone, Default)]
+struct Baseline {
+    since: Option<Instant>,
+    current: Option<f64>,
+    previous: Option<f64>,
+}
+
+impl Baseline {
+    fn record(&mut self, latency: f64, now: Instant) {
+        let since = *self.since.get_or_insert(now);
+        if now.saturating_duration_since(since) >= BASELINE_PERIOD {
+            self.previous = self.current.take();
+            self.since = Some(now);
+        }
+        self.current = Some(self.current.map_or(latency, |c| c.min(latency)));
+    }
+
+    fn get(&self) -> Option<f64> {
+        match (self.current, self.previous) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -61,11 +61,14 @@ impl Default for OutlierConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct AdaptiveConfig {
     pub enabled: bool,
-    /// The limit never falls below this.
+    /// The limit never falls below this. Per sidecar: a fleet of N holds
+    /// at least N times this on an upstream, however it fares.
     pub min_limit: usize,
-    /// The limit at start-up (at most `max_in_flight`).
+    /// The limit at start-up (at most `max_in_flight`); it grows while
+    /// requests wait for it.
     pub initial_limit: usize,
-    /// Latency up to this many times the long-run average counts as normal.
+    /// Latency up to this many times the baseline (the lowest of the last
+    /// 30 to 60 s) counts as normal.
     pub tolerance: f64,
     /// How far each sample moves the limit toward its new value (0, 1].
     pub smoothing: f64,
@@ -75,8 +78,8 @@ impl Default for AdaptiveConfig {
     fn default() -> Self {
         Self {
             enabled: true,
-            min_limit: 8,
-            initial_limit: 100,
+            min_limit: 1,
+            initial_limit: 20,
             tolerance: 2.0,
             smoothing: 0.2,
         }

@@ -43,8 +43,10 @@ pub trait Attempts {
     type Answer;
 
     /// Takes an in-flight slot for the next attempt, or says why not (the
-    /// upstream is at its limit). Nothing is sent yet.
-    fn reserve(&mut self) -> Result<(), String>;
+    /// upstream is at its limit). Nothing is sent yet. `may_wait`: the
+    /// attempt may wait for a slot when the upstream allows it (a first
+    /// attempt or a retry; not a hedge, which only goes where there is room).
+    fn reserve(&mut self, may_wait: bool) -> Result<(), String>;
 
     /// Sends attempt `n` (1-based) on the slot [`reserve`](Self::reserve)
     /// took. Its per-try time starts once the request is sent whole; the
@@ -314,7 +316,7 @@ fn admit<T: Attempts>(
                 retry_after: Some(retry_after),
             }
         }
-        Admit::Yes { probe } => match attempts.reserve() {
+        Admit::Yes { probe } => match attempts.reserve(true) {
             Ok(()) => return Ok(probe),
             Err(detail) => {
                 if probe {
@@ -644,7 +646,7 @@ fn hedge_gates<T: Attempts>(
         match decide::hedge(&guards.policy, facts, slow, left, gates)? {
             // Another request may have taken the last token since.
             Ok(()) if !guards.budget.withdraw(now) => Some(SkipReason::Budget),
-            Ok(()) => match attempts.reserve() {
+            Ok(()) => match attempts.reserve(false) {
                 Ok(()) => None,
                 Err(_) => {
                     guards.budget.refund(Instant::now());
@@ -879,7 +881,7 @@ mod tests {
     impl Attempts for Script {
         type Answer = u32;
 
-        fn reserve(&mut self) -> Result<(), String> {
+        fn reserve(&mut self, _may_wait: bool) -> Result<(), String> {
             self.reserved += 1;
             match self.full_at == Some(self.reserved) {
                 true => Err("full".into()),
@@ -1108,7 +1110,7 @@ mod tests {
         struct Never;
         impl Attempts for Never {
             type Answer = ();
-            fn reserve(&mut self) -> Result<(), String> {
+            fn reserve(&mut self, _may_wait: bool) -> Result<(), String> {
                 Ok(())
             }
             fn send(

@@ -38,7 +38,7 @@ pub type Answer = (Response<Incoming>, InFlight);
 /// An attempt ready to go: its in-flight slot, endpoint, request, and the
 /// progress of its body.
 type Ready<'a> = (
-    InFlight,
+    Option<InFlight>,
     Picked<'a>,
     Request<RequestBody>,
     Option<Arc<Progress>>,
@@ -214,14 +214,13 @@ impl<'a> Forward<'a> {
         }
     }
 
-    /// Attempt `n` made ready to go: an in-flight slot (the one `reserve`
-    /// took, or one taken now; none: the upstream is full), an endpoint
-    /// picked, noted for the access log, and the request. Done before the
-    /// attempt goes, so that it borrows nothing of `self` and a hedge can
-    /// be sent while it runs.
-    fn prepare(&mut self, n: u32, probe: bool) -> Option<Ready<'a>> {
+    /// Attempt `n` made ready to go: the in-flight slot `reserve` took (none:
+    /// the attempt waits for one), an endpoint picked, noted for the access
+    /// log, and the request. Done before the attempt goes, so that it
+    /// borrows nothing of `self` and a hedge can be sent while it runs.
+    fn prepare(&mut self, n: u32, probe: bool) -> Ready<'a> {
         let upstream = self.upstream;
-        let slot = self.slot.take().or_else(|| upstream.try_acquire())?;
+        let slot = self.slot.take();
         let picked = upstream.pick(self.endpoint, self.repeatable, probe);
         self.endpoint = Some(picked.index);
         self.racing = [self.racing[1], (n, picked.index)];
@@ -233,7 +232,7 @@ impl<'a> Forward<'a> {
             .grpc_deadline
             .map(|d| d.saturating_duration_since(Instant::now()));
         let (req, progress) = self.request(n, &picked.endpoint().host, grpc_left);
-        Some((slot, picked, req, progress))
+        (slot, picked, req, progress)
     }
 
     /// The request of attempt `n`, with the progress of its body if it has one.
@@ -298,16 +297,20 @@ impl<'a> Forward<'a> {
 impl<'a> retry::Attempts for Forward<'a> {
     type Answer = Answer;
 
-    fn reserve(&mut self) -> Result<(), String> {
+    fn reserve(&mut self, may_wait: bool) -> Result<(), String> {
         if self.slot.is_none() {
-            self.slot = Some(self.upstream.try_acquire().ok_or_else(|| {
-                format!(
-                    "upstream {} is at its in-flight limit ({})",
-                    self.upstream.name,
-                    self.upstream.limit()
-                )
-            })?);
+            self.slot = self.upstream.take_slot();
         }
+        if self.slot.is_some() || (may_wait && self.upstream.may_wait()) {
+            return Ok(());
+        }
+        self.slot = Some(self.upstream.try_acquire().ok_or_else(|| {
+            format!(
+                "upstream {} is at its in-flight limit ({})",
+                self.upstream.name,
+                self.upstream.limit()
+            )
+        })?);
         Ok(())
     }
 
@@ -330,7 +333,13 @@ impl<'a> retry::Attempts for Forward<'a> {
         };
         let path_and_query = self.path_and_query;
         async move {
-            let Some((mut slot, picked, req, progress)) = ready else {
+            let (slot, picked, req, progress) = ready;
+            let slot = match slot {
+                Some(slot) => Some(slot),
+                // Boxed: only a request that waits pays for the wait's room.
+                None => Box::pin(upstream.wait_for_slot(deadline)).await,
+            };
+            let Some(mut slot) = slot else {
                 return Attempt {
                     outcome: Outcome::Refused(crate::policy::Refusal::Overloaded),
                     answer: None,

@@ -279,6 +279,10 @@ fn with_base(base: &str, pq: &PathAndQuery) -> Option<PathAndQuery> {
     PathAndQuery::try_from(joined).ok()
 }
 
+/// The least and the most a request may wait for a slot.
+const MIN_WAIT: Duration = Duration::from_millis(50);
+const MAX_WAIT: Duration = Duration::from_secs(1);
+
 pub struct Upstream {
     pub name: Arc<str>,
     endpoints: Box<[Endpoint]>,
@@ -295,6 +299,16 @@ pub struct Upstream {
     /// The adaptive limit, when on; `limit` mirrors it for lock-free admission.
     limiter: Option<Mutex<Limiter>>,
     limit: AtomicUsize,
+    /// Requests waiting for a slot (see [`Upstream::wait_for_slot`]), woken
+    /// through `freed` as slots free up or the limit grows.
+    waiting: AtomicUsize,
+    freed: tokio::sync::Notify,
+    /// A request was shed since the limiter last heard: the limit is what
+    /// holds requests back, and may grow.
+    pressed: AtomicBool,
+    /// How long a request may wait for a slot, in nanoseconds (from the
+    /// limiter's baseline latency).
+    wait_nanos: std::sync::atomic::AtomicU64,
     pub metrics: UpstreamMetrics,
     /// Upgraded connections: counted apart from requests in flight.
     pub tunnels: Arc<Tunnels>,
@@ -352,6 +366,10 @@ impl Upstream {
                     .map_or(config.max_in_flight, Limiter::limit),
             ),
             limiter: limiter.map(Mutex::new),
+            waiting: AtomicUsize::new(0),
+            freed: tokio::sync::Notify::new(),
+            pressed: AtomicBool::new(false),
+            wait_nanos: std::sync::atomic::AtomicU64::new(MAX_WAIT.as_nanos() as u64),
             metrics: UpstreamMetrics::new(registry, name, &labels),
             tunnels: Tunnels::new(config.max_tunnels, config.tunnel_idle_timeout),
         }))
@@ -496,15 +514,30 @@ impl Upstream {
             return;
         };
         if let Some(limiter) = &self.limiter {
-            let mut limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
-            limiter.update(sample, self.in_flight(), tokio::time::Instant::now());
-            self.limit.store(limiter.limit(), Ordering::Relaxed);
+            let shed = self.pressed.load(Ordering::Relaxed)
+                && self.pressed.swap(false, Ordering::Relaxed);
+            let queued = self.waiting.load(Ordering::Relaxed).max(usize::from(shed));
+            let (before, after, wait) = {
+                let mut limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
+                let before = limiter.limit();
+                limiter.update(sample, self.in_flight(), queued, tokio::time::Instant::now());
+                (before, limiter.limit(), limiter.wait())
+            };
+            self.limit.store(after, Ordering::Relaxed);
+            self.wait_nanos.store(
+                wait.map_or(MAX_WAIT, |w| w.clamp(MIN_WAIT, MAX_WAIT))
+                    .as_nanos() as u64,
+                Ordering::Relaxed,
+            );
+            if after > before && self.waiting.load(Ordering::Relaxed) > 0 {
+                self.freed.notify_waiters();
+            }
         }
     }
 
     /// Closes connections that closed or idled out (once a second).
-    /// Also lets a limit left low by a past spell come back once the
-    /// upstream has been quiet (see [`Limiter::relax`]).
+    /// Also brings the limit down to what the traffic uses (see
+    /// [`Limiter::relax`]).
     pub fn sweep(&self) {
         for e in &self.endpoints {
             if let Transport::Pool(pool) = &e.transport {
@@ -532,12 +565,26 @@ impl Upstream {
         }
     }
 
-    /// Takes a slot for one request, or `None` when the upstream is full.
+    /// Takes a slot for one request, or `None` (counted as shed) when the
+    /// upstream is full.
     pub fn try_acquire(self: &Arc<Self>) -> Option<InFlight> {
+        let slot = self.take_slot();
+        if slot.is_none() {
+            self.refuse();
+        }
+        slot
+    }
+
+    /// A request refused for the limit: counted, and the limit may grow.
+    fn refuse(&self) {
+        self.pressed.store(true, Ordering::Relaxed);
+        self.metrics.shed.increment(1);
+    }
+
+    fn take_slot(self: &Arc<Self>) -> Option<InFlight> {
         let prior = self.in_flight.fetch_add(1, Ordering::AcqRel);
         if prior >= self.limit.load(Ordering::Relaxed) {
             self.in_flight.fetch_sub(1, Ordering::AcqRel);
-            self.metrics.shed.increment(1);
             return None;
         }
         Some(InFlight {
@@ -546,6 +593,40 @@ impl Upstream {
             endpoint: None,
             counted: true,
         })
+    }
+
+    /// Whether a request that finds the upstream full may wait for a slot
+    /// ([`wait_for_slot`](Self::wait_for_slot)) rather than be shed at once:
+    /// under the adaptive limit, while fewer than `max_in_flight` wait.
+    pub fn may_wait(&self) -> bool {
+        self.limiter.is_some() && self.waiting.load(Ordering::Relaxed) < self.max_in_flight
+    }
+
+    /// Waits for a slot, for at most four times the tolerated latency
+    /// (between 50 ms and 1 s) and never past `deadline`; `None`, counted as
+    /// shed, when none came. A burst onto an idle sidecar thus waits the few
+    /// round trips its limit takes to grow, instead of being shed, and no
+    /// request reaches the upstream beyond the limit.
+    pub async fn wait_for_slot(self: &Arc<Self>, deadline: Instant) -> Option<InFlight> {
+        let wait = Duration::from_nanos(self.wait_nanos.load(Ordering::Relaxed));
+        let until = deadline.min(Instant::now() + wait);
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let slot = loop {
+            let notified = self.freed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(slot) = self.take_slot() {
+                break Some(slot);
+            }
+            if tokio::time::timeout_at(until, notified).await.is_err() {
+                break self.take_slot();
+            }
+        };
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
+        if slot.is_none() {
+            self.refuse();
+        }
+        slot
     }
 }
 
@@ -642,6 +723,9 @@ impl InFlight {
     pub fn park(&mut self) {
         if std::mem::replace(&mut self.counted, false) {
             self.upstream.in_flight.fetch_sub(1, Ordering::AcqRel);
+            if self.upstream.waiting.load(Ordering::Relaxed) > 0 {
+                self.upstream.freed.notify_one();
+            }
         }
     }
 }

@@ -251,7 +251,10 @@ fn lab_fleet(
             stall,
             ..outage::Params::fleet(n)
         };
-        err_line!("fleet: {} ({callers} callers, freeze {stall:?})...", fleet_name(n));
+        err_line!(
+            "fleet: {} ({callers} callers, freeze {stall:?})...",
+            fleet_name(n)
+        );
         let report = rt.block_on(outage::run(outage::Setup::Defaults, &params));
         write(&out.join(format!("fleet-{n}.csv")), &report.csv())?;
         reports.push(report);

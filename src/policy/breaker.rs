@@ -34,8 +34,12 @@ use super::outcome::{Fault, Outcome as AttemptOutcome, UpstreamFault};
 const SLOTS: usize = 10;
 
 /// How far the wait between trickle probes grows, in doublings of
-/// `probe_interval`: to four times, after two `open_for` of outage.
-const PROBE_DOUBLINGS: u32 = 2;
+/// `probe_interval`: one per failed probe, to eight times.
+const PROBE_DOUBLINGS: u32 = 3;
+
+/// A trickle probe not heard of for this long no longer holds the next one
+/// back (every admitted attempt is recorded; this is a safety net).
+const PROBE_LOST: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {
@@ -142,9 +146,13 @@ pub struct Breaker {
     state: State,
     /// While open: when the next trickle probe may go.
     next_probe: Instant,
-    /// When the breaker last tripped from closed: the probes slow down as
-    /// the outage lasts (see [`Breaker::probe_wait`]).
-    outage_start: Instant,
+    /// Trickle probes that failed in a row since the breaker last tripped
+    /// from closed: the probes slow down (see [`Breaker::probe_wait`]).
+    failed_probes: u32,
+    /// When the trickle probe in flight, if any, went: one at a time, so
+    /// that a frozen upstream gets one probe per sidecar, not one per
+    /// interval piling up.
+    trickle_since: Option<Instant>,
     since: Instant,
     /// Until when the breaker stays open.
     open_until: Instant,
@@ -231,7 +239,8 @@ impl Breaker {
             probe_interval: c.probe_interval,
             state: State::Closed,
             next_probe: now,
-            outage_start: now,
+            failed_probes: 0,
+            trickle_since: None,
             since: now,
             open_until: now,
             trips: 0,
@@ -281,11 +290,20 @@ impl Breaker {
     ) -> (Admit, Option<Transition>) {
         match self.state {
             State::Closed => (Admit::Yes { probe: false }, None),
-            // While open, a trickle of probes: one per `probe_interval`,
-            // jittered, so that a recovered upstream is found in about a
-            // second, not after the whole open time.
-            State::Open if !self.forced && now < self.open_until && now >= self.next_probe => {
-                self.next_probe = now + self.probe_wait(now, rng);
+            // While open, a trickle of probes: one at a time, one per
+            // `probe_interval` at first, jittered, so that a recovered
+            // upstream is found in about a second, not after the whole open
+            // time.
+            State::Open
+                if !self.forced
+                    && now < self.open_until
+                    && now >= self.next_probe
+                    && self
+                        .trickle_since
+                        .is_none_or(|at| now.saturating_duration_since(at) >= PROBE_LOST) =>
+            {
+                self.next_probe = now + self.probe_wait(rng);
+                self.trickle_since = Some(now);
                 (Admit::Yes { probe: true }, None)
             }
             State::Open if self.forced || now < self.open_until => {
@@ -333,6 +351,9 @@ impl Breaker {
         if probe && self.state == State::HalfOpen {
             self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
         }
+        if probe && self.state == State::Open {
+            self.trickle_since = None;
+        }
         if outcome == Outcome::Unknown {
             return None;
         }
@@ -358,7 +379,10 @@ impl Breaker {
             // A trickle probe that succeeds half-opens the breaker at once
             // (and closes it, when one probe is a majority); one that fails
             // changes nothing: the breaker stays open.
-            State::Open if probe && failed => None,
+            State::Open if probe && failed => {
+                self.failed_probes = self.failed_probes.saturating_add(1);
+                None
+            }
             State::Open if probe && !failed => {
                 let t = self.enter(State::HalfOpen, now);
                 self.probe_successes = 1;
@@ -430,16 +454,12 @@ impl Breaker {
     }
 
     /// The wait before the next trickle probe, jittered ±50%:
-    /// `probe_interval` for the first `open_for` of an outage (most are
-    /// short: a resumed upstream is found within a few hundred ms), then
-    /// doubled per `open_for` it lasts, up to four times (a long outage is
-    /// fed one probe a second per route, at the default 250 ms).
-    fn probe_wait<R: Rng + ?Sized>(&self, now: Instant, rng: &mut R) -> Duration {
-        let lasted = now.saturating_duration_since(self.outage_start);
-        let spells = lasted.as_nanos() / self.open_for.as_nanos().max(1);
-        let doublings = u32::try_from(spells)
-            .unwrap_or(u32::MAX)
-            .min(PROBE_DOUBLINGS);
+    /// `probe_interval`, doubled per trickle probe that failed in a row, up
+    /// to eight times (a long outage is fed one probe every two seconds per
+    /// route and sidecar, at the default 250 ms; with the jitter a fleet's
+    /// probes do not line up).
+    fn probe_wait<R: Rng + ?Sized>(&self, rng: &mut R) -> Duration {
+        let doublings = self.failed_probes.min(PROBE_DOUBLINGS);
         self.probe_interval
             .saturating_mul(1 << doublings)
             .mul_f64(rng.random_range(0.5..1.5))
@@ -460,14 +480,15 @@ impl Breaker {
         let open = base.mul_f64(factor).min(self.max_open_for.mul_f64(1.25));
         self.open_until = now + open;
         if self.trips == 1 {
-            self.outage_start = now;
+            self.failed_probes = 0;
         }
-        self.next_probe = now + self.probe_wait(now, rng);
+        self.next_probe = now + self.probe_wait(rng);
         self.enter(State::Open, now)
     }
 
     fn enter(&mut self, state: State, now: Instant) -> Option<Transition> {
         self.consecutive_failures = 0;
+        self.trickle_since = None;
         self.probes_in_flight = 0;
         self.probe_successes = 0;
         self.probe_failures = 0;
@@ -569,7 +590,8 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn an_open_breaker_probes_often_at_first_then_slower_and_half_opens_on_success() {
+    async fn an_open_breaker_probes_often_at_first_then_slower_per_failed_probe_and_half_opens_on_success(
+    ) {
         let c = BreakerConfig {
             probe_interval: Duration::from_millis(250),
             consecutive_failures: 1,
@@ -602,16 +624,16 @@ mod tests {
                 .filter(|t| **t >= Duration::from_secs(from) && **t < Duration::from_secs(to))
                 .count()
         };
-        // The first open_for: one probe per 250 ms ± 50%.
+        // The first probes: 250 ms, then 500 ms, 1 s (each ± 50%).
         let early = within(0, 2);
         assert!(
-            (5..=16).contains(&early),
+            (2..=6).contains(&early),
             "{early} probes in the first 2 s: {trickle:?}"
         );
-        // After two open_for of outage: one per second ± 50%.
+        // After three failed probes: one per 2 s ± 50%.
         let late = within(6, 12);
         assert!(
-            (4..=12).contains(&late),
+            (2..=6).contains(&late),
             "{late} probes from 6 s to 12 s: {trickle:?}"
         );
         assert!(
@@ -702,6 +724,42 @@ mod tests {
             Some(Transition { to: State::Closed })
         );
         assert_eq!(b.admit(now, &mut r).0, Admit::Yes { probe: false });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_trickle_probe_at_a_time() {
+        let c = BreakerConfig {
+            probe_interval: Duration::from_millis(250),
+            consecutive_failures: 1,
+            ..config()
+        };
+        let (mut b, mut r) = (Breaker::try_new(&c, Instant::now()).unwrap(), rng());
+        let t0 = Instant::now();
+        b.record(t0, false, Outcome::Failure, &mut r);
+        let first = b.next_probe;
+        assert_eq!(b.admit(first, &mut r).0, Admit::Yes { probe: true });
+        // A frozen upstream: the probe hangs. Later callers are refused,
+        // however long after the interval they come.
+        for ms in [400, 1000, 3000] {
+            let now = first + Duration::from_millis(ms);
+            assert!(
+                matches!(b.admit(now, &mut r).0, Admit::No { .. }),
+                "{ms} ms"
+            );
+        }
+        // Its timeout comes back: a failure, and the next probe waits twice
+        // as long (± 50%).
+        let back = first + Duration::from_secs(3);
+        b.record(back, true, Outcome::Failure, &mut r);
+        let wait = b.next_probe.saturating_duration_since(first);
+        assert!(wait >= Duration::from_millis(125), "{wait:?}");
+        let next = b.next_probe.max(back);
+        assert_eq!(b.admit(next, &mut r).0, Admit::Yes { probe: true });
+        // A probe that ends without telling (its caller left) frees the turn.
+        b.record(next, true, Outcome::Unknown, &mut r);
+        let after = b.next_probe.max(next);
+        assert_eq!(b.admit(after, &mut r).0, Admit::Yes { probe: true });
+        assert_eq!(b.state(), State::Open);
     }
 
     #[tokio::test(start_paused = true)]

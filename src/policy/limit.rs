@@ -364,60 +364,96 @@ impl Baseline {
 mod tests {
     use super::*;
 
-    fn limiter() -> Limiter {
-        let c = AdaptiveConfig {
+    fn config() -> AdaptiveConfig {
+        AdaptiveConfig {
             enabled: true,
-            min_limit: 5,
-            initial_limit: 50,
+            min_limit: 1,
+            initial_limit: 20,
             tolerance: 2.0,
             smoothing: 0.2,
-        };
-        Limiter::try_new(&c, 1000).unwrap()
+        }
+    }
+
+    fn limiter() -> Limiter {
+        Limiter::try_new(&config(), 1000).unwrap()
     }
 
     fn ms(n: u64) -> Sample {
         Sample::Latency(Duration::from_millis(n))
     }
 
-    /// Feeds `n` windows of `sample`, each window 10 samples over 100 ms.
+    /// Feeds `n` windows of `sample`, each 10 samples over 100 ms, with
+    /// `in_flight` and `queued` as the limiter stands.
     fn feed(
         l: &mut Limiter,
         clock: &mut Instant,
         n: usize,
         sample: Sample,
-        in_flight: impl Fn(&Limiter) -> usize,
+        load: impl Fn(&Limiter) -> (usize, usize),
     ) {
         for _ in 0..n {
             for _ in 0..10 {
                 *clock += Duration::from_millis(10);
-                let busy = in_flight(l);
-                l.update(sample, busy, *clock);
+                let (in_flight, queued) = load(l);
+                l.update(sample, in_flight, queued, *clock);
             }
         }
     }
 
+    /// Every slot taken and `n` more waiting.
+    fn pressed(n: usize) -> impl Fn(&Limiter) -> (usize, usize) {
+        move |l| (l.limit(), n)
+    }
+
     #[test]
-    fn grows_under_steady_latency_when_in_use() {
+    fn grows_while_requests_wait_and_never_past_the_demand() {
         let (mut l, mut clock) = (limiter(), Instant::now());
-        feed(&mut l, &mut clock, 150, ms(10), Limiter::limit);
-        assert!(l.limit() > 200, "{}", l.limit());
-        feed(&mut l, &mut clock, 2, ms(10), |_| 3); // let the busy window close
-        let before = l.limit();
-        feed(&mut l, &mut clock, 50, ms(10), |_| 3);
-        assert_eq!(l.limit(), before, "an idle limit does not grow");
+        feed(&mut l, &mut clock, 5, ms(10), pressed(1000));
+        assert!(l.limit() > 60, "slow start: {}", l.limit());
+        // 30 in flight and 5 waiting: no further than 35.
+        let mut l = limiter();
+        feed(&mut l, &mut clock, 50, ms(10), |l| (l.limit().min(30), 5));
+        assert_eq!(l.limit(), 35);
+        // Nobody waiting: no growth at all.
+        let mut l = limiter();
+        feed(&mut l, &mut clock, 50, ms(10), |l| (l.limit(), 0));
+        assert_eq!(l.limit(), 20);
+    }
+
+    #[test]
+    fn an_idle_sidecar_comes_down_to_what_its_traffic_uses() {
+        let (mut l, mut clock) = (limiter(), Instant::now());
+        // Two in flight for a while: the limit falls to 2 * 2 + 2.
+        for _ in 0..300 {
+            clock += Duration::from_millis(50);
+            l.update(ms(10), 2, 0, clock);
+            l.relax(clock);
+        }
+        assert_eq!(l.limit(), 6);
+        // No traffic at all for two periods: 2, the headroom.
+        for _ in 0..11 {
+            clock += Duration::from_secs(1);
+            l.relax(clock);
+        }
+        assert_eq!(l.limit(), 2);
+        // A sidecar just started keeps its initial limit until its use is known.
+        let mut fresh = limiter();
+        fresh.relax(Instant::now());
+        assert_eq!(fresh.limit(), 20);
     }
 
     #[test]
     fn falls_as_latency_rises_and_recovers_when_it_drops() {
         let (mut l, mut clock) = (limiter(), Instant::now());
-        feed(&mut l, &mut clock, 60, ms(10), Limiter::limit);
+        feed(&mut l, &mut clock, 20, ms(10), pressed(100));
         let healthy = l.limit();
-        feed(&mut l, &mut clock, 30, ms(200), Limiter::limit);
+        assert!(healthy > 100, "{healthy}");
+        feed(&mut l, &mut clock, 30, ms(200), pressed(100));
         let slow = l.limit();
         assert!(slow < healthy / 4, "{slow} vs {healthy}");
-        feed(&mut l, &mut clock, 100, ms(10), Limiter::limit);
+        feed(&mut l, &mut clock, 20, ms(10), pressed(100));
         assert!(
-            l.limit() > slow * 4,
+            l.limit() > slow * 2,
             "recovered to {} from {slow}",
             l.limit()
         );
@@ -426,10 +462,9 @@ mod tests {
     #[test]
     fn a_single_slow_window_is_not_a_collapse() {
         let (mut l, mut clock) = (limiter(), Instant::now());
-        feed(&mut l, &mut clock, 60, ms(1), Limiter::limit);
+        feed(&mut l, &mut clock, 10, ms(1), pressed(1000));
         let healthy = l.limit();
-        // One hiccup: a whole window of answers five times slower.
-        feed(&mut l, &mut clock, 1, ms(5), Limiter::limit);
+        feed(&mut l, &mut clock, 1, ms(5), |l| (l.limit(), 0));
         assert!(
             l.limit() as f64 > healthy as f64 * 0.85,
             "{} after a hiccup from {healthy}",
@@ -438,28 +473,88 @@ mod tests {
     }
 
     #[test]
+    fn a_long_overload_does_not_become_the_baseline() {
+        let (mut l, mut clock) = (limiter(), Instant::now());
+        feed(&mut l, &mut clock, 20, ms(100), pressed(100));
+        // Twenty seconds at four times the latency: the limit stays down,
+        // where an average would have come to take it for normal.
+        feed(&mut l, &mut clock, 200, ms(400), pressed(100));
+        assert_eq!(l.limit(), 1);
+    }
+
+    #[test]
     fn timeouts_shrink_it_to_the_floor_and_no_further() {
         let (mut l, mut clock) = (limiter(), Instant::now());
         for _ in 0..100 {
             clock += Duration::from_millis(100);
-            l.update(Sample::Dropped, 0, clock);
+            l.update(Sample::Dropped, 0, 0, clock);
         }
-        assert_eq!(l.limit(), 5);
+        assert_eq!(l.limit(), 1);
     }
 
     #[test]
-    fn only_answers_and_timeouts_are_samples() {
-        use crate::policy::outcome::{CallerFault, Refusal};
+    fn timeouts_together_cut_it_once() {
+        let (mut l, clock) = (limiter(), Instant::now());
+        for _ in 0..30 {
+            l.update(Sample::Dropped, 20, 0, clock);
+        }
+        assert_eq!(l.limit(), 10, "one cut by half from 20");
+    }
+
+    #[test]
+    fn after_an_outage_it_comes_back_fast_to_the_calm_level_then_slowly() {
+        let (mut l, mut clock) = (limiter(), Instant::now());
+        // Calm at 20 in flight, nobody waiting.
+        feed(&mut l, &mut clock, 20, ms(100), |_| (20, 0));
+        for _ in 0..100 {
+            clock += Duration::from_millis(100);
+            l.update(Sample::Dropped, 1, 0, clock);
+        }
+        assert_eq!(l.limit(), 1);
+        // The upstream is back and everybody waits: one per answer up to
+        // the calm level (slow start) ...
+        let mut answers = 0;
+        while l.limit() < 20 {
+            clock += Duration::from_millis(5);
+            l.update(ms(100), l.limit(), 1000, clock);
+            answers += 1;
+        }
+        assert!(answers <= 20, "{answers} answers to get back to 20");
+        // ... then about one per limit's worth of answers.
+        for _ in 0..40 {
+            clock += Duration::from_millis(5);
+            l.update(ms(100), l.limit(), 1000, clock);
+        }
+        assert!((21..=23).contains(&l.limit()), "{}", l.limit());
+    }
+
+    #[test]
+    fn a_caller_who_gives_up_early_moves_nothing_one_who_waited_long_does() {
+        let (mut l, mut clock) = (limiter(), Instant::now());
+        feed(&mut l, &mut clock, 20, ms(100), pressed(10));
+        let before = l.limit();
+        let early = Sample::Unanswered(Duration::from_millis(150));
+        feed(&mut l, &mut clock, 20, early, |l| (l.limit(), 0));
+        assert_eq!(l.limit(), before, "150 ms is within the tolerance");
+        let late = Sample::Unanswered(Duration::from_secs(2));
+        feed(&mut l, &mut clock, 20, late, |l| (l.limit(), 0));
+        assert!(l.limit() < before / 2, "{} from {before}", l.limit());
+    }
+
+    #[test]
+    fn only_answers_timeouts_and_waits_cut_short_are_samples() {
+        use crate::policy::outcome::Refusal;
         let second = Duration::from_secs(1);
         let ok = Outcome::Response(http::StatusCode::OK);
         assert_eq!(Sample::of(ok, second), Some(Sample::Latency(second)));
         let timeout = Outcome::Upstream(UpstreamFault::Timeout);
         assert_eq!(Sample::of(timeout, second), Some(Sample::Dropped));
+        for o in [Outcome::Caller(CallerFault::Gone), Outcome::Deadline] {
+            assert_eq!(Sample::of(o, second), Some(Sample::Unanswered(second)));
+        }
         for o in [
-            Outcome::Caller(CallerFault::Gone),
             Outcome::Caller(CallerFault::MalformedBody),
             Outcome::Caller(CallerFault::StalledBody),
-            Outcome::Deadline,
             Outcome::Upstream(UpstreamFault::ConnectFailure),
             Outcome::Refused(Refusal::Overloaded),
         ] {
@@ -468,47 +563,17 @@ mod tests {
     }
 
     #[test]
-    fn timeouts_together_cut_it_once_and_healthy_light_traffic_brings_it_back() {
-        let (mut l, mut clock) = (limiter(), Instant::now());
-        // 30 attempts time out together.
-        for _ in 0..30 {
-            l.update(Sample::Dropped, 30, clock);
-        }
-        assert_eq!(l.limit(), 25, "one cut by half from 50");
-        // A spell of timeouts over seconds takes it to the floor.
-        for _ in 0..100 {
-            clock += Duration::from_millis(100);
-            l.update(Sample::Dropped, 1, clock);
-        }
-        assert_eq!(l.limit(), 5);
-        // Then two healthy answers a second, one in flight at a time.
-        for _ in 0..60 {
-            clock += Duration::from_millis(500);
-            l.update(ms(10), 1, clock);
-        }
-        assert_eq!(l.limit(), 50, "back to where it started within 30 s");
-    }
-
-    #[test]
-    fn a_quiet_upstream_gets_its_initial_limit_back() {
-        let (mut l, mut clock) = (limiter(), Instant::now());
-        for _ in 0..100 {
-            clock += Duration::from_millis(100);
-            l.update(Sample::Dropped, 1, clock);
-        }
-        assert_eq!(l.limit(), 5);
-        l.relax(clock + Duration::from_secs(1));
-        assert_eq!(l.limit(), 5, "not quiet yet");
-        l.relax(clock + QUIET);
-        assert_eq!(l.limit(), 5, "a timeout 5 s ago: not calm yet");
-        l.relax(clock + QUIET * 6);
-        assert_eq!(l.limit(), 50);
-    }
-
-    #[test]
     fn never_above_max_in_flight() {
         let (mut l, mut clock) = (limiter(), Instant::now());
-        feed(&mut l, &mut clock, 2000, ms(1), Limiter::limit);
+        feed(&mut l, &mut clock, 200, ms(1), pressed(100_000));
         assert_eq!(l.limit(), 1000);
+    }
+
+    #[test]
+    fn the_wait_for_a_slot_follows_the_baseline() {
+        let (mut l, mut clock) = (limiter(), Instant::now());
+        assert_eq!(l.wait(), None);
+        feed(&mut l, &mut clock, 2, ms(100), |_| (1, 0));
+        assert_eq!(l.wait(), Some(Duration::from_millis(800)));
     }
 }

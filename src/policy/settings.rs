@@ -272,7 +272,7 @@ impl Default for BudgetConfig {
     fn default() -> Self {
         Self {
             ratio: 0.2,
-            min_per_second: 10,
+            min_per_second: 1,
             window: Duration::from_secs(10),
         }
     }

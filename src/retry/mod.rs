@@ -940,6 +940,8 @@ mod tests {
         };
         retry.backoff.base = Duration::from_millis(100);
         retry.backoff.jitter = Jitter::None;
+        // Room for every retry these tests script (the default floor is 1/s).
+        retry.budget.min_per_second = 10;
         let breaker = BreakerConfig {
             consecutive_failures: 2,
             ..BreakerConfig::default()

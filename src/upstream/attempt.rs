@@ -294,6 +294,18 @@ impl<'a> Forward<'a> {
     }
 }
 
+/// An attempt that found no slot: the upstream is at its in-flight limit.
+fn overloaded(upstream: &Upstream) -> Attempt<Answer> {
+    Attempt {
+        outcome: Outcome::Refused(crate::policy::Refusal::Overloaded),
+        answer: None,
+        retry_after: None,
+        detail: format!("upstream {} is at its in-flight limit", upstream.name),
+        elapsed: Duration::ZERO,
+        note: None,
+    }
+}
+
 impl<'a> retry::Attempts for Forward<'a> {
     type Answer = Answer;
 
@@ -322,7 +334,10 @@ impl<'a> retry::Attempts for Forward<'a> {
         probe: bool,
     ) -> impl Future<Output = Attempt<Answer>> + use<'a> {
         let upstream: &'a Arc<Upstream> = self.upstream;
-        let ready = self.prepare(n, probe);
+        let (slot, picked, req, progress) = self.prepare(n, probe);
+        // No slot yet: the wait for one, boxed, so that only a request that
+        // waits pays for its room.
+        let slot = slot.ok_or_else(|| Box::pin(upstream.wait_for_slot(deadline)));
         let judge = Judged {
             judge: Judge {
                 upgrade: self.upgrade,
@@ -333,21 +348,12 @@ impl<'a> retry::Attempts for Forward<'a> {
         };
         let path_and_query = self.path_and_query;
         async move {
-            let (slot, picked, req, progress) = ready;
-            let slot = match slot {
-                Some(slot) => Some(slot),
-                // Boxed: only a request that waits pays for the wait's room.
-                None => Box::pin(upstream.wait_for_slot(deadline)).await,
-            };
-            let Some(mut slot) = slot else {
-                return Attempt {
-                    outcome: Outcome::Refused(crate::policy::Refusal::Overloaded),
-                    answer: None,
-                    retry_after: None,
-                    detail: format!("upstream {} is at its in-flight limit", upstream.name),
-                    elapsed: Duration::ZERO,
-                    note: None,
-                };
+            let mut slot = match slot {
+                Ok(slot) => slot,
+                Err(wait) => match wait.await {
+                    Some(slot) => slot,
+                    None => return overloaded(upstream),
+                },
             };
             let (index, target) = (picked.index, picked.endpoint());
             let sent_at = Instant::now();

@@ -514,13 +514,18 @@ impl Upstream {
             return;
         };
         if let Some(limiter) = &self.limiter {
-            let shed = self.pressed.load(Ordering::Relaxed)
-                && self.pressed.swap(false, Ordering::Relaxed);
+            let shed =
+                self.pressed.load(Ordering::Relaxed) && self.pressed.swap(false, Ordering::Relaxed);
             let queued = self.waiting.load(Ordering::Relaxed).max(usize::from(shed));
             let (before, after, wait) = {
                 let mut limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
                 let before = limiter.limit();
-                limiter.update(sample, self.in_flight(), queued, tokio::time::Instant::now());
+                limiter.update(
+                    sample,
+                    self.in_flight(),
+                    queued,
+                    tokio::time::Instant::now(),
+                );
                 (before, limiter.limit(), limiter.wait())
             };
             self.limit.store(after, Ordering::Relaxed);

@@ -145,7 +145,7 @@ async fn a_malformed_body_is_the_callers_400_and_never_opens_the_breaker() {
         0.0,
         "no retry:\n{text}"
     );
-    assert_eq!(metric(&text, LIMIT), Some(100.0));
+    assert_eq!(metric(&text, LIMIT), Some(20.0), "the initial limit");
     // Everyone else is still served.
     let req = http::Request::get(format!("http://{}/", hg.listen))
         .body(empty())
@@ -188,7 +188,7 @@ async fn callers_who_hang_up_cost_the_upstream_nothing() {
     .await;
     let text = hg.metrics().await;
     assert_eq!(metric(&text, BREAKER_CLOSED), Some(0.0), "{text}");
-    assert_eq!(metric(&text, LIMIT), Some(100.0), "{text}");
+    assert_eq!(metric(&text, LIMIT), Some(20.0), "{text}");
     assert_eq!(metric(&text, &attempts_with("timeout")), Some(0.0));
     let req = http::Request::get(format!("http://{}/", hg.listen))
         .body(empty())
@@ -367,9 +367,9 @@ async fn a_retry_refused_after_it_was_paid_for_refunds_and_passes_the_upstreams_
         Some(1.0),
         "{text}"
     );
-    // The floor (10/s over 10 s) and two deposits of 0.2: the token came back.
+    // The floor (1/s over 10 s) and two deposits of 0.2: the token came back.
     let budget = metric(&text, r#"herdguard_retry_budget_available{route="r"}"#).unwrap();
-    assert!((budget - 100.4).abs() < 1e-9, "{budget}\n{text}");
+    assert!((budget - 10.4).abs() < 1e-9, "{budget}\n{text}");
     hg.terminate().await;
 }
 

@@ -254,7 +254,7 @@ async fn operators_force_the_breaker_open_and_closed() {
     let view: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(view["routes"]["r"]["state"], "closed");
     assert_eq!(view["routes"]["r"]["upstream"], "u");
-    assert_eq!(view["upstreams"]["u"]["limit"], 100, "{view}");
+    assert_eq!(view["upstreams"]["u"]["limit"], 20, "{view}");
     assert_eq!(view["upstreams"]["u"]["max_in_flight"], 1024);
 
     let (status, body) = admin_post(&server, "/breakers/r/open").await;

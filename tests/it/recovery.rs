@@ -13,13 +13,13 @@ use http::{Response, StatusCode};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_after_timeouts_is_served_not_shed() {
-    // The first 30 requests hang; every later one is answered at once.
+    // The first 20 requests hang; every later one is answered at once.
     let seen = Arc::new(AtomicUsize::new(0));
     let count = seen.clone();
     let up = upstream(move |_| {
         let n = count.fetch_add(1, Ordering::SeqCst);
         async move {
-            if n < 30 {
+            if n < 20 {
                 tokio::time::sleep(Duration::from_secs(5)).await;
             }
             Response::new(full("ok"))
@@ -40,8 +40,8 @@ async fn a_burst_after_timeouts_is_served_not_shed() {
             send(&client(), req).await.0
         }
     };
-    // 30 attempts time out together.
-    let timeouts: Vec<_> = (0..30)
+    // As many attempts as the initial limit (20) time out together.
+    let timeouts: Vec<_> = (0..20)
         .map(|i| tokio::spawn(get(format!("/slow/{i}"))))
         .collect();
     for t in timeouts {
@@ -54,7 +54,7 @@ async fn a_burst_after_timeouts_is_served_not_shed() {
     let limit = hg
         .metric(r#"herdguard_concurrency_limit{upstream="u"}"#)
         .await;
-    assert!(limit >= 50.0, "cut once, not 30 times: {limit}");
+    assert!(limit >= 10.0, "cut once, not 20 times: {limit}");
     // Then a burst of 40.
     let burst: Vec<_> = (0..40)
         .map(|i| tokio::spawn(get(format!("/burst/{i}"))))
@@ -136,9 +136,10 @@ async fn random_errors_the_retries_absorb_never_open_the_breaker() {
     for r in sent {
         ok += usize::from(r.await.unwrap() == 200);
     }
-    // Three attempts against 20% errors fail 0.8% of requests, and a few more
-    // when the budget (20% of requests, plus 10/s) runs short: about 99%.
-    assert!(ok >= 980, "{ok} of 1000 succeeded");
+    // Three attempts against 20% errors fail 0.8% of requests, and more
+    // where the budget runs short: 20% errors need 24 retries per 100
+    // requests, the budget gives 20 (plus 1/s): about 96%.
+    assert!(ok >= 940, "{ok} of 1000 succeeded");
     assert_eq!(hg.metric(OPENED).await, 0.0, "the breaker never opened");
     hg.terminate().await;
 }

@@ -34,8 +34,8 @@ use super::outcome::{Fault, Outcome as AttemptOutcome, UpstreamFault};
 const SLOTS: usize = 10;
 
 /// How far the wait between trickle probes grows, in doublings of
-/// `probe_interval`: one per failed probe, to eight times.
-const PROBE_DOUBLINGS: u32 = 3;
+/// `probe_interval`: to four times, after two `open_for` of outage.
+const PROBE_DOUBLINGS: u32 = 2;
 
 /// A trickle probe not heard of for this long no longer holds the next one
 /// back (every admitted attempt is recorded; this is a safety net).
@@ -146,9 +146,9 @@ pub struct Breaker {
     state: State,
     /// While open: when the next trickle probe may go.
     next_probe: Instant,
-    /// Trickle probes that failed in a row since the breaker last tripped
-    /// from closed: the probes slow down (see [`Breaker::probe_wait`]).
-    failed_probes: u32,
+    /// When the breaker last tripped from closed: the probes slow down as
+    /// the outage lasts (see [`Breaker::probe_wait`]).
+    outage_start: Instant,
     /// When the trickle probe in flight, if any, went: one at a time, so
     /// that a frozen upstream gets one probe per sidecar, not one per
     /// interval piling up.
@@ -239,7 +239,7 @@ impl Breaker {
             probe_interval: c.probe_interval,
             state: State::Closed,
             next_probe: now,
-            failed_probes: 0,
+            outage_start: now,
             trickle_since: None,
             since: now,
             open_until: now,
@@ -302,7 +302,7 @@ impl Breaker {
                         .trickle_since
                         .is_none_or(|at| now.saturating_duration_since(at) >= PROBE_LOST) =>
             {
-                self.next_probe = now + self.probe_wait(rng);
+                self.next_probe = now + self.probe_wait(now, rng);
                 self.trickle_since = Some(now);
                 (Admit::Yes { probe: true }, None)
             }
@@ -379,10 +379,7 @@ impl Breaker {
             // A trickle probe that succeeds half-opens the breaker at once
             // (and closes it, when one probe is a majority); one that fails
             // changes nothing: the breaker stays open.
-            State::Open if probe && failed => {
-                self.failed_probes = self.failed_probes.saturating_add(1);
-                None
-            }
+            State::Open if probe && failed => None,
             State::Open if probe && !failed => {
                 let t = self.enter(State::HalfOpen, now);
                 self.probe_successes = 1;
@@ -454,12 +451,17 @@ impl Breaker {
     }
 
     /// The wait before the next trickle probe, jittered ±50%:
-    /// `probe_interval`, doubled per trickle probe that failed in a row, up
-    /// to eight times (a long outage is fed one probe every two seconds per
-    /// route and sidecar, at the default 250 ms; with the jitter a fleet's
-    /// probes do not line up).
-    fn probe_wait<R: Rng + ?Sized>(&self, rng: &mut R) -> Duration {
-        let doublings = self.failed_probes.min(PROBE_DOUBLINGS);
+    /// `probe_interval` for the first `open_for` of an outage (most are
+    /// short: a resumed upstream is found within a few hundred ms), then
+    /// doubled per `open_for` it lasts, up to four times (a long outage is
+    /// fed one probe a second per route and sidecar, at the default 250 ms;
+    /// with the jitter a fleet's probes do not line up).
+    fn probe_wait<R: Rng + ?Sized>(&self, now: Instant, rng: &mut R) -> Duration {
+        let lasted = now.saturating_duration_since(self.outage_start);
+        let spells = lasted.as_nanos() / self.open_for.as_nanos().max(1);
+        let doublings = u32::try_from(spells)
+            .unwrap_or(u32::MAX)
+            .min(PROBE_DOUBLINGS);
         self.probe_interval
             .saturating_mul(1 << doublings)
             .mul_f64(rng.random_range(0.5..1.5))
@@ -480,9 +482,9 @@ impl Breaker {
         let open = base.mul_f64(factor).min(self.max_open_for.mul_f64(1.25));
         self.open_until = now + open;
         if self.trips == 1 {
-            self.failed_probes = 0;
+            self.outage_start = now;
         }
-        self.next_probe = now + self.probe_wait(rng);
+        self.next_probe = now + self.probe_wait(now, rng);
         self.enter(State::Open, now)
     }
 
@@ -624,16 +626,16 @@ mod tests {
                 .filter(|t| **t >= Duration::from_secs(from) && **t < Duration::from_secs(to))
                 .count()
         };
-        // The first probes: 250 ms, then 500 ms, 1 s (each ± 50%).
+        // The first open_for: one probe per 250 ms ± 50%.
         let early = within(0, 2);
         assert!(
-            (2..=6).contains(&early),
+            (5..=16).contains(&early),
             "{early} probes in the first 2 s: {trickle:?}"
         );
-        // After three failed probes: one per 2 s ± 50%.
+        // After two open_for of outage: one per second ± 50%.
         let late = within(6, 12);
         assert!(
-            (2..=6).contains(&late),
+            (4..=12).contains(&late),
             "{late} probes from 6 s to 12 s: {trickle:?}"
         );
         assert!(
@@ -747,12 +749,9 @@ mod tests {
                 "{ms} ms"
             );
         }
-        // Its timeout comes back: a failure, and the next probe waits twice
-        // as long (± 50%).
+        // Its timeout comes back: the next probe may go.
         let back = first + Duration::from_secs(3);
         b.record(back, true, Outcome::Failure, &mut r);
-        let wait = b.next_probe.saturating_duration_since(first);
-        assert!(wait >= Duration::from_millis(125), "{wait:?}");
         let next = b.next_probe.max(back);
         assert_eq!(b.admit(next, &mut r).0, Admit::Yes { probe: true });
         // A probe that ends without telling (its caller left) frees the turn.

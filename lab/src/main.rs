@@ -271,6 +271,31 @@ fn lab_fleet(
     write(&out.join("fleet.svg"), &plot::outage(&runs)?)
 }
 
+/// The fleet runs `from` holds (`fleet-N.csv`), by sidecar count.
+fn fleet_runs(from: &std::path::Path) -> Result<Vec<(String, Vec<outage::Second>)>, LabError> {
+    let entries = std::fs::read_dir(from)
+        .map_err(|e| LabError::Failed(format!("cannot read {}: {e}", from.display())))?;
+    let mut counts: Vec<usize> = entries
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().into_string().ok()?;
+            name.strip_prefix("fleet-")?
+                .strip_suffix(".csv")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    counts.sort_unstable();
+    counts
+        .into_iter()
+        .map(|n| {
+            let path = from.join(format!("fleet-{n}.csv"));
+            let seconds = outage::parse_csv(&read(&path)?)
+                .map_err(|e| LabError::Failed(format!("{}: {e}", path.display())))?;
+            Ok((fleet_name(n), seconds))
+        })
+        .collect()
+}
+
 /// Redraws the plots from whatever CSV files `from` holds.
 fn lab_plot(from: &std::path::Path, out: &std::path::Path) -> Result<(), LabError> {
     let mut drawn = 0;
@@ -299,9 +324,18 @@ fn lab_plot(from: &std::path::Path, out: &std::path::Path) -> Result<(), LabErro
         write(&out.join("outage.svg"), &svg)?;
         drawn += 1;
     }
+    let fleet = fleet_runs(from)?;
+    if !fleet.is_empty() {
+        let runs: Vec<(&str, &[outage::Second])> = fleet
+            .iter()
+            .map(|(n, s)| (n.as_str(), s.as_slice()))
+            .collect();
+        write(&out.join("fleet.svg"), &plot::outage(&runs)?)?;
+        drawn += 1;
+    }
     if drawn == 0 {
         return Err(LabError::Usage(format!(
-            "{} holds neither backoff.csv nor outage-*.csv",
+            "{} holds none of backoff.csv, outage-*.csv and fleet-*.csv",
             from.display()
         )));
     }

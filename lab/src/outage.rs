@@ -387,58 +387,59 @@ pub async fn run(setup: Setup, p: &Params) -> Report {
     for server in servers {
         server.shutdown();
     }
-    let mut report = summarize(setup, seconds, p);
+    let mut report = Report::from_seconds(setup, seconds, p);
     report.sidecars = sidecars;
     report
 }
 
-fn summarize(setup: Setup, seconds: Vec<Second>, p: &Params) -> Report {
-    let warm = p.warmup.as_secs() as usize;
-    let baseline_seconds = &seconds[(warm / 2).min(seconds.len())..warm.min(seconds.len())];
-    let baseline = if baseline_seconds.is_empty() {
-        0.0
-    } else {
-        baseline_seconds
-            .iter()
-            .map(|s| s.goodput as f64)
-            .sum::<f64>()
-            / baseline_seconds.len() as f64
-    };
-    let resume = (p.warmup + p.stall).as_secs() as usize;
-    // Real traffic again: the first second after resume with at least half
-    // the baseline's goodput.
-    let serving = (resume..seconds.len())
-        .find(|&i| seconds[i].goodput as f64 >= 0.5 * baseline)
-        .map(|i| Duration::from_secs((i - resume) as u64));
-    let recovery = (resume..seconds.len().saturating_sub(2))
-        .find(|&i| {
-            seconds[i..i + 3]
-                .iter()
-                .all(|s| s.goodput as f64 >= 0.9 * baseline)
-        })
-        .map(|i| Duration::from_secs((i - resume) as u64));
-    let stall = warm..resume.min(seconds.len());
-    Report {
-        setup,
-        peak_concurrency: seconds.iter().map(|s| s.upstream_peak).max().unwrap_or(0),
-        peak_after_resume: seconds
-            .iter()
-            .skip(resume)
-            .map(|s| s.upstream_peak)
-            .max()
-            .unwrap_or(0),
-        attempts_in_stall: seconds
-            .get(stall)
-            .map_or(0, |s| s.iter().map(|s| s.upstream_attempts).sum()),
-        sidecars: 0,
-        seconds,
-        baseline,
-        serving,
-        recovery,
-    }
-}
-
 impl Report {
+    /// The report of a run of `p` from its seconds (as read back from CSV).
+    pub fn from_seconds(setup: Setup, seconds: Vec<Second>, p: &Params) -> Report {
+        let warm = p.warmup.as_secs() as usize;
+        let baseline_seconds = &seconds[(warm / 2).min(seconds.len())..warm.min(seconds.len())];
+        let baseline = if baseline_seconds.is_empty() {
+            0.0
+        } else {
+            baseline_seconds
+                .iter()
+                .map(|s| s.goodput as f64)
+                .sum::<f64>()
+                / baseline_seconds.len() as f64
+        };
+        let resume = (p.warmup + p.stall).as_secs() as usize;
+        // Real traffic again: the first second after resume with at least half
+        // the baseline's goodput.
+        let serving = (resume..seconds.len())
+            .find(|&i| seconds[i].goodput as f64 >= 0.5 * baseline)
+            .map(|i| Duration::from_secs((i - resume) as u64));
+        let recovery = (resume..seconds.len().saturating_sub(2))
+            .find(|&i| {
+                seconds[i..i + 3]
+                    .iter()
+                    .all(|s| s.goodput as f64 >= 0.9 * baseline)
+            })
+            .map(|i| Duration::from_secs((i - resume) as u64));
+        let stall = warm..resume.min(seconds.len());
+        Report {
+            setup,
+            peak_concurrency: seconds.iter().map(|s| s.upstream_peak).max().unwrap_or(0),
+            peak_after_resume: seconds
+                .iter()
+                .skip(resume)
+                .map(|s| s.upstream_peak)
+                .max()
+                .unwrap_or(0),
+            attempts_in_stall: seconds
+                .get(stall)
+                .map_or(0, |s| s.iter().map(|s| s.upstream_attempts).sum()),
+            sidecars: 0,
+            seconds,
+            baseline,
+            serving,
+            recovery,
+        }
+    }
+
     pub fn csv(&self) -> String {
         let mut out = String::from(
             "t,stalled,upstream_peak_concurrency,goodput,timeouts,errors,upstream_attempts\n",

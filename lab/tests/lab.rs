@@ -45,7 +45,7 @@ fn committed_plots_are_what_the_committed_data_gives() {
         .status()
         .unwrap();
     assert!(status.success());
-    for name in ["backoff.svg", "outage.svg"] {
+    for name in ["backoff.svg", "outage.svg", "fleet.svg"] {
         let drawn = std::fs::read_to_string(out.path().join(name)).unwrap();
         let committed = std::fs::read_to_string(docs_lab().join(name)).unwrap();
         assert!(
@@ -107,6 +107,18 @@ fn csv_files_read_back_as_written() {
     let seconds = outage::parse_csv(&text).unwrap();
     assert!(seconds.iter().any(|s| s.stalled));
     assert_eq!(seconds.len() + 1, text.lines().count());
+
+    // The fleet's files carry the upstream's attempts as a seventh column.
+    let text = std::fs::read_to_string(docs_lab().join("fleet-10.csv")).unwrap();
+    let seconds = outage::parse_csv(&text).unwrap();
+    assert!(seconds.iter().any(|s| s.stalled));
+    assert!(seconds.iter().any(|s| s.upstream_attempts > 0));
+    let report = outage::Report::from_seconds(
+        outage::Setup::Defaults,
+        seconds.clone(),
+        &outage::Params::fleet(10),
+    );
+    assert_eq!(report.csv(), text);
 }
 
 #[test]
@@ -137,7 +149,7 @@ fn a_broken_csv_file_names_its_file_and_line() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("holds neither"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("holds none of"));
 }
 
 #[test]
@@ -165,6 +177,8 @@ fn counts_of_zero_are_usage_errors() {
         &["outage", "--callers", "0"][..],
         &["backoff", "--clients", "10,0"],
         &["backoff", "--trials", "0"],
+        &["fleet", "--sidecars", "3,0"],
+        &["fleet", "--callers", "0"],
     ] {
         let out = lab().args(args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);

@@ -14,12 +14,16 @@
 //! - **the traffic's own use**: the limit never stands above twice the
 //!   peak in flight of the last 5 to 10 s plus two ([`USE_MULTIPLE`],
 //!   [`USE_HEADROOM`]), and grows only while it is what holds requests back
-//!   (requests wait for a slot or were shed), by each answer that came
-//!   within the tolerance: by one per answer (doubling per round trip, as
-//!   TCP's slow start) up to where it was last cut, by one per round trip
-//!   above that. An idle sidecar thus adds at most two requests to an
-//!   upstream that freezes, and a fleet of them grows back after an outage
-//!   by one request per sidecar per round trip.
+//!   (requests wait for a slot or were shed), on answers within half the
+//!   tolerance: by two per answer (tripling per round trip, a slow start as
+//!   TCP's) up to the level it held while latency was calm (or where a cut
+//!   left it, if higher), by one per round trip above that, and never past
+//!   the requests in flight and waiting.
+//!
+//! An idle sidecar thus adds at most two requests to an upstream that
+//! freezes; after an outage each sidecar of a fleet comes back quickly to
+//! its own calm share, and the fleet grows past what it sent before by one
+//! request per sidecar per round trip.
 //!
 //! Pure: latencies come in as numbers; the upstream keeps it behind a mutex
 //! taken once per completed attempt.
@@ -122,6 +126,12 @@ pub const USE_HEADROOM: f64 = 2.0;
 const USE_PERIOD: Duration = Duration::from_secs(5);
 /// The baseline is the lowest window average of this period and the last.
 const BASELINE_PERIOD: Duration = Duration::from_secs(30);
+
+/// Below the threshold the limit grows by this per answer: three times
+/// itself per round trip, so that a sidecar is back where it was calm a few
+/// round trips after an outage (a fleet is: each sidecar's calm level is its
+/// share).
+const SLOW_START_STEP: f64 = 2.0;
 
 /// The limit moves at most once per window of samples this long ...
 const WINDOW: Duration = Duration::from_millis(100);
@@ -239,8 +249,8 @@ impl Limiter {
     /// One answer that came while the limit held requests back: if it came
     /// within half the tolerance (1.5 times the baseline at the default
     /// 2.0: a band between growing and shrinking, so that the limit settles
-    /// instead of swinging), the limit grows by one below the threshold, by
-    /// one over the limit above it (one per round trip); never past
+    /// instead of swinging), the limit grows by two below the threshold (not
+    /// past it), by one over the limit above it (one per round trip); never past
     /// `demand`, the requests in flight and waiting, so that a backlog
     /// cleared at once does not leave it far above the traffic.
     fn grow(&mut self, rtt: f64, demand: usize) {
@@ -249,11 +259,12 @@ impl Limiter {
             return;
         }
         let step = if self.limit < self.threshold {
-            1.0
+            SLOW_START_STEP
         } else {
             1.0 / self.limit
         };
         self.limit = (self.limit + step)
+            .min(self.threshold.max(self.limit + 1.0 / self.limit))
             .min((demand as f64).max(self.limit))
             .min(self.max_limit);
     }

@@ -207,4 +207,13 @@ awk '
       printf "%-24s %10.0f %8.3f %8.3f %15s %9.3f %8s %9.2f %9.2f %11.2f\n", name[i], rps[i], p50[i], p99[i], sprintf("%.2f-%.2f", lo[key[i]], hi[key[i]]), p999[i], bad[i], p99[i]/p99[ng], p99[i]/p99[hp], p999[i]/p999[hp]
   }
 ' "$OUT/rounds.txt" "$OUT/summary.txt"
+echo
+# Healthy traffic is never shed: what each herdguard's adaptive limit turned
+# away over every round, 64 busy connections from a cold start included.
+printf "shed by the adaptive limit over the run (herdguard_shed_total):"
+for admin in herdguard:$HG_ADMIN herdguard-default:$HG_ADMIN_MT herdguard-noretry:$HG_ADMIN_NORETRY; do
+  shed=$(curl -s "http://127.0.0.1:${admin#*:}/metrics" | awk '/^herdguard_shed_total/ { s += $NF } END { print s + 0 }')
+  printf " %s %s" "${admin%%:*}" "$shed"
+done
+echo
 } | tee "$OUT/table.txt"

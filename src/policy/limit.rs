@@ -47,12 +47,17 @@ pub struct Limiter {
     window: Option<Window>,
     use_: Use,
     /// Where the limit was last cut, or the calm level if higher: slow
-    /// start below it, one per round trip above it.
+    /// start below it, one per round trip above it, for [`FORGET`] after
+    /// the trouble that set it (`troubled`); slow start up to the demand
+    /// after that, as at start-up.
     threshold: f64,
-    /// The mean in flight while latency was calm (windows within the
-    /// tolerance), remembered through an outage: after one, the limit
-    /// comes back to it by slow start, and no faster past it.
+    troubled: Option<Instant>,
+    /// The highest mean in flight of a window whose latency was calm,
+    /// halving every [`CALM_HALF_LIFE`] (`calm_at`: when it was last
+    /// decayed): remembered through an outage, it is each sidecar's share
+    /// of what the upstream served well.
     calm: f64,
+    calm_at: Option<Instant>,
     /// When a timeout last cut the limit: it is cut at most once per window.
     last_cut: Option<Instant>,
 }
@@ -133,6 +138,11 @@ const BASELINE_PERIOD: Duration = Duration::from_secs(30);
 /// share).
 const SLOW_START_STEP: f64 = 2.0;
 
+/// How long trouble (a cut, an outage) keeps slow start to the calm level.
+const FORGET: Duration = Duration::from_secs(30);
+/// The calm level halves in this long.
+const CALM_HALF_LIFE: Duration = Duration::from_secs(30);
+
 /// The limit moves at most once per window of samples this long ...
 const WINDOW: Duration = Duration::from_millis(100);
 /// ... holding at least this many samples (or a timeout).
@@ -165,7 +175,9 @@ impl Limiter {
             window: None,
             use_: Use::default(),
             threshold: max,
+            troubled: None,
             calm: 0.0,
+            calm_at: None,
             last_cut: None,
         })
     }
@@ -194,7 +206,7 @@ impl Limiter {
                     .is_some_and(|at| now.saturating_duration_since(at) < WINDOW);
                 if !cut_lately {
                     self.limit = (self.limit * 0.5).clamp(self.min_limit, self.max_limit);
-                    self.threshold = self.limit.max(self.calm);
+                    self.trouble(now);
                     self.last_cut = Some(now);
                 }
                 self.window = None;
@@ -203,7 +215,7 @@ impl Limiter {
             Sample::Latency(rtt) => {
                 let rtt = rtt.as_secs_f64();
                 if queued > 0 {
-                    self.grow(rtt, in_flight + queued);
+                    self.grow(rtt, in_flight + queued, now);
                 }
                 rtt
             }
@@ -253,20 +265,54 @@ impl Limiter {
     /// past it), by one over the limit above it (one per round trip); never past
     /// `demand`, the requests in flight and waiting, so that a backlog
     /// cleared at once does not leave it far above the traffic.
-    fn grow(&mut self, rtt: f64, demand: usize) {
+    fn grow(&mut self, rtt: f64, demand: usize, now: Instant) {
         let calm = 1.0 + (self.tolerance - 1.0) / 2.0;
         if self.baseline.get().is_some_and(|b| rtt > b * calm) {
             return;
         }
-        let step = if self.limit < self.threshold {
+        let troubled = self
+            .troubled
+            .is_some_and(|at| now.saturating_duration_since(at) < FORGET);
+        let threshold = if troubled {
+            self.threshold
+        } else {
+            self.max_limit
+        };
+        let step = if self.limit < threshold {
             SLOW_START_STEP
         } else {
             1.0 / self.limit
         };
         self.limit = (self.limit + step)
-            .min(self.threshold.max(self.limit + 1.0 / self.limit))
+            .min(threshold.max(self.limit + 1.0 / self.limit))
             .min((demand as f64).max(self.limit))
             .min(self.max_limit);
+    }
+
+    /// Trouble now (a cut, or the upstream's breaker closing after an
+    /// outage): for [`FORGET`], slow start goes no further than the calm
+    /// level (or the limit now, if higher), and one per round trip past it.
+    fn trouble(&mut self, now: Instant) {
+        self.threshold = self.limit.max(self.calm_now(now));
+        self.troubled = Some(now);
+    }
+
+    /// A breaker in front of this upstream closed after an outage: the
+    /// requests held back during it come back by slow start to the calm
+    /// level, not at once, however little the limit learnt during it (an
+    /// upstream that failed fast cut nothing).
+    pub fn after_outage(&mut self, now: Instant) {
+        self.trouble(now);
+    }
+
+    /// The calm level, decayed to `now`.
+    fn calm_now(&mut self, now: Instant) -> f64 {
+        if let Some(at) = self.calm_at {
+            let age = now.saturating_duration_since(at).as_secs_f64();
+            self.calm *= 0.5f64.powf(age / CALM_HALF_LIFE.as_secs_f64());
+        }
+        self.calm_at = Some(now);
+        self.calm
     }
 
     /// How long a request may wait for a slot: four times the tolerated
@@ -294,9 +340,9 @@ impl Limiter {
             let target = self.limit * gradient;
             self.limit = (self.limit * (1.0 - self.smoothing) + target * self.smoothing)
                 .clamp(self.min_limit, self.max_limit);
-            self.threshold = self.limit.max(self.calm);
+            self.trouble(now);
         } else {
-            self.calm += (mean_in_flight - self.calm) * 0.2;
+            self.calm = self.calm_now(now).max(mean_in_flight);
         }
         self.limit = self
             .limit
@@ -512,6 +558,18 @@ mod tests {
         assert_eq!(l.limit(), 10, "one cut by half from 20");
     }
 
+    /// Answers within the tolerance with everybody waiting, one every
+    /// 5 ms, until the limit reaches `to` or `most` answers came; how many.
+    fn answers_until(l: &mut Limiter, clock: &mut Instant, to: usize, most: usize) -> usize {
+        let mut answers = 0;
+        while l.limit() < to && answers < most {
+            *clock += Duration::from_millis(5);
+            l.update(ms(100), l.limit(), 1000, *clock);
+            answers += 1;
+        }
+        answers
+    }
+
     #[test]
     fn after_an_outage_it_comes_back_fast_to_the_calm_level_then_slowly() {
         let (mut l, mut clock) = (limiter(), Instant::now());
@@ -522,21 +580,35 @@ mod tests {
             l.update(Sample::Dropped, 1, 0, clock);
         }
         assert_eq!(l.limit(), 1);
-        // The upstream is back and everybody waits: one per answer up to
-        // the calm level (slow start) ...
-        let mut answers = 0;
-        while l.limit() < 20 {
-            clock += Duration::from_millis(5);
-            l.update(ms(100), l.limit(), 1000, clock);
-            answers += 1;
+        // The upstream is back and everybody waits: two per answer up to
+        // the calm level, which ten seconds of outage took down by a fifth ...
+        let fast = answers_until(&mut l, &mut clock, 15, 100);
+        assert!(fast <= 8, "{fast} answers to get back to 15");
+        // ... then one per limit's worth of answers.
+        let slow = answers_until(&mut l, &mut clock, 20, 1000);
+        assert!((60..=120).contains(&slow), "{slow} answers from 15 to 20");
+    }
+
+    #[test]
+    fn a_breaker_closing_after_an_outage_brings_traffic_back_by_slow_start_to_the_calm_level() {
+        let (mut l, mut clock) = (limiter(), Instant::now());
+        // Calm at 4 in flight: the use bound takes the limit to 10.
+        for _ in 0..400 {
+            clock += Duration::from_millis(25);
+            l.update(ms(100), 4, 0, clock);
+            l.relax(clock);
         }
-        assert!(answers <= 20, "{answers} answers to get back to 20");
-        // ... then about one per limit's worth of answers.
-        for _ in 0..40 {
-            clock += Duration::from_millis(5);
-            l.update(ms(100), l.limit(), 1000, clock);
-        }
-        assert!((21..=23).contains(&l.limit()), "{}", l.limit());
+        assert_eq!(l.limit(), 10);
+        // An outage that failed fast cut nothing; the breaker closes and
+        // every caller's retry waits: slow start stops at the limit now
+        // (above the calm level), then one per round trip.
+        l.after_outage(clock);
+        let answers = answers_until(&mut l, &mut clock, 12, 1000);
+        assert!(answers >= 15, "{answers} answers from 10 to 12");
+        // Trouble is forgotten after 30 s: a burst then grows by slow start.
+        clock += FORGET;
+        let answers = answers_until(&mut l, &mut clock, 30, 1000);
+        assert!(answers <= 10, "{answers} answers to 30");
     }
 
     #[test]

@@ -216,6 +216,7 @@ impl Route {
                 budget,
                 breaker,
                 metrics: RouteMetrics::new(registry, &config.name, &upstream.name),
+                closed_after_outage: upstream.closed_after_outage(),
             },
             explain: listen.explain,
             write_timeout: listen.write_timeout,

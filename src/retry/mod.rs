@@ -9,6 +9,7 @@
 //! script, with paused time.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,6 +35,9 @@ pub struct Guards {
     pub budget: Arc<Budget>,
     pub breaker: Arc<SharedBreaker>,
     pub metrics: RouteMetrics,
+    /// Raised when the breaker closes after an outage: the upstream's
+    /// adaptive limit then brings the held-back traffic back by slow start.
+    pub closed_after_outage: Arc<AtomicBool>,
 }
 
 /// Sends one attempt at a time. The proxy implements it over its upstream
@@ -850,6 +854,9 @@ impl Guards {
     fn transitioned(&self, transition: Option<Transition>) {
         if let Some(t) = transition {
             self.metrics.breaker(t.to);
+            if t.to == BreakerState::Closed {
+                self.closed_after_outage.store(true, Ordering::Relaxed);
+            }
             tracing::info!(route = %self.route, upstream = %self.upstream, to = t.to.as_str(), "circuit breaker");
         }
     }
@@ -953,6 +960,7 @@ mod tests {
             budget: Arc::new(Budget::from_config(&retry.budget, now).unwrap()),
             breaker: Arc::new(SharedBreaker::new(Breaker::try_new(&breaker, now).unwrap())),
             metrics: RouteMetrics::new(registry, "r", "u"),
+            closed_after_outage: Arc::default(),
         }
     }
 

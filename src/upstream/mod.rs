@@ -306,6 +306,9 @@ pub struct Upstream {
     /// A request was shed since the limiter last heard: the limit is what
     /// holds requests back, and may grow.
     pressed: AtomicBool,
+    /// Raised by a route's breaker closing after an outage (see
+    /// [`Limiter::after_outage`]); taken by the next sample or sweep.
+    closed_after_outage: Arc<AtomicBool>,
     /// How long a request may wait for a slot, in nanoseconds (from the
     /// limiter's baseline latency).
     wait_nanos: std::sync::atomic::AtomicU64,
@@ -369,6 +372,7 @@ impl Upstream {
             waiting: AtomicUsize::new(0),
             freed: tokio::sync::Notify::new(),
             pressed: AtomicBool::new(false),
+            closed_after_outage: Arc::default(),
             wait_nanos: std::sync::atomic::AtomicU64::new(MAX_WAIT.as_nanos() as u64),
             metrics: UpstreamMetrics::new(registry, name, &labels),
             tunnels: Tunnels::new(config.max_tunnels, config.tunnel_idle_timeout),
@@ -520,12 +524,9 @@ impl Upstream {
             let (before, after, wait) = {
                 let mut limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
                 let before = limiter.limit();
-                limiter.update(
-                    sample,
-                    self.in_flight(),
-                    queued,
-                    tokio::time::Instant::now(),
-                );
+                let now = tokio::time::Instant::now();
+                self.take_outage_end(&mut limiter, now);
+                limiter.update(sample, self.in_flight(), queued, now);
                 (before, limiter.limit(), limiter.wait())
             };
             self.limit.store(after, Ordering::Relaxed);
@@ -551,7 +552,9 @@ impl Upstream {
         }
         if let Some(limiter) = &self.limiter {
             let mut limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
-            limiter.relax(tokio::time::Instant::now());
+            let now = tokio::time::Instant::now();
+            self.take_outage_end(&mut limiter, now);
+            limiter.relax(now);
             self.limit.store(limiter.limit(), Ordering::Relaxed);
         }
     }
@@ -567,6 +570,19 @@ impl Upstream {
                 let out = !matches!(o.state(i), Some(OutlierState::Serving) | None);
                 m.ejected.set(if out { 1.0 } else { 0.0 });
             }
+        }
+    }
+
+    /// The flag a route's breaker raises when it closes after an outage.
+    pub fn closed_after_outage(&self) -> Arc<AtomicBool> {
+        self.closed_after_outage.clone()
+    }
+
+    fn take_outage_end(&self, limiter: &mut Limiter, now: Instant) {
+        if self.closed_after_outage.load(Ordering::Relaxed)
+            && self.closed_after_outage.swap(false, Ordering::Relaxed)
+        {
+            limiter.after_outage(now);
         }
     }
 

@@ -261,15 +261,12 @@ impl Limiter {
     /// One answer that came while the limit held requests back: if it came
     /// within half the tolerance (1.5 times the baseline at the default
     /// 2.0: a band between growing and shrinking, so that the limit settles
-    /// instead of swinging), the limit grows by two below the threshold (not
+    /// instead of swinging; a quarter, 1.25 times, past the threshold while
+    /// the trouble is recent), the limit grows by two below the threshold (not
     /// past it), by one over the limit above it (one per round trip); never past
     /// `demand`, the requests in flight and waiting, so that a backlog
     /// cleared at once does not leave it far above the traffic.
     fn grow(&mut self, rtt: f64, demand: usize, now: Instant) {
-        let calm = 1.0 + (self.tolerance - 1.0) / 2.0;
-        if self.baseline.get().is_some_and(|b| rtt > b * calm) {
-            return;
-        }
         let troubled = self
             .troubled
             .is_some_and(|at| now.saturating_duration_since(at) < FORGET);
@@ -278,6 +275,15 @@ impl Limiter {
         } else {
             self.max_limit
         };
+        // Past the calm level soon after trouble, only answers within a
+        // quarter of the tolerance count: every sidecar of a fleet grows
+        // by one per round trip, and the fleet must stop before the
+        // upstream queues, not after.
+        let band = if self.limit >= threshold { 4.0 } else { 2.0 };
+        let calm = 1.0 + (self.tolerance - 1.0) / band;
+        if self.baseline.get().is_some_and(|b| rtt > b * calm) {
+            return;
+        }
         let step = if self.limit < threshold {
             SLOW_START_STEP
         } else {

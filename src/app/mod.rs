@@ -315,17 +315,30 @@ async fn upkeep(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
 /// bounded. A file that cannot be a config (too large, a FIFO) is known by
 /// its size and time, so that a change to it is still tried, and refused
 /// with its reason; a file that is gone is no change.
-fn fingerprint(path: &Path) -> Option<u64> {
-    use std::hash::{Hash as _, Hasher as _};
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    match crate::config::files::read_bounded(path, crate::config::MAX_CONFIG_BYTES) {
-        Ok(bytes) => bytes.hash(&mut hasher),
-        Err(_) => {
-            let meta = std::fs::metadata(path).ok()?;
-            (meta.len(), meta.modified().ok()).hash(&mut hasher);
-        }
-    }
-    Some(hasher.finish())
+fn fingerprint(path: &Path) -> Option<Fingerprint> {
+    // Metadata only, never the content: the watcher runs every second, and a
+    // file swapped for a huge one, a FIFO or a device must cost it nothing
+    // (the reload it triggers reads bounded and refuses such files). The
+    // symlink is followed, so a ConfigMap's `..data` swap is a new inode.
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = std::fs::metadata(path).ok()?;
+    Some(Fingerprint {
+        device: meta.dev(),
+        inode: meta.ino(),
+        len: meta.len(),
+        modified: (meta.mtime(), meta.mtime_nsec()),
+        changed: (meta.ctime(), meta.ctime_nsec()),
+    })
+}
+
+/// What the config watcher compares from one look to the next.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Fingerprint {
+    device: u64,
+    inode: u64,
+    len: u64,
+    modified: (i64, i64),
+    changed: (i64, i64),
 }
 
 /// One of the server's long-running parts.

@@ -3,14 +3,16 @@
 //! proxy's operator asks first: how many attempts, which endpoint answered
 //! last, the proxy's own error, and why a retry was not made.
 //!
-//! Lines go through a bounded queue to a writer thread of their own: a
-//! worker never waits on stdout (a slow pipe or a full disk). When the queue
-//! is full a line is dropped and counted (`herdguard_access_log_dropped_total`)
-//! rather than slowing the proxy. Off, it costs nothing per request: no
-//! entry is made.
+//! Lines go through a queue bounded in bytes ([`QUEUE_BYTES`]) to a writer
+//! thread of their own: a worker never waits on stdout (a slow pipe or a
+//! full disk). When the queue is full a line is dropped and counted
+//! (`herdguard_access_log_dropped_total`) rather than slowing the proxy or
+//! growing. A path longer than [`MAX_PATH`] is cut there (ending in `...`).
+//! Off, it costs nothing per request: no entry is made.
 
 use std::io::Write;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
@@ -25,6 +27,15 @@ use crate::config::{AccessLogConfig, AccessLogFormat};
 
 /// Lines that may wait for the writer; past this they are dropped.
 const QUEUE: usize = 16 * 1024;
+
+/// Bytes of lines that may wait for the writer; past this they are dropped.
+pub const QUEUE_BYTES: usize = 4 << 20;
+
+/// The longest path a line holds; a longer one is cut and ends in `...`.
+pub const MAX_PATH: usize = 2048;
+
+/// Bytes of lines queued and not yet written.
+static QUEUED_BYTES: AtomicUsize = AtomicUsize::new(0);
 
 /// How long the writer lets lines gather before it writes them.
 const BATCH: std::time::Duration = std::time::Duration::from_millis(50);
@@ -65,7 +76,7 @@ impl AccessLog {
             log: self.clone(),
             start,
             method: method.clone(),
-            path: path.into(),
+            path: cut(path, MAX_PATH),
             route: None,
             // Until an answer is made: a caller that leaves first gets
             // nginx's "client closed request".
@@ -121,6 +132,7 @@ fn writer() -> Option<SyncSender<Message>> {
                         match message {
                             Message::Line(line) => {
                                 let _ = out.write_all(&line);
+                                QUEUED_BYTES.fetch_sub(line.len(), Ordering::Relaxed);
                             }
                             Message::Flush(ack) => acks.push(ack),
                         }
@@ -260,11 +272,31 @@ fn field(out: &mut Vec<u8>, key: &str, value: Option<&str>) {
     };
 }
 
+/// `path`, or its first `max` bytes (at a character's edge) and `...`.
+fn cut(path: &str, max: usize) -> Box<str> {
+    if path.len() <= max {
+        return path.into();
+    }
+    let mut end = max;
+    while !path.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &path[..end]).into()
+}
+
 impl Drop for Entry {
     fn drop(&mut self) {
-        match self.log.lines.try_send(Message::Line(self.line())) {
+        let line = self.line();
+        let len = line.len();
+        if QUEUED_BYTES.fetch_add(len, Ordering::Relaxed) + len > QUEUE_BYTES {
+            QUEUED_BYTES.fetch_sub(len, Ordering::Relaxed);
+            self.log.dropped.increment(1);
+            return;
+        }
+        match self.log.lines.try_send(Message::Line(line)) {
             Ok(()) => {}
             Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                QUEUED_BYTES.fetch_sub(len, Ordering::Relaxed);
                 self.log.dropped.increment(1)
             }
         }
@@ -316,7 +348,19 @@ impl<B: Body<Data = Bytes>> Body for Logged<B> {
 
 #[cfg(test)]
 mod tests {
-    use super::field;
+    use super::{cut, field};
+
+    #[test]
+    fn a_long_path_is_cut_at_a_character_edge() {
+        assert_eq!(&*cut("/short", 10), "/short");
+        assert_eq!(&*cut("/abcdefghij", 4), "/abc...");
+        // 'é' is two bytes: a cut inside it moves back to its start.
+        assert_eq!(&*cut("/aé", 3), "/a...");
+        assert_eq!(
+            cut(&"x".repeat(100_000), super::MAX_PATH).len(),
+            super::MAX_PATH + 3
+        );
+    }
 
     #[test]
     fn text_values_are_quoted_only_when_they_must_be() {

@@ -22,6 +22,7 @@ mod forwarding;
 mod fuzz;
 mod grpc;
 mod hedging;
+mod hostile;
 mod keepalive;
 mod layout;
 mod memory;

@@ -128,6 +128,16 @@ impl Binary {
 
     /// Like [`start`](Self::start), with more keys of `[listen]`.
     pub async fn start_with(listen: &str, toml: &str) -> Binary {
+        Self::start_adjusted(listen, toml, |_| {}).await
+    }
+
+    /// Like [`start_with`](Self::start_with), with the command changed by
+    /// `adjust` before it runs (its stdout, say).
+    pub async fn start_adjusted(
+        listen: &str,
+        toml: &str,
+        adjust: impl FnOnce(&mut Command),
+    ) -> Binary {
         use std::io::Write as _;
         let mut config = tempfile::NamedTempFile::new().unwrap();
         write!(
@@ -139,6 +149,7 @@ impl Binary {
         cmd.arg("--config")
             .arg(config.path())
             .args(["--log-format", "json", "--threads", "2"]);
+        adjust(&mut cmd);
         let running = start(cmd).await;
         let admin = running.serving["admin"]
             .as_str()

@@ -16,9 +16,11 @@
 //!   [`USE_HEADROOM`]), and grows only while it is what holds requests back
 //!   (requests wait for a slot or were shed), on answers within half the
 //!   tolerance: by two per answer (tripling per round trip, a slow start as
-//!   TCP's) up to the level it held while latency was calm (or where a cut
-//!   left it, if higher), by one per round trip above that, and never past
-//!   the requests in flight and waiting.
+//!   TCP's). For [`FORGET`] after trouble (a cut, an outage) slow start
+//!   stops at the level it held while latency was calm (or where a cut left
+//!   it, if higher), and above that it grows by one per round trip on
+//!   answers within a quarter of the tolerance; never past the requests in
+//!   flight and waiting.
 //!
 //! An idle sidecar thus adds at most two requests to an upstream that
 //! freezes; after an outage each sidecar of a fleet comes back quickly to

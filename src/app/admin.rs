@@ -22,7 +22,8 @@ pub async fn serve<B>(
     req: &Request<B>,
 ) -> Response<Full<Bytes>> {
     let get = req.method() == Method::GET || req.method() == Method::HEAD;
-    if get && req.uri().path() == "/metrics" {
+    let known = known_host(req, &shared.proxy.runtime().config.admin.hosts).is_ok();
+    if get && known && req.uri().path() == "/metrics" {
         let proxy = shared.proxy.clone();
         // One render at a time: each has a thread of its own (see
         // `on_own_thread`), and a scrape does not wait on a worker. The
@@ -55,6 +56,14 @@ pub async fn serve<B>(
 }
 
 fn handle<B>(shared: &Shared, peer: SocketAddr, req: &Request<B>) -> Response<Full<Bytes>> {
+    let runtime = shared.proxy.runtime();
+    if let Err(host) = known_host(req, &runtime.config.admin.hosts) {
+        tracing::warn!(%peer, host, "admin request for a host it does not answer to");
+        return text(
+            StatusCode::MISDIRECTED_REQUEST,
+            format!("the admin listener does not answer to host {host:?}; add it to admin.hosts\n"),
+        );
+    }
     if let Some(rest) = req.uri().path().strip_prefix("/breakers/") {
         if req.method() != Method::POST {
             return text(
@@ -62,7 +71,6 @@ fn handle<B>(shared: &Shared, peer: SocketAddr, req: &Request<B>) -> Response<Fu
                 "use POST /breakers/ROUTE/open|close|reset\n".into(),
             );
         }
-        let runtime = shared.proxy.runtime();
         if let Err(why) = may_change(peer, req.headers(), runtime.config.admin.token.as_deref()) {
             tracing::warn!(%peer, path = req.uri().path(), why, "admin change refused");
             return text(StatusCode::FORBIDDEN, format!("{why}\n"));
@@ -97,6 +105,47 @@ fn handle<B>(shared: &Shared, peer: SocketAddr, req: &Request<B>) -> Response<Fu
     }
 }
 
+/// The request's host (`:authority` or `Host`, without its port), if it is
+/// one the admin listener answers to: an IP address, `localhost`, a name
+/// in the cluster (`*.svc`, `*.svc.cluster.local`, `*.cluster.local`,
+/// `*.localhost`), one of `admin.hosts`, or none at all (HTTP/1.0). A web
+/// page whose name an attacker rebinds to 127.0.0.1 sends its own name, and
+/// is refused: DNS rebinding cannot read `/config` or `/metrics`.
+fn known_host<'a, B>(req: &'a Request<B>, hosts: &[String]) -> Result<(), &'a str> {
+    let host = match req.uri().authority() {
+        Some(authority) => authority.host(),
+        None => match req.headers().get(http::header::HOST) {
+            None => return Ok(()),
+            Some(value) => {
+                let value = value.to_str().map_err(|_| "(not text)")?;
+                match value.parse::<http::uri::Authority>() {
+                    Ok(authority) if !authority.as_str().contains('@') => {
+                        return check_host(authority.host(), hosts).map_err(|()| value);
+                    }
+                    _ => return Err(value),
+                }
+            }
+        },
+    };
+    check_host(host, hosts).map_err(|()| host)
+}
+
+fn check_host(host: &str, hosts: &[String]) -> Result<(), ()> {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let name = host.trim_end_matches('.').to_ascii_lowercase();
+    let known = bare.parse::<std::net::IpAddr>().is_ok()
+        || name == "localhost"
+        || [".localhost", ".svc", ".svc.cluster.local", ".cluster.local"]
+            .iter()
+            .any(|suffix| name.ends_with(suffix))
+        || hosts.iter().any(|h| h.eq_ignore_ascii_case(&name));
+    if known {
+        Ok(())
+    } else {
+        Err(())
+    }
+}
+
 /// Whether a caller may change state (force a breaker): one on loopback
 /// (the pod's own containers) may; one elsewhere only with the configured
 /// token, compared in constant time.
@@ -110,8 +159,9 @@ fn may_change(
     // a proxy on their machine's loopback. Operators' tools send neither.
     if headers.contains_key(http::header::ORIGIN)
         || headers
-            .get("sec-fetch-site")
-            .is_some_and(|v| v != "same-origin" && v != "none")
+            .get_all("sec-fetch-site")
+            .iter()
+            .any(|v| v != "same-origin" && v != "none")
     {
         return Err("changes are not taken from web pages (the request carries Origin)");
     }

@@ -305,16 +305,16 @@ async fn upkeep(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
             () = metrics.samples_piled_up() => metrics.upkeep(),
             _ = tick.tick() => {
                 metrics.upkeep();
-                proxy.runtime().sweep();
+                proxy.sweep();
             }
         }
     }
 }
 
-/// What the config file at `path` holds, as a hash, never kept: read
-/// bounded. A file that cannot be a config (too large, a FIFO) is known by
-/// its size and time, so that a change to it is still tried, and refused
-/// with its reason; a file that is gone is no change.
+/// Which file is at `path` and when it last changed, from its metadata; a
+/// change to a file that cannot be a config (too large, a FIFO) is still
+/// tried, and refused by the reload with its reason; a file that is gone is
+/// no change.
 fn fingerprint(path: &Path) -> Option<Fingerprint> {
     // Metadata only, never the content: the watcher runs every second, and a
     // file swapped for a huge one, a FIFO or a device must cost it nothing

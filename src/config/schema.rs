@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::units::duration;
+use crate::units::{duration, size};
 
 pub use crate::policy::settings::{
     AdaptiveConfig, BackoffConfig, BreakerConfig, BudgetConfig, Jitter, MatchConfig, OutlierConfig,
@@ -55,6 +55,10 @@ pub struct ListenConfig {
     pub header_read_timeout: Duration,
     /// Open client connections at most; more wait in the kernel's accept queue.
     pub max_connections: usize,
+    /// Request bodies kept for a retry, all requests together: a body that
+    /// does not fit what is left is sent once and never retried.
+    #[serde(with = "size")]
+    pub max_body_memory: u64,
     /// A response that makes no progress this long is aborted and what it
     /// holds upstream let go: a caller that reads nothing, or an upstream
     /// that sends nothing more of its body.
@@ -79,6 +83,7 @@ impl Default for ListenConfig {
             drain_timeout: Duration::from_secs(15),
             header_read_timeout: Duration::from_secs(10),
             max_connections: 10_000,
+            max_body_memory: 16 << 20,
             write_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
             explain: false,
@@ -97,6 +102,10 @@ pub struct AdminConfig {
     /// back (`/config`, `check`).
     #[serde(skip_serializing)]
     pub token: Option<String>,
+    /// Host names the admin listener answers to, beside IP addresses,
+    /// `localhost` and cluster names (`*.svc`, `*.cluster.local`): a web
+    /// page whose name was rebound to this address cannot read it.
+    pub hosts: Vec<String>,
 }
 
 impl Default for AdminConfig {
@@ -104,6 +113,7 @@ impl Default for AdminConfig {
         Self {
             address: SocketAddr::from(([127, 0, 0, 1], 9901)),
             token: None,
+            hosts: Vec::new(),
         }
     }
 }

@@ -442,6 +442,7 @@ fn list(items: &[&str]) -> String {
 /// the proxy logs them at start-up; neither refuses the config.
 pub(super) fn warnings(config: &Config, report: &mut Report<'_>) {
     let root = KeyPath::root();
+    absurd_values(config, report);
     if config.routes.is_empty() {
         report(
             root.key("routes"),
@@ -479,6 +480,47 @@ pub(super) fn warnings(config: &Config, report: &mut Report<'_>) {
                     .into(),
             );
         }
+    }
+}
+
+/// Counts above this are warned of: more than any sidecar holds or sends.
+const HUGE_COUNT: i64 = 1_000_000_000;
+
+/// Values no one means, whatever their key: a duration above zero and
+/// under a millisecond (a `1ns` window or timeout), a count above a
+/// billion. Found by walking the config as it would be written back.
+fn absurd_values(config: &Config, report: &mut Report<'_>) {
+    fn walk(value: &toml::Value, path: &KeyPath, report: &mut Report<'_>) {
+        match value {
+            toml::Value::Table(table) => {
+                for (key, v) in table {
+                    walk(v, &path.key(key.as_str()), report);
+                }
+            }
+            toml::Value::Array(items) => {
+                for (i, v) in items.iter().enumerate() {
+                    walk(v, &path.index(i), report);
+                }
+            }
+            toml::Value::String(text) => {
+                let tiny = crate::units::parse_duration(text)
+                    .is_ok_and(|d| d > Duration::ZERO && d < Duration::from_millis(1));
+                if tiny {
+                    report(
+                        path.clone(),
+                        format!("{text:?} is shorter than a millisecond: probably not what is meant (\"1ms\" is the least that means anything here)"),
+                    );
+                }
+            }
+            toml::Value::Integer(n) if *n > HUGE_COUNT => report(
+                path.clone(),
+                format!("{n} is more than a billion: larger than anything a sidecar holds; probably a typo"),
+            ),
+            _ => {}
+        }
+    }
+    if let Ok(value) = toml::Value::try_from(config) {
+        walk(&value, &KeyPath::root(), report);
     }
 }
 

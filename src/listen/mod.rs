@@ -25,6 +25,11 @@ use crate::wire::CallerBody;
 /// HTTP/2 streams one caller connection may have open at once.
 const MAX_STREAMS: u32 = 100;
 
+/// What a caller may send on an HTTP/2 stream, and on all of a
+/// connection's streams together, before the proxy reads it.
+const H2_STREAM_WINDOW: u32 = 64 * 1024;
+const H2_CONNECTION_WINDOW: u32 = 512 * 1024;
+
 /// The most of an unfinished HTTP/1 request head (its request line and
 /// header fields) a caller connection may have buffered: past it, hyper
 /// answers 431 and the request is never forwarded. hyper checks when a read
@@ -197,8 +202,14 @@ impl Builders {
         let mut h2 = http2::Builder::new(TokioExecutor::new());
         // One connection's streams may each hold an upstream slot: at most
         // 100 at once (nginx allows 128; h2's default is no limit).
+        // Flow-control windows bound what a caller can make one connection
+        // hold of bodies not yet read: a stream 64 KiB (HTTP/2's own
+        // default), a connection 512 KiB (hyper's default is 1 MiB for each
+        // stream and the connection, 100 MiB over 100 stalled connections).
         h2.timer(TokioTimer::new())
-            .max_concurrent_streams(MAX_STREAMS);
+            .max_concurrent_streams(MAX_STREAMS)
+            .initial_stream_window_size(H2_STREAM_WINDOW)
+            .initial_connection_window_size(H2_CONNECTION_WINDOW);
         Self { h1, h2 }
     }
 }

@@ -252,7 +252,13 @@ fn help(name: &str) -> Option<&'static str> {
         }
         BUILD_INFO => "1, labelled with the running version.",
         crate::observe::access_log::DROPPED => {
-            "Access log lines dropped because the writer fell 16,384 lines behind (a stalled stdout)."
+            "Access log lines dropped because the writer fell 4 MiB or 16,384 lines behind (a stalled stdout)."
+        }
+        "herdguard_body_memory_bytes" => {
+            "Bytes of request bodies kept for a retry now, all requests together (once a second)."
+        }
+        "herdguard_body_memory_refused_total" => {
+            "Request bodies sent once, not kept for a retry, because listen.max_body_memory was full."
         }
         UPSTREAM_ATTEMPTS => "Attempts sent upstream (first tries and retries), by outcome.",
         RETRIES_TOTAL => "Retries made, by the cause of the failed attempt.",

@@ -16,7 +16,9 @@ use tokio::time::Instant;
 pub use error::{max_forwards_reached, LocalError};
 pub use response::ResponseBody;
 
-use crate::upstream::{attempt, Upstream, UpstreamError};
+use crate::upstream::{
+    attempt, BodyMemory, Upstream, UpstreamError, BODY_MEMORY_HELD, BODY_MEMORY_REFUSED,
+};
 use crate::wire::headers;
 
 use crate::config::{CompiledRoute, Config, RouteConfig, Validated};
@@ -256,15 +258,32 @@ pub struct Proxy {
     metrics: Arc<Metrics>,
     /// Upgraded connections open, for the drain.
     tunnels: Arc<crate::upstream::tunnel::OpenTunnels>,
+    /// Request bodies held for replay, all routes together.
+    body_memory: Arc<BodyMemory>,
+    /// `herdguard_body_memory_bytes`, set once a second.
+    body_memory_held: ::metrics::Gauge,
 }
 
 impl Proxy {
     pub fn new(runtime: Runtime, metrics: Arc<Metrics>) -> Self {
+        let body_memory = Arc::new(BodyMemory::new(
+            runtime.config.listen.max_body_memory,
+            metrics.counter(BODY_MEMORY_REFUSED, &[]),
+        ));
         Self {
             runtime: ArcSwap::from_pointee(runtime),
+            body_memory_held: metrics.gauge(BODY_MEMORY_HELD, &[]),
             metrics,
             tunnels: Arc::default(),
+            body_memory,
         }
+    }
+
+    /// Once a second: upstream connections swept, limits relaxed, and the
+    /// bytes of bodies held for replay reported.
+    pub fn sweep(&self) {
+        self.runtime().sweep();
+        self.body_memory_held.set(self.body_memory.held() as f64);
     }
 
     pub fn runtime(&self) -> Arc<Runtime> {
@@ -274,6 +293,8 @@ impl Proxy {
     /// Replaces routes and policies at once. Requests already routed finish
     /// on the runtime they started with; connections are not touched.
     pub fn swap(&self, runtime: Runtime) {
+        self.body_memory
+            .set_limit(runtime.config.listen.max_body_memory);
         self.runtime.store(Arc::new(runtime));
     }
 
@@ -340,10 +361,21 @@ impl Proxy {
                         _ => (LocalError::BadRequest, problem),
                     })
             });
+        let checked = checked.and_then(|host| {
+            headers::check_look_alikes(req.uri(), req.headers())
+                .map(|()| host)
+                .map_err(|problem| (LocalError::BadRequest, problem))
+        });
         let host_field = match checked {
             Ok(field) => field,
             Err((error, problem)) => {
-                let resp = error.response(problem);
+                let mut resp = error.response(problem);
+                // Its framing (or its head) is in doubt: what follows on an
+                // HTTP/1 connection may be its body, never a new request.
+                if req.version() < Version::HTTP_2 {
+                    resp.headers_mut()
+                        .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+                }
                 metrics::unrouted(&self.metrics, resp.status());
                 return resp;
             }
@@ -397,6 +429,7 @@ impl Proxy {
             start,
             entry.as_deref_mut(),
             &self.tunnels,
+            &self.body_memory,
         )
         .await;
         // The upstream's own x-herdguard-error was dropped: one left is ours.
@@ -430,6 +463,7 @@ async fn forward(
     start: Instant,
     mut log: Option<&mut Entry>,
     tunnels: &Arc<crate::upstream::tunnel::OpenTunnels>,
+    body_memory: &Arc<BodyMemory>,
 ) -> Response<ResponseBody> {
     // Only a connection that can hand its caller's side over is upgraded.
     let upgrade = headers::requested_upgrade(req.version(), req.headers())
@@ -484,6 +518,7 @@ async fn forward(
         repeatable: facts.idempotent,
         inner_hop,
         max_replay_body: policy.max_replay_body,
+        body_memory,
         timeout: policy.timeout,
         upgrade,
     });

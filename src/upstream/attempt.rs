@@ -27,7 +27,7 @@ use crate::retry::{self, Attempt};
 
 use super::body::{Progress, RequestBody};
 use super::classify::{classify, Judge, Reply, Why};
-use super::replay::ReplayBody;
+use super::replay::{BodyMemory, ReplayBody};
 use super::{InFlight, Picked, Upstream};
 use crate::wire::error_chain;
 use crate::wire::headers::X_HERDGUARD_ATTEMPT;
@@ -61,6 +61,8 @@ pub struct Outbound<'a> {
     pub inner_hop: bool,
     /// The most of the body kept for a retry.
     pub max_replay_body: u64,
+    /// What all requests' kept bodies may hold together.
+    pub body_memory: &'a Arc<BodyMemory>,
     /// The request's `timeout`.
     pub timeout: Duration,
     /// The caller asked to upgrade.
@@ -122,6 +124,7 @@ impl<'a> Forward<'a> {
             repeatable,
             inner_hop,
             max_replay_body,
+            body_memory,
             timeout,
             upgrade,
         } = out;
@@ -129,7 +132,7 @@ impl<'a> Forward<'a> {
         let body = if body.is_end_stream() {
             AttemptBody::Empty
         } else if retrying {
-            AttemptBody::Replay(ReplayBody::new(body, max_replay_body))
+            AttemptBody::Replay(ReplayBody::new(body, max_replay_body, body_memory))
         } else {
             AttemptBody::Once(Some(body))
         };

@@ -12,7 +12,7 @@ pub(crate) mod tunnel;
 
 pub use body::{caller_fault, BoxError, Progress, RequestBody};
 pub use pool::{PoolError, Pooled};
-pub use replay::ReplayBody;
+pub use replay::{BodyMemory, ReplayBody, BODY_MEMORY_HELD, BODY_MEMORY_REFUSED};
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

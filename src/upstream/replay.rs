@@ -1,7 +1,10 @@
 //! A request body that can be sent again.
 //!
 //! The first attempt streams the caller's body upstream as it arrives, and
-//! keeps a copy of what passed, up to `max_replay_body`. A retry replays the
+//! keeps a copy of what passed, up to `max_replay_body` and within what is
+//! left of the process's [`BodyMemory`] (`listen.max_body_memory`): a body
+//! declared whole takes its length from it before anything is read, one of
+//! unknown length takes each chunk as it comes. A retry replays the
 //! copy, then goes on reading the caller's body where the first attempt left
 //! off. A body larger than the limit stops being copied (the copy is freed)
 //! and can no longer be replayed — unless nothing of it was read yet, as when
@@ -20,7 +23,7 @@
 //! capped already, and [`ReplayBody::poll_released`] waits for the state.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
@@ -29,6 +32,63 @@ use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 
 use super::body::BoxError;
+
+/// Bodies (or their rest) that found no room in the [`BodyMemory`].
+pub const BODY_MEMORY_REFUSED: &str = "herdguard_body_memory_refused_total";
+
+/// The bytes the [`BodyMemory`] holds, as last reported.
+pub const BODY_MEMORY_HELD: &str = "herdguard_body_memory_bytes";
+
+/// The bytes of request bodies held for replay by all requests together,
+/// and the most they may be: a body that does not fit is sent once, not
+/// queued for memory (a flood of stalled uploads cannot grow the process).
+pub struct BodyMemory {
+    held: AtomicU64,
+    limit: AtomicU64,
+    /// Bodies (or their rest) that found no room: `herdguard_body_memory_refused_total`.
+    refused: metrics::Counter,
+}
+
+impl BodyMemory {
+    pub fn new(limit: u64, refused: metrics::Counter) -> Self {
+        Self {
+            held: AtomicU64::new(0),
+            limit: AtomicU64::new(limit),
+            refused,
+        }
+    }
+
+    /// A new limit (a reload): what is held stays, new bodies see it.
+    pub fn set_limit(&self, limit: u64) {
+        self.limit.store(limit, Ordering::Relaxed);
+    }
+
+    /// Bytes held now.
+    pub fn held(&self) -> u64 {
+        self.held.load(Ordering::Relaxed)
+    }
+
+    /// Takes `bytes` if they fit under the limit; counts a refusal if not.
+    fn take(&self, bytes: u64) -> bool {
+        let limit = self.limit.load(Ordering::Relaxed);
+        let taken = self
+            .held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(bytes).filter(|&after| after <= limit)
+            })
+            .is_ok();
+        if !taken {
+            self.refused.increment(1);
+        }
+        taken
+    }
+
+    fn give(&self, bytes: u64) {
+        if bytes > 0 {
+            self.held.fetch_sub(bytes, Ordering::AcqRel);
+        }
+    }
+}
 
 pub struct ReplayBody<B = crate::wire::CallerBody> {
     shared: Arc<Shared<B>>,
@@ -46,6 +106,9 @@ pub struct ReplayBody<B = crate::wire::CallerBody> {
 struct Shared<B> {
     slot: Mutex<Slot<B>>,
     max_bytes: u64,
+    memory: Arc<BodyMemory>,
+    /// The declared length was taken from [`BodyMemory`] at the start.
+    fits: bool,
     /// Set, once and for good, when the body can no longer be replayed: part
     /// of it was sent and the copy was not kept, or the caller's body failed.
     /// Readable while another clone holds the state.
@@ -63,6 +126,9 @@ struct State<B> {
     buffer: Vec<Bytes>,
     buffered: u64,
     buffering: bool,
+    /// Bytes taken from [`BodyMemory`]: at least `buffered` while
+    /// buffering, given back when the copy is dropped.
+    reserved: u64,
     /// Whether any data was read from the caller's body at all.
     consumed: bool,
     /// The caller's body failed: what is left of it is lost.
@@ -76,6 +142,32 @@ impl<B> State<B> {
     fn replayable(&self) -> bool {
         !self.failed && (self.buffering || !self.consumed)
     }
+
+    /// Drops the copy (and gives its memory back): the body is sent once.
+    fn stop_buffering(&mut self, memory: &BodyMemory) {
+        self.buffering = false;
+        self.buffer = Vec::new();
+        memory.give(std::mem::take(&mut self.reserved));
+    }
+
+    /// Keeps `data` in the copy if it fits `max_bytes` and the memory left.
+    fn keep(&mut self, data: &Bytes, max_bytes: u64, memory: &BodyMemory) -> bool {
+        self.buffered = self.buffered.saturating_add(data.len() as u64);
+        let fits = self.buffered <= max_bytes
+            && (self.buffered <= self.reserved || {
+                let more = self.buffered - self.reserved;
+                memory.take(more) && {
+                    self.reserved += more;
+                    true
+                }
+            });
+        if fits {
+            self.buffer.push(data.clone());
+        } else {
+            self.stop_buffering(memory);
+        }
+        fits
+    }
 }
 
 impl<B> ReplayBody<B>
@@ -85,14 +177,20 @@ where
 {
     /// The source of every attempt's body: it holds none of the body itself,
     /// each [`replay`](Self::replay) takes the shared state in turn.
-    pub fn new(body: B, max_bytes: u64) -> Self {
+    pub fn new(body: B, max_bytes: u64, memory: &Arc<BodyMemory>) -> Self {
         let exact_len = body.size_hint().exact();
-        // A body declared larger than the limit is never copied at all.
-        let buffering = exact_len.is_none_or(|len| len <= max_bytes);
+        // A body declared larger than the limit is never copied at all; one
+        // declared within it takes its whole length from the memory now.
+        let (buffering, reserved) = match exact_len {
+            None => (true, 0),
+            Some(len) if len <= max_bytes && memory.take(len) => (true, len),
+            Some(_) => (false, 0),
+        };
         let state = State {
             buffer: Vec::new(),
             buffered: 0,
             buffering,
+            reserved,
             consumed: false,
             failed: false,
             trailers: None,
@@ -105,6 +203,8 @@ where
                     waiting: Vec::new(),
                 }),
                 max_bytes,
+                memory: memory.clone(),
+                fits: reserved > 0,
                 capped: AtomicBool::new(false),
             }),
             state: None,
@@ -161,10 +261,10 @@ impl<B> ReplayBody<B> {
         Poll::Pending
     }
 
-    /// Whether the caller declared a length that the copy can hold whole.
+    /// Whether the caller declared a length that the copy holds room for
+    /// whole (within `max_replay_body`, and taken from the memory).
     pub fn fits(&self) -> bool {
-        self.exact_len
-            .is_some_and(|len| len <= self.shared.max_bytes)
+        self.shared.fits
     }
 
     /// Another handle on the same body, starting from its first byte.
@@ -200,6 +300,17 @@ impl<B> ReplayBody<B> {
 impl<B> Shared<B> {
     fn lock(&self) -> MutexGuard<'_, Slot<B>> {
         self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl<B> Drop for Shared<B> {
+    /// The last clone is gone (each gave the state back first): the copy's
+    /// memory goes back.
+    fn drop(&mut self) {
+        let slot = self.slot.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(state) = &mut slot.state {
+            self.memory.give(std::mem::take(&mut state.reserved));
+        }
     }
 }
 
@@ -270,7 +381,7 @@ where
                     // What is left of the body is lost: never replay it.
                     state.failed = true;
                     state.rest = None;
-                    state.buffer = Vec::new();
+                    state.stop_buffering(&shared.memory);
                     shared.capped.store(true, Ordering::Release);
                     Poll::Ready(Some(Err(e.into())))
                 }
@@ -280,14 +391,10 @@ where
                         state.consumed = true;
                         this.sent = this.sent.saturating_add(len);
                         if state.buffering {
-                            state.buffered = state.buffered.saturating_add(len);
-                            if state.buffered > shared.max_bytes {
-                                state.buffering = false;
-                                state.buffer = Vec::new();
-                                this.position = 0;
-                            } else {
-                                state.buffer.push(data.clone());
+                            if state.keep(&data, shared.max_bytes, &shared.memory) {
                                 this.position += 1;
+                            } else {
+                                this.position = 0;
                             }
                         }
                         if !state.buffering {
@@ -374,13 +481,86 @@ mod tests {
         }
     }
 
-    async fn collect(body: ReplayBody<Script>) -> Result<Bytes, BoxError> {
+    fn roomy() -> Arc<BodyMemory> {
+        memory(u64::MAX)
+    }
+
+    fn memory(limit: u64) -> Arc<BodyMemory> {
+        Arc::new(BodyMemory::new(limit, metrics::Counter::noop()))
+    }
+
+    /// A body of `len` bytes in one chunk, its length declared or not.
+    struct Sized {
+        data: Option<Bytes>,
+        declared: bool,
+    }
+
+    impl Body for Sized {
+        type Data = Bytes;
+        type Error = BoxError;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            Poll::Ready(self.data.take().map(|d| Ok(Frame::data(d))))
+        }
+        fn size_hint(&self) -> SizeHint {
+            match (&self.data, self.declared) {
+                (Some(d), true) => SizeHint::with_exact(d.len() as u64),
+                (None, true) => SizeHint::with_exact(0),
+                _ => SizeHint::default(),
+            }
+        }
+    }
+
+    fn sized(len: usize, declared: bool) -> Sized {
+        Sized {
+            data: Some(Bytes::from(vec![b'x'; len])),
+            declared,
+        }
+    }
+
+    #[tokio::test]
+    async fn bodies_held_for_replay_share_one_bound_in_bytes() {
+        let memory = memory(10);
+        // Declared: the whole length is taken before anything is read.
+        let first = ReplayBody::new(sized(6, true), 64, &memory);
+        assert!(first.fits());
+        assert_eq!(memory.held(), 6);
+        // The next does not fit what is left: sent once, never replayed.
+        let second = ReplayBody::new(sized(6, true), 64, &memory);
+        assert!(!second.fits());
+        assert_eq!(collect(second.replay()).await.unwrap().len(), 6);
+        assert_eq!(second.replayable(), Some(false));
+        // Unknown length: taken chunk by chunk; past the room, the copy goes.
+        let third = ReplayBody::new(sized(5, false), 64, &memory);
+        assert_eq!(collect(third.replay()).await.unwrap().len(), 5);
+        assert_eq!(third.replayable(), Some(false));
+        assert_eq!(memory.held(), 6, "the refused copy took nothing");
+        let fourth = ReplayBody::new(sized(4, false), 64, &memory);
+        assert_eq!(collect(fourth.replay()).await.unwrap().len(), 4);
+        assert_eq!(fourth.replayable(), Some(true));
+        assert_eq!(memory.held(), 10);
+        // Every byte comes back when the requests are over.
+        drop((first, second, third, fourth));
+        assert_eq!(memory.held(), 0);
+        // A body whose copy failed gives its bytes back at once.
+        let failing = ReplayBody::new(script(&["ab", "cd"], Some("bad")), 64, &memory);
+        assert!(collect(failing.replay()).await.is_err());
+        assert_eq!(memory.held(), 0);
+    }
+
+    async fn collect<B>(body: ReplayBody<B>) -> Result<Bytes, BoxError>
+    where
+        B: Body<Data = Bytes> + Unpin,
+        B::Error: Into<BoxError>,
+    {
         Ok(body.collect().await?.to_bytes())
     }
 
     #[tokio::test]
     async fn a_small_body_is_replayed_whole() {
-        let source = ReplayBody::new(script(&["ab", "cd"], None), 10);
+        let source = ReplayBody::new(script(&["ab", "cd"], None), 10, &roomy());
         assert_eq!(source.replayable(), Some(true));
         assert_eq!(collect(source.replay()).await.unwrap(), "abcd");
         assert_eq!(source.replayable(), Some(true));
@@ -389,7 +569,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_body_over_the_limit_is_not_replayable_once_read() {
-        let source = ReplayBody::new(script(&["abcd", "efgh"], None), 6);
+        let source = ReplayBody::new(script(&["abcd", "efgh"], None), 6, &roomy());
         assert_eq!(collect(source.replay()).await.unwrap(), "abcdefgh");
         assert_eq!(source.replayable(), Some(false));
     }
@@ -402,6 +582,7 @@ mod tests {
                 stall: true,
             },
             10,
+            &roomy(),
         );
         let mut first = source.replay();
         // The first attempt reads what came and waits for more: it holds the state.
@@ -422,6 +603,7 @@ mod tests {
                 stall: true,
             },
             4,
+            &roomy(),
         );
         let mut first = source.replay();
         first.frame().await.unwrap().unwrap();
@@ -431,7 +613,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_failure_mid_upload_is_never_replayed() {
-        let source = ReplayBody::new(script(&["ab", "cd"], Some("bad chunk")), 1024);
+        let source = ReplayBody::new(script(&["ab", "cd"], Some("bad chunk")), 1024, &roomy());
         let err = collect(source.replay()).await.unwrap_err();
         assert_eq!(err.to_string(), "bad chunk");
         assert_eq!(source.replayable(), Some(false));
@@ -446,7 +628,7 @@ mod tests {
     #[tokio::test]
     async fn nothing_read_yet_is_replayable_even_over_the_limit() {
         let body = script(&["abcdef"], None);
-        let source = ReplayBody::new(body, 4);
+        let source = ReplayBody::new(body, 4, &roomy());
         // An attempt that never polled the body (its connection was refused).
         drop(source.replay());
         assert_eq!(source.replayable(), Some(true));

@@ -298,6 +298,34 @@ pub fn check_framing(headers: &HeaderMap) -> Result<(), (http::StatusCode, &'sta
     }
 }
 
+/// Refuses what an upstream could read differently from the proxy: a field
+/// named like a framing field with `_` for `-` (`transfer_encoding`: CGI,
+/// WSGI and PHP stacks fold the two into one), a `Content-Length` not in
+/// its plain decimal form (`000035`, `+35`), and an authority carrying
+/// userinfo (`:authority: a@b`, as `Host: a@b` is).
+pub fn check_look_alikes(uri: &http::Uri, headers: &HeaderMap) -> Result<(), &'static str> {
+    if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+        return Err("the request's authority carries userinfo (user@host)");
+    }
+    for name in headers.keys() {
+        let name = name.as_str();
+        if name.contains('_') {
+            let dashed = name.replace('_', "-");
+            if dashed == "transfer-encoding" || dashed == "content-length" {
+                return Err("a field named like a framing field, with '_' for '-'");
+            }
+        }
+    }
+    let plain = |v: &HeaderValue| {
+        let b = v.as_bytes();
+        !b.is_empty() && b.iter().all(u8::is_ascii_digit) && (b == b"0" || b[0] != b'0')
+    };
+    if !headers.get_all(header::CONTENT_LENGTH).iter().all(plain) {
+        return Err("Content-Length is not a plain decimal number");
+    }
+    Ok(())
+}
+
 /// `Max-Forwards` of an `OPTIONS` or `TRACE` request (RFC 9110 §7.6.2);
 /// other methods ignore it.
 pub fn max_forwards(method: &http::Method, headers: &HeaderMap) -> Option<u64> {

@@ -527,3 +527,40 @@ fn a_huge_max_replay_body_is_refused() {
         "{err}"
     );
 }
+
+/// `check` warns of values no one means, naming each key: a window or
+/// timeout under a millisecond, a count over a billion.
+#[test]
+fn check_warns_of_absurd_durations_and_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(
+        &dir,
+        "absurd.toml",
+        "[upstreams.api]\nendpoints = [\"http://127.0.0.1:3000\"]\nmax_in_flight = 9000000000000\n\
+         [[routes]]\nname = \"a\"\nupstream = \"api\"\n\
+         [routes.retry]\nper_try_timeout = \"1ns\"\n[routes.breaker]\nwindow = \"500us\"\n",
+    );
+    let out = check(&path);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for key in [
+        "upstreams.api.max_in_flight",
+        "routes[0].retry.per_try_timeout",
+        "routes[0].breaker.window",
+    ] {
+        assert!(
+            stderr.contains(&format!("warning: {key}")),
+            "{key}: {stderr}"
+        );
+    }
+    // Sensible values warn of nothing.
+    let fine = write(
+        &dir,
+        "fine.toml",
+        "[upstreams.api]\nendpoints = [\"http://127.0.0.1:3000\"]\n[[routes]]\nname = \"a\"\nupstream = \"api\"\n[routes.retry]\nper_try_timeout = \"1ms\"\n",
+    );
+    let out = check(&fine);
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("warning:"),
+        "{out:?}"
+    );
+}

@@ -5,6 +5,7 @@
 //! CI runs proptest's default number of cases; for a longer run set
 //! `PROPTEST_CASES`, e.g. `PROPTEST_CASES=100000 cargo test --test fuzz`.
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -18,7 +19,7 @@ use herdguard::policy::decide::Gates;
 use herdguard::policy::outcome::{CallerFault, Refusal, UpstreamFault};
 use herdguard::policy::retry::parse_retry_after;
 use herdguard::policy::{decide, BackoffState, Decision, Ended, Outcome, Policy, RequestFacts};
-use herdguard::upstream::ReplayBody;
+use herdguard::upstream::{BodyMemory, ReplayBody};
 use herdguard::wire::headers;
 
 /// Header names a caller might send: the ones the rules look at, and others.
@@ -162,16 +163,21 @@ proptest! {
     }
 
     /// A replay is the original body, byte for byte, or it is reported as
-    /// not replayable; never a part of it.
+    /// not replayable; never a part of it. What the copy took from the
+    /// shared memory comes back whole when the body is done with.
     #[test]
-    fn a_replay_is_whole_or_refused(chunks in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..64), 0..12), max in 0u64..400) {
+    fn a_replay_is_whole_or_refused(chunks in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..64), 0..12), max in 0u64..400, room in 0u64..400, held in 0u64..200) {
         let whole: Vec<u8> = chunks.concat();
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
         rt.block_on(async {
             let body = http_body_util::StreamBody::new(futures_util::stream::iter(
                 chunks.iter().map(|c| Ok::<_, std::convert::Infallible>(http_body::Frame::data(Bytes::from(c.clone())))).collect::<Vec<_>>(),
             ));
-            let source = ReplayBody::new(body, max);
+            let memory = Arc::new(BodyMemory::new(room, metrics::Counter::noop()));
+            // Another request's body holds some of the room already.
+            let other = ReplayBody::new(http_body_util::Full::new(Bytes::from(vec![0u8; held as usize])), 400, &memory);
+            let before = memory.held();
+            let source = ReplayBody::new(body, max, &memory);
             let first = source.replay().collect().await.unwrap().to_bytes();
             prop_assert_eq!(&first[..], &whole[..]);
             match source.replayable() {
@@ -179,9 +185,14 @@ proptest! {
                     let again = source.replay().collect().await.unwrap().to_bytes();
                     prop_assert_eq!(&again[..], &whole[..]);
                 }
-                Some(false) => prop_assert!(whole.len() as u64 > max),
+                Some(false) => prop_assert!(whole.len() as u64 > max.min(room - before)),
                 None => prop_assert!(false, "no clone holds it"),
             }
+            prop_assert!(memory.held() <= room);
+            drop(source);
+            prop_assert_eq!(memory.held(), before);
+            drop(other);
+            prop_assert_eq!(memory.held(), 0);
             Ok(())
         })?;
     }

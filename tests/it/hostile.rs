@@ -70,3 +70,256 @@ async fn a_stalled_access_log_holds_its_bound_in_bytes() {
         );
     }
 }
+
+/// A body that declares `len` bytes, sends all but the last, and stalls.
+struct Stalling {
+    first: Option<bytes::Bytes>,
+    len: u64,
+}
+
+impl http_body::Body for Stalling {
+    type Data = bytes::Bytes;
+    type Error = std::convert::Infallible;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
+        match self.first.take() {
+            Some(data) => std::task::Poll::Ready(Some(Ok(http_body::Frame::data(data)))),
+            None => std::task::Poll::Pending,
+        }
+    }
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.len)
+    }
+}
+
+fn stalling(len: usize) -> Stalling {
+    Stalling {
+        first: Some(bytes::Bytes::from(vec![b'x'; len - 1])),
+        len: len as u64,
+    }
+}
+
+/// `streams` PUTs on one HTTP/2 connection, each stalling one byte short
+/// of its `len`; the tasks that hold them.
+async fn stalled_h2_uploads(
+    listen: &str,
+    streams: usize,
+    len: usize,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let tcp = tokio::net::TcpStream::connect(listen).await.unwrap();
+    let (sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let mut held = vec![tokio::spawn(async move {
+        let _ = conn.await;
+    })];
+    for _ in 0..streams {
+        let mut sender = sender.clone();
+        let req = http::Request::put("http://a/upload")
+            .body(stalling(len))
+            .unwrap();
+        held.push(tokio::spawn(async move {
+            if sender.ready().await.is_ok() {
+                let _ = sender.send_request(req).await;
+            }
+        }));
+    }
+    held
+}
+
+/// `n` HTTP/1.1 PUTs, one per connection, each stalling one byte short of
+/// its `len`; the connections.
+async fn stalled_h1_uploads(listen: &str, n: usize, len: usize) -> Vec<tokio::net::TcpStream> {
+    let mut held = Vec::with_capacity(n);
+    let head = format!("PUT /upload HTTP/1.1\r\nHost: a\r\nContent-Length: {len}\r\n\r\n");
+    let body = vec![b'x'; len - 1];
+    for _ in 0..n {
+        let mut s = tokio::net::TcpStream::connect(listen).await.unwrap();
+        s.write_all(head.as_bytes()).await.unwrap();
+        s.write_all(&body).await.unwrap();
+        held.push(s);
+    }
+    held
+}
+
+/// A flood of uploads that stall one byte short, over HTTP/2 (many
+/// streams per connection) and HTTP/1.1: the bodies kept for replay stay
+/// within `max_body_memory`, the rest are sent once (counted), and the
+/// process stays small, whatever the sizes and counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_uploads_are_held_within_the_body_memory() {
+    let up = held_upstream("ok").await;
+    let toml = format!(
+        "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+        up.upstream.url()
+    );
+    raise_open_files();
+    for (memory, bound, h2_connections, streams, h1_connections, len) in [
+        ("16MiB", 16 << 20, 40, 100, 500, 64 * 1024),
+        ("4MiB", 4 << 20, 20, 50, 300, 24 * 1024),
+    ] {
+        let hg = Binary::start_with(&format!("max_body_memory = \"{memory}\""), &toml).await;
+        let mut held = Vec::new();
+        for _ in 0..h2_connections {
+            held.extend(stalled_h2_uploads(&hg.listen, streams, len).await);
+        }
+        let h1 = stalled_h1_uploads(&hg.listen, h1_connections, len).await;
+        let bodies = h2_connections * streams + h1_connections;
+        let bound = f64::from(bound);
+        // Every body was either taken into the memory or refused by it.
+        eventually(
+            Duration::from_secs(20),
+            "every body placed or refused",
+            || async {
+                let kept = hg.metric("herdguard_body_memory_bytes").await;
+                let refused = hg.metric("herdguard_body_memory_refused_total").await;
+                kept <= bound && refused + (kept / len as f64).round() >= bodies as f64
+            },
+        )
+        .await;
+        let peak_mib = hg.peak_rss_kib() / 1024;
+        eprintln!("{memory}, {bodies} bodies of {len} bytes: peak RSS {peak_mib} MiB");
+        assert!(
+            peak_mib <= 64,
+            "{bodies} stalled bodies of {len} bytes: peak RSS {peak_mib} MiB"
+        );
+        for task in held {
+            task.abort();
+        }
+        drop(h1);
+    }
+}
+
+/// What an upstream could read differently from the proxy is refused with
+/// a reason, and on HTTP/1 the connection closes after it: bytes after a
+/// head whose framing is in doubt are never parsed as a new request.
+#[tokio::test]
+async fn look_alike_framing_is_refused_and_the_connection_closed() {
+    let up = echo_upstream().await;
+    let hg = proxy_to(&up.url()).await;
+    let smuggled = "GET /smuggled HTTP/1.1\r\nHost: a\r\n\r\n";
+    for (head, status) in [
+        (
+            "POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n",
+            "400",
+        ),
+        (
+            "POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+            "501",
+        ),
+        (
+            "POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n",
+            "400",
+        ),
+        (
+            "POST / HTTP/1.1\r\nHost: a\r\ntransfer_encoding: chunked\r\nContent-Length: 0\r\n\r\n",
+            "400",
+        ),
+        (
+            "POST / HTTP/1.1\r\nHost: a\r\ncontent_length: 5\r\nContent-Length: 0\r\n\r\n",
+            "400",
+        ),
+        (
+            "POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 00000\r\n\r\n",
+            "400",
+        ),
+        (
+            "POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 0035\r\n\r\n",
+            "400",
+        ),
+    ] {
+        let answer = raw_exchange(hg.proxy_addr(), format!("{head}{smuggled}").as_bytes()).await;
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status}")),
+            "{head:?}: {answer}"
+        );
+        assert_eq!(
+            answer.matches("HTTP/1.1 ").count(),
+            1,
+            "{head:?}: one answer: {answer}"
+        );
+        assert!(
+            answer.to_ascii_lowercase().contains("connection: close"),
+            "{answer}"
+        );
+    }
+    assert_eq!(up.hits(), 0, "nothing reached the upstream");
+    // A plain length is forwarded as it is.
+    let answer = raw_exchange(
+        hg.proxy_addr(),
+        b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
+/// HTTP/2's `:authority` with userinfo is refused as `Host: a@b` is.
+#[tokio::test]
+async fn an_http2_authority_with_userinfo_is_refused() {
+    let up = ok_upstream("ok").await;
+    let hg = proxy_to(&up.url()).await;
+    let tcp = tokio::net::TcpStream::connect(hg.proxy_addr())
+        .await
+        .unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    for (uri, status) in [
+        ("http://user:pw@a/", http::StatusCode::BAD_REQUEST),
+        ("http://a/", http::StatusCode::OK),
+    ] {
+        let req = http::Request::get(uri).body(empty()).unwrap();
+        let resp = sender.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), status, "{uri}");
+    }
+    assert_eq!(up.hits(), 1);
+}
+
+/// The admin listener answers only to names it knows: a page whose name an
+/// attacker rebinds to 127.0.0.1 cannot read `/config` or `/metrics`.
+#[tokio::test]
+async fn the_admin_listener_answers_only_to_hosts_it_knows() {
+    // Appended to the helper's own [admin] table.
+    let hg = proxy("hosts = [\"herdguard.example\"]\n").await;
+    let admin = hg.admin_addr();
+    for (host, path, status) in [
+        ("evil.example", "/config", "421"),
+        ("evil.example:80", "/metrics", "421"),
+        ("rebind.127.0.0.1.nip.io", "/healthz", "421"),
+        ("127.0.0.1", "/config", "200"),
+        ("[::1]:9901", "/config", "200"),
+        ("localhost:9901", "/metrics", "200"),
+        (
+            "herdguard-admin.shop.svc.cluster.local:9901",
+            "/readyz",
+            "200",
+        ),
+        ("HERDGUARD.example", "/config", "200"),
+    ] {
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        let answer = raw_exchange(admin, request.as_bytes()).await;
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status}")),
+            "{host} {path}: {answer}"
+        );
+    }
+}
+
+/// A change from a web page is refused whichever `Sec-Fetch-Site` field
+/// says so, not only the first.
+#[tokio::test]
+async fn every_sec_fetch_site_field_is_read() {
+    let hg = proxy("[[routes]]\nname = \"r\"\nupstream = \"u\"\n[upstreams.u]\nendpoints = [\"http://127.0.0.1:9\"]\n").await;
+    let request = "POST /breakers/r/open HTTP/1.1\r\nHost: 127.0.0.1\r\nSec-Fetch-Site: same-origin\r\nSec-Fetch-Site: cross-site\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+    let answer = raw_exchange(hg.admin_addr(), request.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+}

@@ -11,21 +11,6 @@ use common::process::Binary;
 use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// Raises this process's soft open-file limit to the hard one: the test
-/// holds one descriptor per connection it opens.
-fn raise_open_files() -> u64 {
-    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
-    let limit = getrlimit(Resource::Nofile);
-    let raised = Rlimit {
-        current: limit.maximum,
-        maximum: limit.maximum,
-    };
-    match setrlimit(Resource::Nofile, raised) {
-        Ok(()) => limit.maximum.unwrap_or(u64::MAX),
-        Err(_) => limit.current.unwrap_or(u64::MAX),
-    }
-}
-
 /// Up to `want` connections, as many as the open-file limit leaves room for
 /// beside everything else the test and the proxy hold (500 at least).
 fn connections_allowed(want: usize) -> usize {

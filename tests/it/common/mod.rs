@@ -331,3 +331,18 @@ pub fn fifo(path: &std::path::Path) -> std::path::PathBuf {
     assert!(made.is_ok_and(|s| s.success()), "mkfifo {}", path.display());
     path.to_owned()
 }
+
+/// Raises this process's soft open-file limit to the hard one: the test
+/// holds one descriptor per connection it opens.
+pub fn raise_open_files() -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let raised = Rlimit {
+        current: limit.maximum,
+        maximum: limit.maximum,
+    };
+    match setrlimit(Resource::Nofile, raised) {
+        Ok(()) => limit.maximum.unwrap_or(u64::MAX),
+        Err(_) => limit.current.unwrap_or(u64::MAX),
+    }
+}

@@ -283,9 +283,12 @@ fn serve_admin(
         idle_timeout: Duration::from_secs(10),
         drain_timeout: Duration::from_secs(1),
     };
-    accept_loop("admin", listener, limits, stop, move |peer, _| {
+    accept_loop("admin", listener, limits, stop, move |peer, conduct| {
         let shared = shared.clone();
+        let conduct = conduct.clone();
         service_fn(move |req: Request<CallerBody>| {
+            // A whole head came: no longer evicted for a new caller.
+            conduct.heard();
             let shared = shared.clone();
             Box::pin(async move { Ok::<_, Infallible>(admin::serve(&shared, peer, &req).await) })
         })

@@ -127,6 +127,12 @@ pub struct Conduct {
     answered: std::sync::atomic::AtomicU32,
     expelled: AtomicBool,
     expel: Arc<Notify>,
+    /// A whole request head came (a request began): the connection can no
+    /// longer be evicted for a new caller.
+    spoke: AtomicBool,
+    /// Evicted for a new caller before it finished its first request head:
+    /// closed outright.
+    evicted: AtomicBool,
     /// Requests begun and not yet answered or abandoned.
     open: std::sync::atomic::AtomicU32,
     /// When a request last began or ended.
@@ -153,6 +159,8 @@ impl Conduct {
             answered: Default::default(),
             expelled: AtomicBool::new(false),
             expel: Arc::new(Notify::new()),
+            spoke: AtomicBool::new(false),
+            evicted: AtomicBool::new(false),
             open: Default::default(),
             last: Stamp::new(),
             idle_timeout,
@@ -162,8 +170,54 @@ impl Conduct {
         }
     }
 
+    /// A whole request head came (on a listener that does not count its
+    /// requests with [`begun`](Self::begun)).
+    pub fn heard(&self) {
+        if !self.spoke.load(Ordering::Relaxed) {
+            self.spoke.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a whole request head ever came.
+    pub fn has_spoken(&self) -> bool {
+        self.spoke.load(Ordering::Relaxed)
+    }
+
+    /// Closes the connection outright, unless it has spoken: a new caller
+    /// needs its slot (see `listen::Silent`).
+    pub fn evict(&self) {
+        self.evicted.store(true, Ordering::Release);
+        self.expel.notify_one();
+    }
+
+    /// Ready once [`evict`](Self::evict) was called.
+    pub async fn until_evicted(&self) {
+        // A wake-up given before this waits is kept as a permit: none is lost.
+        while !self.evicted.load(Ordering::Acquire) {
+            self.expel.notified().await;
+        }
+    }
+
+    /// Ready once evicted before a whole head came; never after one came.
+    pub async fn until_evicted_unheard(&self) {
+        self.until_evicted().await;
+        if self.has_spoken() {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    fn evicted_unheard(&self) -> bool {
+        self.evicted.load(Ordering::Acquire) && !self.has_spoken()
+    }
+
+    #[cfg(test)]
+    pub fn evicted_unheard_for_test(&self) -> bool {
+        self.evicted_unheard()
+    }
+
     /// A request began on the connection.
     pub fn begun(&self) {
+        self.heard();
         self.open.fetch_add(1, Ordering::Relaxed);
         self.last.touch();
     }
@@ -249,6 +303,10 @@ impl<C: GracefulConnection> Future for Watched<C> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
+        // Evicted before a whole head came: nothing to finish, close now.
+        if this.conduct.evicted_unheard() {
+            return Poll::Ready(None);
+        }
         if !*this.asked {
             let mut started = this.started.load(Ordering::Acquire);
             let mut expelled = this.conduct.expelled.load(Ordering::Acquire);

@@ -78,41 +78,44 @@ impl Drop for Abandoned {
     }
 }
 
-/// The connections of a listener that have sent nothing yet, oldest
-/// first: when the listener is full, the oldest is closed for a caller
-/// waiting to connect. Each is woken through its `Notify`, held while it
-/// waits for its first bytes (a dead entry has spoken or closed).
+/// The connections of a listener that have not finished a request head
+/// yet, oldest first: when the listener is full, the oldest is closed for
+/// a caller waiting to connect, so that connections that say nothing, or
+/// send their head a byte at a time, cannot starve those that would make
+/// a request (the kubelet's probes on the admin listener first).
 #[derive(Default)]
 struct Silent {
-    waiting: std::sync::Mutex<std::collections::VecDeque<std::sync::Weak<tokio::sync::Notify>>>,
+    waiting: std::sync::Mutex<std::collections::VecDeque<std::sync::Weak<Conduct>>>,
+}
+
+/// Whether the connection of `conduct` is still open and has not spoken.
+fn unheard(conduct: &std::sync::Weak<Conduct>) -> bool {
+    conduct.upgrade().is_some_and(|c| !c.has_spoken())
 }
 
 impl Silent {
-    /// Registers a new connection; it must hold the `Notify` until it has
-    /// spoken. Entries gone are dropped from the front as new ones come,
-    /// and all of them once the list is twice `max`: a connection that
-    /// stays silent at the front cannot make the list grow with every
-    /// connection accepted behind it (at most `max` are live, each holding
-    /// a slot), so it stays within `2 * max`.
-    fn push(&self, max: usize) -> Arc<tokio::sync::Notify> {
-        let notify = Arc::new(tokio::sync::Notify::new());
+    /// Registers a new connection. Entries closed or spoken are dropped
+    /// from the front as new ones come, and all of them once the list is
+    /// twice `max`: a connection that stays unheard at the front cannot
+    /// make the list grow with every connection accepted behind it (at most
+    /// `max` are open, each holding a slot), so it stays within `2 * max`.
+    fn push(&self, max: usize, conduct: &Arc<Conduct>) {
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        while waiting.front().is_some_and(|w| w.strong_count() == 0) {
+        while waiting.front().is_some_and(|w| !unheard(w)) {
             waiting.pop_front();
         }
         if waiting.len() >= max.saturating_mul(2) {
-            waiting.retain(|w| w.strong_count() > 0);
+            waiting.retain(unheard);
         }
-        waiting.push_back(Arc::downgrade(&notify));
-        notify
+        waiting.push_back(Arc::downgrade(conduct));
     }
 
-    /// Closes the oldest connection still silent; false if there is none.
+    /// Closes the oldest connection still unheard; false if there is none.
     fn evict_oldest(&self) -> bool {
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
         while let Some(oldest) = waiting.pop_front() {
-            if let Some(notify) = oldest.upgrade() {
-                notify.notify_one();
+            if let Some(conduct) = oldest.upgrade().filter(|c| !c.has_spoken()) {
+                conduct.evict();
                 return true;
             }
         }
@@ -307,7 +310,6 @@ impl Serve<'_> {
         acceptor: tokio_rustls::TlsAcceptor,
         stream: tokio::net::TcpStream,
         service: S,
-        evicted: Arc<tokio::sync::Notify>,
         what: &'static str,
         peer: SocketAddr,
     ) -> Option<Result<(), ServeError>>
@@ -357,7 +359,7 @@ impl Serve<'_> {
         let opened = tokio::select! {
             biased;
             opened = opened => opened,
-            () = evicted.notified() => {
+            () = self.conduct.until_evicted() => {
                 debug!(listener = what, %peer, "connection closed before it sent anything inside TLS: a new caller needed its slot");
                 None
             }
@@ -366,8 +368,6 @@ impl Serve<'_> {
                 None
             }
         };
-        // Spoken or closed: off the list of silent connections.
-        drop(evicted);
         let Some((agreed, stream)) = opened else {
             return Some(Ok(()));
         };
@@ -437,9 +437,9 @@ pub(crate) async fn accept_loop<M, S, B>(
         let Some(permit) = admit(&permits, &silent, &mut stop, what, peer).await else {
             break;
         };
-        let evicted = silent.push(limits.max_connections);
         let _ = stream.set_nodelay(true);
         let conduct = Arc::new(Conduct::new(limits.idle_timeout, limits.write_timeout));
+        silent.push(limits.max_connections, &conduct);
         let service = make_service(peer, &conduct);
         let (builders, drain) = (builders.clone(), drain.clone());
         let (wait, write_timeout) = (limits.header_read_timeout, limits.write_timeout);
@@ -457,7 +457,7 @@ pub(crate) async fn accept_loop<M, S, B>(
             let opened = tokio::select! {
                 biased;
                 opened = opening(&stream, wait) => opened,
-                () = evicted.notified() => Opening::Silent,
+                () = conduct.until_evicted() => Opening::Silent,
                 () = drain.started() => Opening::Silent,
             };
             let h2 = match opened {
@@ -482,11 +482,20 @@ pub(crate) async fn accept_loop<M, S, B>(
                 header_read_timeout: wait,
             };
             let served = match tls {
+                // Evictable (closed outright) until its first whole head:
+                // a head sent a byte at a time holds no slot a new caller
+                // needs.
                 None => {
-                    drop(evicted);
-                    serve
-                        .connection(Rewind::new(bytes::Bytes::new(), stream), h2, service)
-                        .await
+                    let serving =
+                        serve.connection(Rewind::new(bytes::Bytes::new(), stream), h2, service);
+                    tokio::select! {
+                        biased;
+                        served = serving => served,
+                        () = conduct.until_evicted_unheard() => {
+                            debug!(listener = what, %peer, "connection closed before it finished a request head: a new caller needed its slot");
+                            None
+                        }
+                    }
                 }
                 // The handshake must be done within the time the request
                 // head has: a caller that starts one and stalls holds nothing.
@@ -494,9 +503,7 @@ pub(crate) async fn accept_loop<M, S, B>(
                 // after its handshake for as long as it liked.
                 // On the heap: a TLS connection's state is large, and a
                 // plain connection's task would otherwise keep room for it.
-                Some(acceptor) => {
-                    Box::pin(serve.tls(acceptor, stream, service, evicted, what, peer)).await
-                }
+                Some(acceptor) => Box::pin(serve.tls(acceptor, stream, service, what, peer)).await,
             };
             log_end(what, peer, served);
             drop(permit);
@@ -538,7 +545,7 @@ async fn admit(
         return Some(permit);
     }
     if silent.evict_oldest() {
-        debug!(listener = what, %peer, "at max_connections: the oldest connection that has sent nothing is closed for a new one");
+        debug!(listener = what, %peer, "at max_connections: the oldest connection that has not finished a request head is closed for a new one");
     }
     tokio::select! {
         biased;
@@ -579,31 +586,49 @@ async fn drain_connections(
 mod tests {
     use super::*;
 
+    fn conduct() -> Arc<Conduct> {
+        Arc::new(Conduct::new(
+            Duration::from_secs(60),
+            Duration::from_secs(30),
+        ))
+    }
+
     #[test]
     fn a_silent_connection_held_at_the_front_does_not_grow_the_list() {
         let silent = Silent::default();
-        let _oldest = silent.push(4);
-        // Thousands accepted behind it, each speaking at once.
-        for _ in 0..10_000 {
-            drop(silent.push(4));
+        let oldest = conduct();
+        silent.push(4, &oldest);
+        // Thousands accepted behind it, each closed or speaking at once.
+        let mut spoken = Vec::new();
+        for i in 0..10_000 {
+            let c = conduct();
+            silent.push(4, &c);
+            if i % 2 == 0 {
+                c.heard();
+                spoken.push(c);
+            }
         }
         let len = silent.waiting.lock().unwrap().len();
         assert!(len <= 8, "{len} entries");
-        // The one still silent is evicted, then none is left.
+        // The one still unheard is evicted, then none is left.
         assert!(silent.evict_oldest());
         assert!(!silent.evict_oldest());
+        assert!(oldest.evicted_unheard_for_test());
     }
 
     #[tokio::test]
-    async fn the_oldest_still_silent_is_woken_first() {
+    async fn the_oldest_still_unheard_is_evicted_first() {
         let silent = Silent::default();
-        let (first, second) = (silent.push(8), silent.push(8));
-        drop(first); // it spoke
-        let third = silent.push(8);
+        let (first, second, third) = (conduct(), conduct(), conduct());
+        silent.push(8, &first);
+        silent.push(8, &second);
+        silent.push(8, &third);
+        first.heard(); // its head came whole
         assert!(silent.evict_oldest());
-        // The second is woken (its wake is kept for it), the third is not.
-        second.notified().await;
-        let woken = tokio::time::timeout(Duration::ZERO, third.notified()).await;
+        // The second is evicted (its wake is kept for it), the third is not.
+        second.until_evicted().await;
+        let woken = tokio::time::timeout(Duration::ZERO, third.until_evicted()).await;
         assert!(woken.is_err(), "the newer one stays");
+        assert!(!first.evicted_unheard_for_test());
     }
 }

@@ -323,3 +323,103 @@ async fn every_sec_fetch_site_field_is_read() {
     let answer = raw_exchange(hg.admin_addr(), request.as_bytes()).await;
     assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
 }
+
+/// `n` connections that each send a request head a byte at a time (one
+/// every `pace`), reconnecting when closed, until `until`; how many
+/// connections they opened.
+fn slow_heads(
+    addr: String,
+    n: usize,
+    pace: Duration,
+    until: tokio::time::Instant,
+) -> tokio::task::JoinHandle<usize> {
+    tokio::spawn(async move {
+        let one = |addr: String| async move {
+            let mut opened = 0;
+            while tokio::time::Instant::now() < until {
+                let Ok(mut s) = tokio::net::TcpStream::connect(&addr).await else {
+                    continue;
+                };
+                opened += 1;
+                let head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ";
+                let mut sent = 0;
+                while tokio::time::Instant::now() < until {
+                    let byte = head.get(sent).copied().unwrap_or(b'a');
+                    if s.write_all(&[byte]).await.is_err() {
+                        break;
+                    }
+                    sent += 1;
+                    // The attack's own pace, not a wait for the proxy.
+                    tokio::time::sleep(pace).await;
+                }
+            }
+            opened
+        };
+        let all = (0..n).map(|_| one(addr.clone()));
+        futures_util::future::join_all(all).await.into_iter().sum()
+    })
+}
+
+/// A probe as the kubelet sends it: a new connection, `GET path`, the
+/// whole answer within 1 s.
+async fn probe(addr: &str, path: &str) -> bool {
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let request =
+            format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+        s.write_all(request.as_bytes()).await.ok()?;
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).await.ok()?;
+        Some(got.starts_with(b"HTTP/1.1 200"))
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), exchange).await,
+        Ok(Some(true))
+    )
+}
+
+/// Connections that send their heads a byte at a time fill a listener; a
+/// new caller takes the slot of the oldest one that has not finished its
+/// head, so probes on the admin listener (256 slots) and requests on a
+/// full main listener keep being answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_heads_cost_only_themselves() {
+    raise_open_files();
+    let up = ok_upstream("ok").await;
+    for (attackers, pace) in [
+        (300, Duration::from_millis(500)),
+        (260, Duration::from_secs(1)),
+    ] {
+        let hg = Binary::start_with("max_connections = 200", &one_route(&up.url())).await;
+        let until = tokio::time::Instant::now() + Duration::from_secs(8);
+        let on_admin = slow_heads(hg.admin.clone(), attackers, pace, until);
+        let on_listen = slow_heads(hg.listen.clone(), attackers, pace, until);
+        let (mut admin_ok, mut listen_ok, mut rounds) = (0, 0, 0);
+        // A probe pair every 25 ms (the kubelet's pace, sped up), at most 400.
+        let mut every = tokio::time::interval(Duration::from_millis(25));
+        while rounds < 400 && tokio::time::Instant::now() + Duration::from_secs(1) < until {
+            every.tick().await;
+            rounds += 1;
+            admin_ok += usize::from(probe(&hg.admin, "/healthz").await);
+            listen_ok += usize::from(probe(&hg.listen, "/").await);
+        }
+        let opened = on_admin.await.unwrap() + on_listen.await.unwrap();
+        eprintln!(
+            "{attackers} slow heads a listener, a byte per {pace:?}: {opened} connections; \
+             admin probes {admin_ok}/{rounds}, requests {listen_ok}/{rounds}"
+        );
+        assert!(
+            opened >= 2 * attackers,
+            "the attack ran: {opened} connections"
+        );
+        assert!(rounds >= 5, "{rounds} rounds");
+        assert!(
+            admin_ok * 100 >= rounds * 97,
+            "admin probes {admin_ok}/{rounds}"
+        );
+        assert!(
+            listen_ok * 100 >= rounds * 90,
+            "requests {listen_ok}/{rounds}"
+        );
+    }
+}

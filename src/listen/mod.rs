@@ -376,7 +376,15 @@ impl Serve<'_> {
             debug!(listener = what, %peer, "connection closed: the caller does not speak the protocol ALPN agreed");
             return Some(Ok(()));
         }
-        self.connection(stream, h2, service).await
+        // Evictable until its first whole head, as a plain connection is.
+        tokio::select! {
+            biased;
+            served = self.connection(stream, h2, service) => served,
+            () = self.conduct.until_evicted_unheard() => {
+                debug!(listener = what, %peer, "connection closed before it finished a request head: a new caller needed its slot");
+                None
+            }
+        }
     }
 }
 

@@ -423,3 +423,46 @@ async fn slow_heads_cost_only_themselves() {
         );
     }
 }
+
+/// The config file swapped for a huge one, then for a FIFO: the watcher
+/// reads neither (the reload it triggers refuses both, by their metadata),
+/// memory stays put, the old config keeps serving, and SIGTERM still ends
+/// the process at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_or_fifo_config_file_costs_the_watcher_nothing() {
+    let up = ok_upstream("ok").await;
+    let hg = Binary::start(&one_route(&up.url())).await;
+    let start = hg.rss_kib();
+    let path = hg.config_path().to_owned();
+    let refused = r#"herdguard_config_reloads_total{result="error"}"#;
+    for (i, size) in [300u64 << 20, 40 << 20].into_iter().enumerate() {
+        // Sparse: as large as it says, nothing on disk.
+        let huge = path.with_extension(format!("huge{i}"));
+        std::fs::File::create(&huge).unwrap().set_len(size).unwrap();
+        std::fs::rename(&huge, &path).unwrap();
+        eventually(Duration::from_secs(10), "the huge file refused", || async {
+            hg.metric(refused).await >= (i + 1) as f64
+        })
+        .await;
+    }
+    let grown_mib = hg.peak_rss_kib().saturating_sub(start) / 1024;
+    assert!(grown_mib <= 8, "peak RSS grew by {grown_mib} MiB");
+    assert!(get_path(&hg.listen, "/").await, "the old config serves");
+    // A FIFO in its place: nothing waits for a writer.
+    std::fs::remove_file(&path).unwrap();
+    fifo(&path);
+    eventually(Duration::from_secs(10), "the FIFO refused", || async {
+        hg.metric(refused).await >= 3.0
+    })
+    .await;
+    assert!(get_path(&hg.listen, "/").await, "the old config serves");
+    let stopped = tokio::time::Instant::now();
+    hg.sigterm();
+    let _ = tokio::time::timeout(Duration::from_secs(20), hg.exited())
+        .await
+        .expect("SIGTERM ends the process");
+    assert!(
+        stopped.elapsed() < Duration::from_secs(16),
+        "within the drain time"
+    );
+}

@@ -174,6 +174,11 @@ impl Binary {
         self.reload_with("", toml)
     }
 
+    /// The config file it was started on (watched for changes).
+    pub fn config_path(&self) -> &std::path::Path {
+        self._config.path()
+    }
+
     /// Like [`reload`](Self::reload), with more keys of `[listen]`.
     pub fn reload_with(&self, listen: &str, toml: &str) {
         let text = format!(

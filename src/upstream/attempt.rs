@@ -350,6 +350,9 @@ impl<'a> retry::Attempts for Forward<'a> {
             timeout: self.timeout,
         };
         let path_and_query = self.path_and_query;
+        // A request that cannot be repeated, and a retry, avoid connections
+        // the upstream may be closing (once it was seen to).
+        let careful = n > 1 || !self.repeatable;
         async move {
             let mut slot = match slot {
                 Ok(slot) => slot,
@@ -363,7 +366,7 @@ impl<'a> retry::Attempts for Forward<'a> {
             // Pinned where it is made: moved into `timed`, the request's
             // future would keep room for it twice.
             let (timed, sent_whole) = timed(
-                std::pin::pin!(target.send(path_and_query, req)),
+                std::pin::pin!(target.send(path_and_query, req, careful)),
                 progress.as_deref(),
                 per_try,
                 deadline,

@@ -184,10 +184,13 @@ impl Endpoint {
     /// with the response, to be held until its body is done with. (Not an
     /// `async fn`: one would keep the request twice, as its argument and
     /// as a local, for as long as the attempt lasts.)
+    /// `careful`: the request cannot be repeated should it be lost in the
+    /// close of an idle connection (see `pool.rs`).
     pub fn send(
         &self,
         path_and_query: Option<&PathAndQuery>,
         mut req: Request<RequestBody>,
+        careful: bool,
     ) -> Sending<impl Future<Output = Result<(Response<Incoming>, Pooled), PoolError>> + '_> {
         let based;
         let path_and_query = match (&self.base, path_and_query) {
@@ -206,7 +209,7 @@ impl Endpoint {
             Transport::Pool(pool) => {
                 *req.uri_mut() = pool::origin_form(path_and_query);
                 Sending::Pool {
-                    send: pool.send(req),
+                    send: pool.send(req, careful),
                 }
             }
             Transport::Client(client) => {

@@ -21,6 +21,14 @@
 //!
 //! Nothing here retries: a request that could not be written comes back as
 //! an error like any other, and the retry loop decides.
+//!
+//! Reuse is learnt: an upstream that closes idle connections without
+//! saying so (Node's and many frameworks' keep-alive timeouts) loses a
+//! request now and then in the close. Once one was lost so (`Stale`), for
+//! [`STALE_MEMORY`] a careful request (one that cannot be retried, or a
+//! retry) goes only on a connection idle for less than half the shortest
+//! idle time seen to fail, or on a new one; as HAProxy's `http-reuse safe`
+//! does, and unlike it only where the upstream has shown the need.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -90,6 +98,18 @@ impl PoolError {
 /// is parked (see the module's documentation).
 pub const PARK_AFTER: Duration = Duration::from_secs(1);
 
+/// How long a lost request makes careful requests avoid old connections.
+pub const STALE_MEMORY: Duration = Duration::from_secs(60);
+
+/// What the pool learnt of the upstream closing idle connections: when a
+/// request was last lost in such a close, and the shortest idle time of a
+/// connection that was, in nanoseconds (0: none yet).
+#[derive(Default)]
+struct Staleness {
+    at: std::sync::atomic::AtomicU64,
+    shortest: std::sync::atomic::AtomicU64,
+}
+
 struct Conn {
     state: Idle,
     /// When it was returned.
@@ -109,6 +129,9 @@ enum Taken {
     Live(Pooled),
     Parked(std::net::TcpStream),
 }
+
+/// How long the connection a request went on had been idle (`None`: new).
+type Idled = Option<Duration>;
 
 /// A connection checked out of the pool, with a request or its response
 /// body on it.
@@ -175,6 +198,9 @@ pub struct H1Pool {
     max_idle: usize,
     /// Shared with the connection tasks, which park sockets in it.
     idle: Arc<Mutex<Vec<Conn>>>,
+    staleness: Staleness,
+    /// The clock `staleness` counts from.
+    epoch: Instant,
 }
 
 impl H1Pool {
@@ -190,7 +216,43 @@ impl H1Pool {
             idle_timeout,
             max_idle,
             idle: Arc::default(),
+            staleness: Staleness::default(),
+            epoch: Instant::now(),
         }
+    }
+
+    /// The longest a `careful` request's connection may have been idle
+    /// now: any, unless a request was lost in a close lately.
+    fn max_idle_for(&self, careful: bool) -> Option<Duration> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let shortest = self.staleness.shortest.load(Relaxed);
+        if !careful || shortest == 0 {
+            return None;
+        }
+        let at = Duration::from_nanos(self.staleness.at.load(Relaxed));
+        let now = Instant::now().saturating_duration_since(self.epoch);
+        if now.saturating_sub(at) > STALE_MEMORY {
+            return None;
+        }
+        Some(Duration::from_nanos(shortest / 2))
+    }
+
+    /// A request was lost in the close of a connection idle for `idled`.
+    fn lost(&self, idled: Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = Instant::now().saturating_duration_since(self.epoch);
+        let remembered = self.max_idle_for(true).is_some();
+        let idled = u64::try_from(idled.as_nanos()).unwrap_or(u64::MAX).max(1);
+        let shortest = self.staleness.shortest.load(Relaxed);
+        let shortest = if remembered && shortest != 0 {
+            shortest.min(idled)
+        } else {
+            idled
+        };
+        self.staleness.shortest.store(shortest, Relaxed);
+        self.staleness
+            .at
+            .store(u64::try_from(now.as_nanos()).unwrap_or(u64::MAX), Relaxed);
     }
 
     /// Sends `req` (origin-form URI, `Host` set) on an idle connection, or on
@@ -208,6 +270,7 @@ impl H1Pool {
     pub fn send(
         &self,
         req: Request<RequestBody>,
+        careful: bool,
     ) -> impl Future<Output = Result<(Response<Incoming>, Pooled), PoolError>> + '_ {
         async move {
             // An upgrade takes a connection of its own, driven by hyper
@@ -216,21 +279,23 @@ impl H1Pool {
             let upgrade = req.headers().contains_key(http::header::UPGRADE);
             let taken = match upgrade {
                 true => None,
-                false => self.checkout(),
+                false => self.checkout(self.max_idle_for(careful)),
             };
-            let (mut conn, reused) = match taken {
-                Some(Taken::Live(conn)) => (conn, true),
-                Some(Taken::Parked(stream)) => (self.handshake(stream, false).await?, true),
-                None => (self.connect(upgrade).await?, false),
+            let (mut conn, idled) = match taken {
+                Some((Taken::Live(conn), idled)) => (conn, Some(idled)),
+                Some((Taken::Parked(stream), idled)) => {
+                    (self.handshake(stream, false).await?, Some(idled))
+                }
+                None => (self.connect(upgrade).await?, None),
             };
             match conn.sender.try_send_request(req).await {
                 Ok(resp) => Ok((resp, conn)),
                 // On the heap: rare, and the request's future would
                 // otherwise keep room for it.
-                Err(failed) if reused => Box::pin(self.resend(failed)).await,
+                Err(failed) if idled.is_some() => Box::pin(self.resend(failed, idled)).await,
                 Err(mut failed) => {
                     let unsent = failed.take_message().is_some();
-                    Err(self.request_error(failed.into_error(), unsent, false))
+                    Err(self.request_error(failed.into_error(), unsent, None))
                 }
             }
         }
@@ -241,9 +306,10 @@ impl H1Pool {
     async fn resend(
         &self,
         mut failed: TrySendError<Request<RequestBody>>,
+        idled: Idled,
     ) -> Result<(Response<Incoming>, Pooled), PoolError> {
         let Some(req) = failed.take_message() else {
-            return Err(self.request_error(failed.into_error(), false, true));
+            return Err(self.request_error(failed.into_error(), false, idled));
         };
         let source = failed.into_error();
         debug!(upstream = %self.authority, error = %source, "pooled connection closed before the request was written; sending it on a new one");
@@ -252,29 +318,32 @@ impl H1Pool {
             .sender
             .send_request(req)
             .await
-            .map_err(|source| self.request_error(source, false, false))?;
+            .map_err(|source| self.request_error(source, false, None))?;
         Ok((resp, conn))
     }
 
-    fn request_error(&self, source: hyper::Error, unsent: bool, reused: bool) -> PoolError {
+    /// `idled`: how long the connection had been idle, if it was reused.
+    fn request_error(&self, source: hyper::Error, unsent: bool, idled: Idled) -> PoolError {
         let authority = self.authority.clone();
-        match unsent {
-            true => PoolError::Unsent { authority, source },
+        match (unsent, idled) {
+            (true, _) => PoolError::Unsent { authority, source },
             // Closed with nothing of an answer, on a connection that had
             // served before: the upstream closed it as the request went out
             // (an end of stream; or a reset, when our bytes reached a
             // socket it had already closed).
-            false if reused && (source.is_incomplete_message() || reset_by_peer(&source)) => {
+            (false, Some(idled)) if source.is_incomplete_message() || reset_by_peer(&source) => {
+                self.lost(idled);
                 PoolError::Stale { authority, source }
             }
-            false => PoolError::Request { authority, source },
+            (false, _) => PoolError::Request { authority, source },
         }
     }
 
     /// Takes the most recently returned connection that is ready, dropping
     /// the closed and the long idle ones on the way. A connection whose last
     /// response was read a moment ago may not be ready yet: it stays.
-    fn checkout(&self) -> Option<Taken> {
+    /// Only a connection idle for less than `max_idle_for` is taken, if set.
+    fn checkout(&self, max_idle_for: Option<Duration>) -> Option<(Taken, Duration)> {
         let now = Instant::now();
         let mut idle = self.lock();
         let mut i = idle.len();
@@ -283,6 +352,10 @@ impl H1Pool {
             let conn = &idle[i];
             if self.expired(conn, now) {
                 idle.swap_remove(i);
+                continue;
+            }
+            let idled = now.saturating_duration_since(conn.last_used);
+            if max_idle_for.is_some_and(|max| idled >= max) {
                 continue;
             }
             match &conn.state {
@@ -296,7 +369,7 @@ impl H1Pool {
                     // The upstream closed it and hyper has not noticed yet: a
                     // request written now would be lost in the close.
                     if pooled.is_quiet() {
-                        return Some(Taken::Live(pooled));
+                        return Some((Taken::Live(pooled), idled));
                     }
                 }
                 Idle::Live(_) => {}
@@ -305,7 +378,7 @@ impl H1Pool {
                         continue;
                     };
                     if is_quiet(socket2::SockRef::from(&stream)) {
-                        return Some(Taken::Parked(stream));
+                        return Some((Taken::Parked(stream), idled));
                     }
                 }
             }

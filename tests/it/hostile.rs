@@ -5,6 +5,7 @@
 use crate::common;
 
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::process::Binary;
@@ -465,4 +466,147 @@ async fn a_huge_or_fifo_config_file_costs_the_watcher_nothing() {
         stopped.elapsed() < Duration::from_secs(16),
         "within the drain time"
     );
+}
+
+/// An upstream that closes every connection idle for `after` after an
+/// answer, without saying so (no `Connection: close`), and takes a quarter of
+/// that to do it (it stops reading, then closes): a request that arrives in
+/// that time is lost in the close, as one in flight when Node's or Go's
+/// idle timer fires is. Answers 200 with the `x-id` the request carried,
+/// and counts each id it answered.
+async fn closing_upstream(
+    after: Duration,
+) -> (
+    String,
+    Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let seen: Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>> = Arc::default();
+    let counted = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let seen = counted.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut close_at: Option<tokio::time::Instant> = None;
+                loop {
+                    let end = loop {
+                        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break end + 4;
+                        }
+                        let mut chunk = [0u8; 4096];
+                        let read = match close_at {
+                            Some(at) => {
+                                match tokio::time::timeout_at(at - after / 4, s.read(&mut chunk))
+                                    .await
+                                {
+                                    Ok(read) => read,
+                                    Err(_) => {
+                                        // Closing: what comes now is lost.
+                                        tokio::time::sleep_until(at).await;
+                                        return;
+                                    }
+                                }
+                            }
+                            None => s.read(&mut chunk).await,
+                        };
+                        match read {
+                            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                            _ => return,
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                    let field = |name: &str| {
+                        head.lines()
+                            .find_map(|l| l.strip_prefix(name).map(|v| v.trim().to_owned()))
+                    };
+                    let length: usize = field("content-length:")
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(0);
+                    while buf.len() < end + length {
+                        let mut chunk = [0u8; 4096];
+                        match s.read(&mut chunk).await {
+                            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                            _ => return,
+                        }
+                    }
+                    buf.drain(..end + length);
+                    let id = field("x-id:").unwrap_or_default();
+                    *seen.lock().unwrap().entry(id.clone()).or_default() += 1;
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{id}",
+                        id.len()
+                    );
+                    if s.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    close_at = Some(tokio::time::Instant::now() + after);
+                }
+            });
+        }
+    });
+    (url, seen)
+}
+
+/// An upstream that closes its keep-alive connections shortly after each
+/// answer, as Node's and many frameworks' idle timeouts do: every GET
+/// succeeds (one lost in a close is retried on a young or new connection),
+/// nearly every unkeyed POST does (once a close has lost a request, such
+/// requests go only on connections just used, or new ones), and no POST
+/// reaches the upstream twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_closing_idle_connections_loses_no_request() {
+    for (after, seed) in [
+        (Duration::from_millis(50), 7u64),
+        (Duration::from_millis(20), 11),
+    ] {
+        let (url, seen) = closing_upstream(after).await;
+        let hg = Binary::start(&one_route(&url)).await;
+        let client = client();
+        let mut rng = seed;
+        let mut pause = || {
+            // A small LCG: pauses from 0 to 2 x `after`, around the close.
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            after.mul_f64(2.0 * ((rng >> 33) as f64 / (1u64 << 31) as f64))
+        };
+        let (mut gets, mut posts) = (0, 0);
+        for i in 0..120 {
+            let post = i >= 60;
+            let id = format!("{}-{i}", if post { "post" } else { "get" });
+            let req = http::Request::builder()
+                .method(if post { "POST" } else { "GET" })
+                .uri(format!("http://{}/", hg.listen))
+                .header("x-id", &id)
+                .body(if post { full("body") } else { empty() })
+                .unwrap();
+            let ok = match client.request(req).await {
+                Ok(resp) => resp.status() == http::StatusCode::OK,
+                Err(_) => false,
+            };
+            if post {
+                posts += usize::from(ok)
+            } else {
+                gets += usize::from(ok)
+            }
+            // The caller's own pace, around the upstream's close.
+            tokio::time::sleep(pause()).await;
+        }
+        let twice: Vec<_> = seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(id, n)| id.starts_with("post") && **n > 1)
+            .map(|(id, _)| id.clone())
+            .collect();
+        let stale = hg
+            .metric(r#"herdguard_retries_total{route="r",reason="stale-connection"}"#)
+            .await;
+        eprintln!("closing {after:?} after each answer: GET {gets}/60, POST {posts}/60, {stale} retries for stale connections");
+        assert!(twice.is_empty(), "POSTs sent twice: {twice:?}");
+        assert_eq!(gets, 60, "every GET succeeds");
+        assert!(posts >= 58, "POST {posts}/60");
+    }
 }

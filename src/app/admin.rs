@@ -196,6 +196,15 @@ fn breakers(shared: &Shared) -> serde_json::Value {
     for route in &runtime.routes {
         let mut entry = serde_json::to_value(route.guards.breaker_snapshot()).unwrap_or_default();
         entry["upstream"] = route.upstream.name.as_ref().into();
+        // Paths whose own breaker is not closed: refused alone.
+        let paths: serde_json::Map<_, _> = route
+            .guards
+            .paths
+            .snapshot(tokio::time::Instant::now())
+            .into_iter()
+            .map(|(path, snapshot)| (path, serde_json::to_value(snapshot).unwrap_or_default()))
+            .collect();
+        entry["paths"] = paths.into();
         routes.insert(route.name.to_string(), entry);
         let u = &route.upstream;
         upstreams.insert(

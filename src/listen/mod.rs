@@ -377,14 +377,13 @@ impl Serve<'_> {
             return Some(Ok(()));
         }
         // Evictable until its first whole head, as a plain connection is.
-        tokio::select! {
-            biased;
-            served = self.connection(stream, h2, service) => served,
-            () = self.conduct.until_evicted_unheard() => {
-                debug!(listener = what, %peer, "connection closed before it finished a request head: a new caller needed its slot");
-                None
-            }
-        }
+        evictable(
+            self.conduct,
+            self.connection(stream, h2, service),
+            what,
+            peer,
+        )
+        .await
     }
 }
 
@@ -496,14 +495,7 @@ pub(crate) async fn accept_loop<M, S, B>(
                 None => {
                     let serving =
                         serve.connection(Rewind::new(bytes::Bytes::new(), stream), h2, service);
-                    tokio::select! {
-                        biased;
-                        served = serving => served,
-                        () = conduct.until_evicted_unheard() => {
-                            debug!(listener = what, %peer, "connection closed before it finished a request head: a new caller needed its slot");
-                            None
-                        }
-                    }
+                    evictable(&conduct, serving, what, peer).await
                 }
                 // The handshake must be done within the time the request
                 // head has: a caller that starts one and stalls holds nothing.
@@ -520,6 +512,24 @@ pub(crate) async fn accept_loop<M, S, B>(
     drop(listener);
     drain.start();
     drain_connections(&permits, what, limits.max_connections, limits.drain_timeout).await;
+}
+
+/// `serving`, closed outright should its connection be evicted for a new
+/// caller before a whole request head came.
+async fn evictable(
+    conduct: &Conduct,
+    serving: impl std::future::Future<Output = Option<Result<(), ServeError>>>,
+    what: &'static str,
+    peer: SocketAddr,
+) -> Option<Result<(), ServeError>> {
+    tokio::select! {
+        biased;
+        served = serving => served,
+        () = conduct.until_evicted_unheard() => {
+            debug!(listener = what, %peer, "connection closed before it finished a request head: a new caller needed its slot");
+            None
+        }
+    }
 }
 
 /// How a connection ended, for the debug log.

@@ -29,6 +29,7 @@ pub const RETRY_BUDGET_AVAILABLE: &str = "herdguard_retry_budget_available";
 pub const BACKOFF_SECONDS: &str = "herdguard_backoff_seconds";
 pub const BREAKER_STATE: &str = "herdguard_breaker_state";
 pub const BREAKER_TRANSITIONS: &str = "herdguard_breaker_transitions_total";
+pub const PATH_BREAKER_OPENS: &str = "herdguard_path_breaker_opens_total";
 pub const IN_FLIGHT: &str = "herdguard_in_flight";
 pub const SHED_TOTAL: &str = "herdguard_shed_total";
 pub const CONFIG_RELOADS: &str = "herdguard_config_reloads_total";
@@ -264,6 +265,9 @@ fn help(name: &str) -> Option<&'static str> {
         RETRIES_TOTAL => "Retries made, by the cause of the failed attempt.",
         RETRIES_SKIPPED => "Retries that were not made, by reason.",
         BREAKER_TRANSITIONS => "Circuit breaker state changes, by new state.",
+        PATH_BREAKER_OPENS => {
+            "Breakers of single paths (their first two segments) that opened: the path refused alone, the route not."
+        }
         SHED_TOTAL => "Requests refused at once because the upstream was at its in-flight limit.",
         CONFIG_RELOADS => "Config reloads, by result.",
         ENDPOINT_EJECTIONS => "Endpoints taken out of rotation for failing (outlier ejection).",
@@ -418,6 +422,8 @@ pub struct RouteMetrics {
     breaker_state: Gauge,
     /// `herdguard_breaker_transitions_total` by new state: closed, half_open, open.
     transitions: [Counter; 3],
+    /// `herdguard_path_breaker_opens_total`, registered on first use.
+    path_opens: OnceLock<Counter>,
 }
 
 impl RouteMetrics {
@@ -474,6 +480,19 @@ impl RouteMetrics {
             .map(|s| {
                 registry.counter(BREAKER_TRANSITIONS, &[("route", route), ("to", s.as_str())])
             }),
+            path_opens: OnceLock::new(),
+        }
+    }
+
+    /// Counts a path's breaker opening (its other changes are not counted).
+    pub fn path_breaker(&self, to: BreakerState) {
+        if to == BreakerState::Open {
+            self.path_opens
+                .get_or_init(|| {
+                    self._scope
+                        .counter(PATH_BREAKER_OPENS, &[("route", &self.route)])
+                })
+                .increment(1);
         }
     }
 

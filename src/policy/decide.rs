@@ -224,14 +224,17 @@ mod tests {
     const SAFE: RequestFacts = RequestFacts {
         idempotent: true,
         inner_hop: false,
+        path: crate::policy::paths::PathKey::NONE,
     };
     const UNSAFE: RequestFacts = RequestFacts {
         idempotent: false,
         inner_hop: false,
+        path: crate::policy::paths::PathKey::NONE,
     };
     const INNER: RequestFacts = RequestFacts {
         idempotent: true,
         inner_hop: true,
+        path: crate::policy::paths::PathKey::NONE,
     };
 
     fn policy() -> Policy {

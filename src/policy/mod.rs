@@ -12,6 +12,7 @@ pub mod decide;
 pub mod limit;
 pub mod outcome;
 pub mod outlier;
+pub mod paths;
 pub mod retry;
 pub mod route;
 pub mod settings;

@@ -11,6 +11,7 @@ use crate::policy::settings::{RetryConfig, RetryOn};
 
 use super::backoff::{Backoff, InvalidBackoff};
 use super::outcome::{GrpcStatus, Outcome, SkipReason, UpstreamFault};
+use super::paths::PathKey;
 
 /// What the policy needs to know about the request, computed once, from
 /// the headers as they go upstream (after hop-by-hop fields are dropped).
@@ -20,6 +21,8 @@ pub struct RequestFacts {
     pub idempotent: bool,
     /// The request came through an outer herdguard that retries for it.
     pub inner_hop: bool,
+    /// Its path, for the path's own breaker (`NONE`: the route's alone).
+    pub path: PathKey,
 }
 
 /// A compiled `[retry]` table. A `Policy` that exists is valid.
@@ -175,6 +178,7 @@ impl Policy {
         RequestFacts {
             idempotent: self.all_idempotent || self.methods.contains(method) || keyed,
             inner_hop,
+            path: PathKey::NONE,
         }
     }
 

@@ -25,6 +25,7 @@ use crate::config::{CompiledRoute, Config, RouteConfig, Validated};
 use crate::observe::access_log::{AccessLog, Entry, Logged};
 use crate::observe::metrics::{self, Metrics, RouteMetrics};
 use crate::policy::breaker::{Breaker, SharedBreaker};
+use crate::policy::paths::PathBreakers;
 use crate::policy::route::{Matcher, RequestInfo};
 use crate::policy::{CallerFault, RequestFacts};
 use crate::retry::{self, End, Guards};
@@ -209,6 +210,13 @@ impl Route {
             }
             None => (Arc::new(SharedBreaker::new(breaker)), None),
         };
+        // Kept with the breaker; new settings apply to paths tracked anew.
+        let paths = match before {
+            Some((old, old_config)) if old_config.breaker == config.breaker => {
+                old.guards.paths.clone()
+            }
+            _ => Arc::new(PathBreakers::new(&config.breaker)),
+        };
         let name: Arc<str> = config.name.as_str().into();
         let route = Self {
             guards: Guards {
@@ -219,6 +227,7 @@ impl Route {
                 breaker,
                 metrics: RouteMetrics::new(registry, &config.name, &upstream.name),
                 closed_after_outage: upstream.closed_after_outage(),
+                paths,
             },
             explain: listen.explain,
             write_timeout: listen.write_timeout,
@@ -546,12 +555,15 @@ async fn forward(
     )
     .await;
     drop(attempts);
+    // A path its breaker tracks is named for `/breakers`.
+    route.guards.paths.name(facts.path, parts.uri.path());
     let answer = Answer {
         caller_upgrade,
         tunnel_place,
         declare_grpc_trailers,
         fault_note,
         multiplexed,
+        path: facts.path,
     };
     respond(route, sent, answer, log, tunnels)
 }
@@ -601,10 +613,17 @@ fn head_rules(
     // will see: a key named in `Connection` was just dropped, and counts not.
     let inner_hop = h.contains_key(&headers::X_HERDGUARD_ATTEMPT);
     let policy = &route.guards.policy;
-    let facts = match key_in_trailer {
+    let mut facts = match key_in_trailer {
         true => policy.facts(&parts.method, &http::HeaderMap::new(), inner_hop),
         false => policy.facts(&parts.method, h, inner_hop),
     };
+    // Blame is kept per path too, as routing reads it: `/a/./b` is `/a/b`.
+    facts.path = route
+        .guards
+        .paths
+        .key(&crate::policy::route::without_dot_segments(
+            parts.uri.path(),
+        ));
     let grpc = headers::is_grpc(h);
     let grpc_timeout = grpc
         .then(|| h.get("grpc-timeout").and_then(headers::parse_grpc_timeout))
@@ -627,6 +646,8 @@ struct Answer {
     declare_grpc_trailers: bool,
     fault_note: Option<HeaderValue>,
     multiplexed: bool,
+    /// The request's path, for its breaker (see `policy::paths`).
+    path: crate::policy::paths::PathKey,
 }
 
 /// The caller's answer from how the attempts ended: the upstream's answer
@@ -645,6 +666,7 @@ fn respond(
         declare_grpc_trailers,
         fault_note,
         multiplexed,
+        path,
     } = answer;
     if let (Some(log), Some(skipped)) = (log, sent.skipped) {
         log.skip = Some(skipped.as_str());
@@ -695,7 +717,7 @@ fn respond(
         }
     }
     let (mut parts, body) = resp.into_parts();
-    let settle = sent.settle_on_body.then(|| route.clone());
+    let settle = sent.settle_on_body.then(|| (route.clone(), path));
     finish_headers(&mut parts.headers, false, attempts);
     if declare_grpc_trailers
         && !parts.headers.contains_key(http::header::TRAILER)
@@ -822,7 +844,11 @@ mod tests {
         let registry = Metrics::new();
         let running = Runtime::build(config(None, 2), &registry).unwrap();
         let route = &running.routes[0];
-        route.guards.record(false, BreakerOutcome::Failure);
+        route.guards.record(
+            crate::retry::Probe::NONE,
+            BreakerOutcome::Failure,
+            crate::policy::paths::PathKey::NONE,
+        );
         route.guards.budget.deposit(Instant::now());
         let before = state(&running);
 

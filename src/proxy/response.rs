@@ -15,6 +15,7 @@ use pin_project_lite::pin_project;
 use tokio::sync::Notify;
 use tokio::time::Sleep;
 
+use crate::policy::paths::PathKey;
 use crate::upstream::{BoxError, InFlight};
 use crate::wire::stamp::Stamp;
 
@@ -47,7 +48,7 @@ impl ResponseBody {
         body: Incoming,
         slot: InFlight,
         idle: Duration,
-        route: Option<Arc<super::Route>>,
+        route: Option<(Arc<super::Route>, PathKey)>,
     ) -> Self {
         ResponseBody::Upstream {
             body,
@@ -68,7 +69,7 @@ impl ResponseBody {
         body: Incoming,
         slot: InFlight,
         idle: Duration,
-        route: Option<Arc<super::Route>>,
+        route: Option<(Arc<super::Route>, PathKey)>,
     ) -> Self {
         if body.is_end_stream() {
             return Self::upstream(body, slot, idle, route);
@@ -101,11 +102,11 @@ impl ResponseBody {
 /// answer's body: a body broken off by the upstream is a failure; one that
 /// came whole, or that the caller stopped reading, a success (the upstream
 /// answered well as far as anyone saw).
-struct Pending(Option<Arc<super::Route>>);
+struct Pending(Option<(Arc<super::Route>, PathKey)>);
 
 impl Pending {
     fn end(&mut self, whole: bool) {
-        if let Some(route) = self.0.take() {
+        if let Some((route, path)) = self.0.take() {
             let outcome = match whole {
                 true => crate::policy::breaker::Outcome::Success,
                 false => {
@@ -113,7 +114,9 @@ impl Pending {
                     crate::policy::breaker::Outcome::Failure
                 }
             };
-            route.guards.record(false, outcome);
+            route
+                .guards
+                .record(crate::retry::Probe::NONE, outcome, path);
         }
     }
 }

@@ -20,6 +20,7 @@ use crate::observe::metrics::RouteMetrics;
 use crate::policy::breaker::{
     Admit, Outcome as BreakerOutcome, SharedBreaker, Snapshot, State as BreakerState, Transition,
 };
+use crate::policy::paths::{PathBreakers, PathKey};
 use crate::policy::{
     decide, decide::Gates, BackoffState, Budget, CallerFault, Decision, Ended, Fault, Outcome,
     Policy, Refusal, RequestFacts, SkipReason, Stop, UpstreamFault,
@@ -38,6 +39,35 @@ pub struct Guards {
     /// Raised when the breaker closes after an outage: the upstream's
     /// adaptive limit then brings the held-back traffic back by slow start.
     pub closed_after_outage: Arc<AtomicBool>,
+    /// A breaker per failing path: one path failing alone is refused alone.
+    pub paths: Arc<PathBreakers>,
+}
+
+/// Which breakers let an attempt through as a probe: the route's, its
+/// path's. Each must hear how the attempt ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Probe {
+    pub route: bool,
+    pub path: bool,
+}
+
+impl Probe {
+    pub const NONE: Probe = Probe {
+        route: false,
+        path: false,
+    };
+
+    fn any(self) -> bool {
+        self.route || self.path
+    }
+}
+
+/// An attempt the breakers refused: for how long, and whether it was the
+/// path's breaker (else the route's).
+#[derive(Debug, Clone, Copy)]
+pub struct Refused {
+    pub retry_after: Duration,
+    pub path: bool,
 }
 
 /// Sends one attempt at a time. The proxy implements it over its upstream
@@ -174,6 +204,7 @@ pub async fn run_until<T: Attempts>(
     let mut token: Option<Token<'_>> = None;
     let mut books = Books {
         guards,
+        path: facts.path,
         start,
         counted: false,
         deposited: false,
@@ -214,20 +245,20 @@ pub async fn run_until<T: Attempts>(
         }
         // Should the caller go away mid-attempt, this whole future is
         // dropped, and the guard tells the breaker and the metrics.
-        let unanswered = Unanswered::new(guards, probe);
+        let unanswered = Unanswered::new(guards, probe, facts.path);
         let per_try = guards.policy.per_try_timeout;
         let raced = match guards.policy.hedge_after {
             // Awaited where it is made, in this future's own state: an
             // attempt's future is large, each move of it is a copy, and a
             // function of its own around it kept room for both.
             None => {
-                let attempt = attempts.send(n, per_try, deadline, probe).await;
+                let attempt = attempts.send(n, per_try, deadline, probe.any()).await;
                 unanswered.disarm();
                 Raced::alone(attempt, n)
             }
             Some(after) => {
                 let first = (
-                    Box::pin(attempts.send(n, per_try, deadline, probe)),
+                    Box::pin(attempts.send(n, per_try, deadline, probe.any())),
                     unanswered,
                 );
                 race(
@@ -309,22 +340,29 @@ fn admit<T: Attempts>(
     n: u32,
     kept: &Option<Kept<T::Answer>>,
     books: &mut Books<'_>,
-) -> Result<bool, End<T::Answer>> {
+) -> Result<Probe, End<T::Answer>> {
     let guards = books.guards;
-    let refused = match guards.admit() {
-        Admit::No { retry_after } => {
+    let refused = match guards.admit(books.path) {
+        Err(Refused { retry_after, path }) => {
             note(&mut books.trace, format_args!("{n}=circuit-open"));
+            let detail = match path {
+                false => format!("the circuit breaker of route {} is open", guards.route),
+                true => format!(
+                    "the circuit breaker of this path on route {} is open: its requests keep failing",
+                    guards.route
+                ),
+            };
             End::Failed {
                 outcome: Outcome::Refused(Refusal::CircuitOpen),
-                detail: format!("the circuit breaker of route {} is open", guards.route),
+                detail,
                 retry_after: Some(retry_after),
             }
         }
-        Admit::Yes { probe } => match attempts.reserve(true) {
+        Ok(probe) => match attempts.reserve(true) {
             Ok(()) => return Ok(probe),
             Err(detail) => {
-                if probe {
-                    guards.record(true, BreakerOutcome::Unknown);
+                if probe.any() {
+                    guards.record(probe, BreakerOutcome::Unknown, books.path);
                 }
                 note(&mut books.trace, format_args!("{n}=overloaded"));
                 End::Failed {
@@ -429,6 +467,8 @@ fn stopped<T: Attempts>(
 /// heard of the request yet, whether it paid into the budget, the trace.
 struct Books<'g> {
     guards: &'g Guards,
+    /// The request's path, for its own breaker.
+    path: PathKey,
     start: Instant,
     /// The breaker heard of this request already (a probe's end, a timeout).
     counted: bool,
@@ -457,13 +497,14 @@ impl Books<'_> {
 
     fn settle(&self, outcome: Outcome) {
         if !self.counted {
-            self.guards.record(false, BreakerOutcome::of(outcome));
+            self.guards
+                .record(Probe::NONE, BreakerOutcome::of(outcome), self.path);
         }
     }
 
     /// Attempt `number` ended: count it, tell the breaker what it must hear
     /// at once, and note it in the trace.
-    fn ended<A>(&mut self, attempt: &Attempt<A>, number: u32, probe: bool) {
+    fn ended<A>(&mut self, attempt: &Attempt<A>, number: u32, probe: Probe) {
         let guards = self.guards;
         let outcome = attempt.outcome;
         // A request earns its share of retries once it was sent and the
@@ -474,11 +515,11 @@ impl Books<'_> {
             guards.budget.deposit(self.start);
         }
         guards.metrics.attempt(outcome, Some(attempt.elapsed));
-        if probe {
-            guards.record(true, BreakerOutcome::of(outcome));
+        if probe.any() {
+            guards.record(probe, BreakerOutcome::of(outcome), self.path);
             self.counted = true;
         } else if outcome == Outcome::Upstream(UpstreamFault::Timeout) && !self.counted {
-            guards.record(false, BreakerOutcome::Failure);
+            guards.record(Probe::NONE, BreakerOutcome::Failure, self.path);
             self.counted = true;
         }
         if self.trace.is_some() {
@@ -557,7 +598,7 @@ where
     }
     let slow = decide::Slow {
         sent: n,
-        probe: unanswered.probe,
+        probe: unanswered.probe.any(),
         body_whole: attempts.body_whole(),
     };
     let skipped = match hedge_gates(guards, facts, attempts, &slow, deadline) {
@@ -579,7 +620,7 @@ where
         &mut books.trace,
         format_args!("hedge@{}ms", after.as_millis()),
     );
-    let hedged = Unanswered::new(guards, false);
+    let hedged = Unanswered::new(guards, Probe::NONE, facts.path);
     let mut second = Box::pin(attempts.send(m, policy.per_try_timeout, deadline, false));
     let (first_ended, early) = tokio::select! {
         attempt = &mut first => (true, attempt),
@@ -601,7 +642,7 @@ where
     // A failure a retry could fix: the other attempt may yet answer. The
     // guard of the one that ended goes; the other's stays, should the
     // caller leave while it runs.
-    books.ended(&early, early_number, false);
+    books.ended(&early, early_number, Probe::NONE);
     drop(early);
     let late = match first_ended {
         true => {
@@ -750,15 +791,17 @@ impl Drop for Token<'_> {
 /// nobody, but frees a probe slot and is counted as `cancelled`.
 struct Unanswered<'a> {
     guards: &'a Guards,
-    probe: bool,
+    probe: Probe,
+    path: PathKey,
     armed: bool,
 }
 
 impl<'a> Unanswered<'a> {
-    fn new(guards: &'a Guards, probe: bool) -> Self {
+    fn new(guards: &'a Guards, probe: Probe, path: PathKey) -> Self {
         Self {
             guards,
             probe,
+            path,
             armed: true,
         }
     }
@@ -776,8 +819,9 @@ impl Drop for Unanswered<'_> {
             return;
         }
         let gone = Outcome::Caller(CallerFault::Gone);
-        if self.probe {
-            self.guards.record(true, BreakerOutcome::of(gone));
+        if self.probe.any() {
+            self.guards
+                .record(self.probe, BreakerOutcome::of(gone), self.path);
         }
         self.guards.metrics.attempt(gone, None);
     }
@@ -812,20 +856,62 @@ fn skip(guards: &Guards, attempt: u32, reason: SkipReason) {
 // === impl Guards ===
 
 impl Guards {
-    /// Asks the breaker whether an attempt may go now.
-    pub fn admit(&self) -> Admit {
-        if self.breaker.is_closed() {
-            return Admit::Yes { probe: false };
+    /// Asks the route's breaker, then the breaker of the request's `path`,
+    /// whether an attempt may go now.
+    pub fn admit(&self, path: PathKey) -> Result<Probe, Refused> {
+        let route = match self.breaker.is_closed() {
+            true => Admit::Yes { probe: false },
+            false => {
+                let (admit, transition) = self
+                    .breaker
+                    .with(|b| b.admit(Instant::now(), &mut rand::rng()));
+                self.transitioned(transition);
+                admit
+            }
+        };
+        let route = match route {
+            Admit::Yes { probe } => probe,
+            Admit::No { retry_after } => {
+                return Err(Refused {
+                    retry_after,
+                    path: false,
+                })
+            }
+        };
+        match self.paths.admit(path, Instant::now(), &mut rand::rng()) {
+            (Admit::Yes { probe }, _) => Ok(Probe { route, path: probe }),
+            (Admit::No { retry_after }, _) => {
+                if route {
+                    self.record_route(true, BreakerOutcome::Unknown);
+                }
+                Err(Refused {
+                    retry_after,
+                    path: true,
+                })
+            }
         }
-        let (admit, transition) = self
-            .breaker
-            .with(|b| b.admit(Instant::now(), &mut rand::rng()));
-        self.transitioned(transition);
-        admit
     }
 
-    /// Tells the breaker how an admitted attempt ended.
-    pub fn record(&self, probe: bool, outcome: BreakerOutcome) {
+    /// Tells the breakers how an admitted attempt on `path` ended: the
+    /// path's, and the route's unless the path's holds it failing alone.
+    pub fn record(&self, probe: Probe, outcome: BreakerOutcome, path: PathKey) {
+        let (for_route, transition) =
+            self.paths
+                .record(path, probe.path, outcome, Instant::now(), &mut rand::rng());
+        if let Some(t) = transition {
+            self.metrics.path_breaker(t.to);
+            tracing::info!(route = %self.route, upstream = %self.upstream, to = t.to.as_str(), "circuit breaker of a path");
+        }
+        let outcome = match for_route {
+            true => outcome,
+            false => BreakerOutcome::Unknown,
+        };
+        if for_route || probe.route {
+            self.record_route(probe.route, outcome);
+        }
+    }
+
+    fn record_route(&self, probe: bool, outcome: BreakerOutcome) {
         let transition = self
             .breaker
             .with(|b| b.record(Instant::now(), probe, outcome, &mut rand::rng()));
@@ -856,6 +942,7 @@ impl Guards {
             self.metrics.breaker(t.to);
             if t.to == BreakerState::Closed {
                 self.closed_after_outage.store(true, Ordering::Relaxed);
+                self.paths.clear();
             }
             tracing::info!(route = %self.route, upstream = %self.upstream, to = t.to.as_str(), "circuit breaker");
         }
@@ -961,6 +1048,7 @@ mod tests {
             breaker: Arc::new(SharedBreaker::new(Breaker::try_new(&breaker, now).unwrap())),
             metrics: RouteMetrics::new(registry, "r", "u"),
             closed_after_outage: Arc::default(),
+            paths: Arc::new(PathBreakers::new(&breaker)),
         }
     }
 
@@ -996,6 +1084,7 @@ mod tests {
         RequestFacts {
             idempotent: true,
             inner_hop: false,
+            path: PathKey::NONE,
         }
     }
 
@@ -1253,6 +1342,7 @@ mod tests {
         let unsafe_facts = RequestFacts {
             idempotent: false,
             inner_hop: false,
+            path: PathKey::NONE,
         };
         let sent = run(&g, unsafe_facts, &mut attempts, Instant::now(), true).await;
         assert_eq!(attempts.sent, 1);

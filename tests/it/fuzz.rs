@@ -147,7 +147,7 @@ proptest! {
     ) {
         use rand::SeedableRng;
         let policy = Policy::from_config(&Default::default()).unwrap();
-        let facts = RequestFacts { idempotent, inner_hop };
+        let facts = RequestFacts { idempotent, inner_hop, path: herdguard::policy::paths::PathKey::NONE };
         let ended = Ended { attempt, outcome, retry_after, replayable };
         let left = Duration::from_millis(left_ms);
         let gates = Gates { breaker_open, budget_has_token: tokens > 0 };

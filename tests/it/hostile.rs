@@ -610,3 +610,80 @@ async fn an_upstream_closing_idle_connections_loses_no_request() {
         assert!(posts >= 58, "POST {posts}/60");
     }
 }
+
+/// One caller hammering one path the upstream fails: that path's breaker
+/// opens and refuses it alone; the other callers' requests on the route go
+/// on being answered by the upstream. Failures spread over many paths
+/// still open the route's breaker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_failing_path_is_refused_alone() {
+    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
+        let status = match req.uri().path().starts_with("/fail") {
+            true => http::StatusCode::INTERNAL_SERVER_ERROR,
+            false => http::StatusCode::OK,
+        };
+        http::Response::builder()
+            .status(status)
+            .body(full("x"))
+            .unwrap()
+    })
+    .await;
+    let hg = Binary::start(&one_route(&up.url())).await;
+    for (hammer_per_tick, victim_paths) in [(6, 3), (12, 7)] {
+        let mut every = tokio::time::interval(Duration::from_millis(40));
+        let (mut victims, mut answered) = (0usize, 0usize);
+        // 4 s: the hammer at 150 or 300 requests a second on /fail/1,
+        // victims at 25 a second over a few paths.
+        for tick in 0..100usize {
+            every.tick().await;
+            let hammer = (0..hammer_per_tick).map(|_| get_path(&hg.listen, "/fail/1"));
+            let victim = format!("/items/{}", tick % victim_paths);
+            let (_, ok) = tokio::join!(
+                futures_util::future::join_all(hammer),
+                get_path(&hg.listen, &victim)
+            );
+            victims += 1;
+            answered += usize::from(ok);
+        }
+        eprintln!("hammer {hammer_per_tick}/40ms: victims answered {answered}/{victims}");
+        assert!(
+            answered * 100 >= victims * 95,
+            "victims answered {answered}/{victims}"
+        );
+        let breakers = reqwest_like_get(&hg.admin, "/breakers").await;
+        assert!(
+            breakers.contains("\"/fail/1\""),
+            "the path's breaker is shown: {breakers}"
+        );
+        assert_eq!(
+            hg.metric(r#"herdguard_breaker_state{route="r"}"#).await,
+            0.0,
+            "the route stays closed"
+        );
+        assert!(
+            hg.metric(r#"herdguard_path_breaker_opens_total{route="r"}"#)
+                .await
+                >= 1.0
+        );
+    }
+    // Failures over many paths: the route's breaker opens.
+    let mut every = tokio::time::interval(Duration::from_millis(20));
+    for i in 0..60 {
+        every.tick().await;
+        get_path(&hg.listen, &format!("/fail/spread-{i}")).await;
+    }
+    assert_eq!(
+        hg.metric(r#"herdguard_breaker_state{route="r"}"#).await,
+        2.0,
+        "the route opened"
+    );
+}
+
+/// The body of `GET path` on `addr`.
+async fn reqwest_like_get(addr: &str, path: &str) -> String {
+    let req = http::Request::get(format!("http://{addr}{path}"))
+        .body(empty())
+        .unwrap();
+    let (_, _, body) = send(&client(), req).await;
+    String::from_utf8_lossy(&body).into_owned()
+}

@@ -1,0 +1,406 @@
+//! Blame narrowed to a path: a breaker per path of a route, beside the
+//! route's own.
+//!
+//! Why: one caller hammering one path the upstream fails (a bad id, a
+//! broken endpoint) must not open the breaker of the whole route and black
+//! out every other caller's healthy requests. So each path (its first
+//! [`SEGMENTS`] segments: `/orders/42/items` is `/orders/42`) that fails
+//! gets a breaker of its own, with the route's settings; when it opens, that
+//! path alone is refused. The route's breaker does not hear a failure that
+//! is the path's alone: the route's last success was on another path, and
+//! no other path failed since. A path that is all of a route's traffic, and
+//! failures spread over several paths (an upstream that is down), still
+//! open the route as before.
+//!
+//! Bounded: at most [`MAX_PATHS`] paths are tracked per route, the least
+//! recently failing forgotten first; a path is tracked only from its first
+//! failure, and forgotten once its breaker is closed with no failure in its
+//! window. A healthy route costs a hash of the path and an atomic load per
+//! request.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use rand::Rng;
+use tokio::time::Instant;
+
+use super::breaker::{Admit, Breaker, Outcome, Snapshot, State, Transition};
+use crate::policy::settings::BreakerConfig;
+
+/// Segments of the path that name it: `/orders/42/items` is `/orders/42`.
+pub const SEGMENTS: usize = 2;
+
+/// Paths tracked per route at most.
+pub const MAX_PATHS: usize = 256;
+
+/// The longest path name kept for `/breakers`.
+const MAX_NAME: usize = 128;
+
+/// A path, by the hash of its first [`SEGMENTS`] segments (0: none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct PathKey(u32);
+
+impl PathKey {
+    /// No path: blame goes to the route alone.
+    pub const NONE: PathKey = PathKey(0);
+}
+
+/// The first [`SEGMENTS`] segments of `path` (without its query).
+pub fn prefix(path: &str) -> &str {
+    let path = path.split(['?', '#']).next().unwrap_or(path);
+    let mut end = 0;
+    let mut seen = 0;
+    for (i, b) in path.bytes().enumerate() {
+        if b == b'/' && i > 0 {
+            seen += 1;
+            if seen == SEGMENTS {
+                return &path[..i];
+            }
+        }
+        end = i + 1;
+    }
+    &path[..end]
+}
+
+struct Tracked {
+    breaker: Breaker,
+    /// When it last failed: the least recent is forgotten first.
+    failed_at: Instant,
+    name: Option<Box<str>>,
+}
+
+/// The path breakers of one route.
+pub struct PathBreakers {
+    config: BreakerConfig,
+    hasher: std::collections::hash_map::RandomState,
+    paths: Mutex<HashMap<PathKey, Tracked>>,
+    /// Paths tracked now: none, and nothing is locked per request.
+    tracked: AtomicUsize,
+    /// The route's last success and last failure, each as [`Self::stamp`]
+    /// (0: none yet).
+    last_success: AtomicU64,
+    last_failure: AtomicU64,
+    /// What the stamps count from.
+    epoch: Instant,
+}
+
+impl PathBreakers {
+    /// With the route's breaker settings, already checked: a `Breaker` of
+    /// them builds.
+    pub fn new(config: &BreakerConfig) -> Self {
+        Self {
+            config: config.clone(),
+            hasher: Default::default(),
+            paths: Mutex::new(HashMap::new()),
+            tracked: AtomicUsize::new(0),
+            last_success: AtomicU64::new(0),
+            last_failure: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
+
+    /// The key of a request's `path`.
+    pub fn key(&self, path: &str) -> PathKey {
+        // 32 bits are plenty for at most MAX_PATHS paths; 0 is no path.
+        PathKey((self.hasher.hash_one(prefix(path)) as u32).max(1))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathKey, Tracked>> {
+        self.paths.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// May an attempt on `key` go now, as far as its path is concerned?
+    pub fn admit<R: Rng + ?Sized>(
+        &self,
+        key: PathKey,
+        now: Instant,
+        rng: &mut R,
+    ) -> (Admit, Option<Transition>) {
+        if key == PathKey::NONE || self.tracked.load(Ordering::Acquire) == 0 {
+            return (Admit::Yes { probe: false }, None);
+        }
+        match self.lock().get_mut(&key) {
+            Some(t) => t.breaker.admit(now, rng),
+            None => (Admit::Yes { probe: false }, None),
+        }
+    }
+
+    /// Records how an attempt on `key` ended (`probe`: its path's breaker
+    /// let it through as a probe). Gives back whether the route's breaker
+    /// should hear it too, and the path breaker's change of state, if any.
+    ///
+    /// A failure is the path's alone, kept from the route's breaker, when
+    /// the route's last success was on another path within the breaker's
+    /// `window` and no other path has failed since: the rest of the route
+    /// is answering. Otherwise (the failing path is all the traffic, or
+    /// failures are spread) the route hears it as well.
+    pub fn record<R: Rng + ?Sized>(
+        &self,
+        key: PathKey,
+        probe: bool,
+        outcome: Outcome,
+        now: Instant,
+        rng: &mut R,
+    ) -> (bool, Option<Transition>) {
+        if key == PathKey::NONE {
+            return (true, None);
+        }
+        let stamp = self.stamp(key, now);
+        let alone = match outcome {
+            Outcome::Failure => {
+                let alone = self.failing_alone(key, stamp);
+                self.last_failure.store(stamp, Ordering::Relaxed);
+                alone
+            }
+            Outcome::Success => {
+                self.last_success.store(stamp, Ordering::Relaxed);
+                false
+            }
+            Outcome::Unknown => false,
+        };
+        if outcome != Outcome::Failure && self.tracked.load(Ordering::Acquire) == 0 {
+            return (true, None);
+        }
+        let transition = self.record_tracked(key, probe, outcome, now, rng);
+        (!alone, transition)
+    }
+
+    fn record_tracked<R: Rng + ?Sized>(
+        &self,
+        key: PathKey,
+        probe: bool,
+        outcome: Outcome,
+        now: Instant,
+        rng: &mut R,
+    ) -> Option<Transition> {
+        let mut paths = self.lock();
+        if !paths.contains_key(&key) {
+            if outcome != Outcome::Failure {
+                return None;
+            }
+            let breaker = Breaker::try_new(&self.config, now).ok()?;
+            if paths.len() >= MAX_PATHS {
+                forget_least_recent(&mut paths);
+            }
+            let name = None;
+            paths.insert(
+                key,
+                Tracked {
+                    breaker,
+                    failed_at: now,
+                    name,
+                },
+            );
+        }
+        let t = paths.get_mut(&key)?;
+        if outcome == Outcome::Failure {
+            t.failed_at = now;
+        }
+        let transition = t.breaker.record(now, probe, outcome, rng);
+        let closed = t.breaker.state() == State::Closed;
+        if closed && outcome != Outcome::Failure && t.breaker.snapshot(now).window_failures == 0 {
+            paths.remove(&key);
+        }
+        self.tracked.store(paths.len(), Ordering::Release);
+        transition
+    }
+
+    /// `key` and the time (milliseconds since the epoch, wrapping) packed.
+    fn stamp(&self, key: PathKey, now: Instant) -> u64 {
+        let ms = now.saturating_duration_since(self.epoch).as_millis() as u32;
+        (u64::from(key.0) << 32) | u64::from(ms)
+    }
+
+    /// Whether a failure on `key` (stamped `now`) is the path's alone.
+    fn failing_alone(&self, key: PathKey, now: u64) -> bool {
+        let (success, failure) = (
+            self.last_success.load(Ordering::Relaxed),
+            self.last_failure.load(Ordering::Relaxed),
+        );
+        let key_of = |stamp: u64| (stamp >> 32) as u32;
+        let ms_of = |stamp: u64| stamp as u32;
+        let window = u32::try_from(self.config.window.as_millis()).unwrap_or(u32::MAX);
+        let since_success = ms_of(now).wrapping_sub(ms_of(success));
+        let other_succeeded = success != 0 && key_of(success) != key.0 && since_success <= window;
+        let other_failed_since = failure != 0
+            && key_of(failure) != key.0
+            && ms_of(failure).wrapping_sub(ms_of(success)) <= since_success
+            && ms_of(now).wrapping_sub(ms_of(failure)) <= since_success;
+        other_succeeded && !other_failed_since
+    }
+
+    /// Forgets every path (the route's breaker closed after an outage: the
+    /// upstream answers again, and a path failing alone trips anew).
+    pub fn clear(&self) {
+        if self.tracked.load(Ordering::Acquire) > 0 {
+            self.lock().clear();
+            self.tracked.store(0, Ordering::Release);
+        }
+    }
+
+    /// Names `key` by `path`, for `/breakers`, if it is tracked unnamed.
+    pub fn name(&self, key: PathKey, path: &str) {
+        if key == PathKey::NONE || self.tracked.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        if let Some(t) = self.lock().get_mut(&key) {
+            if t.name.is_none() {
+                let name = prefix(path);
+                let mut end = name.len().min(MAX_NAME);
+                while !name.is_char_boundary(end) {
+                    end -= 1;
+                }
+                t.name = Some(name[..end].into());
+            }
+        }
+    }
+
+    /// The paths whose breaker is not closed, by name, for `/breakers`.
+    pub fn snapshot(&self, now: Instant) -> Vec<(String, Snapshot)> {
+        if self.tracked.load(Ordering::Acquire) == 0 {
+            return Vec::new();
+        }
+        let mut open: Vec<_> = self
+            .lock()
+            .values()
+            .filter(|t| t.breaker.state() != State::Closed)
+            .map(|t| {
+                let name = t.name.as_deref().unwrap_or("(unnamed)").to_owned();
+                (name, t.breaker.snapshot(now))
+            })
+            .collect();
+        open.sort_by(|a, b| a.0.cmp(&b.0));
+        open
+    }
+
+    /// Paths tracked now.
+    pub fn tracked(&self) -> usize {
+        self.tracked.load(Ordering::Acquire)
+    }
+}
+
+/// Drops the path that failed least recently, closed ones first.
+fn forget_least_recent(paths: &mut HashMap<PathKey, Tracked>) {
+    let oldest = paths
+        .iter()
+        .min_by_key(|(_, t)| (t.breaker.state() != State::Closed, t.failed_at))
+        .map(|(k, _)| *k);
+    if let Some(k) = oldest {
+        paths.remove(&k);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::SmallRng;
+    use rand::SeedableRng;
+    use std::time::Duration;
+
+    fn config() -> BreakerConfig {
+        BreakerConfig {
+            consecutive_failures: 3,
+            ..BreakerConfig::default()
+        }
+    }
+
+    #[test]
+    fn a_path_is_named_by_its_first_two_segments() {
+        assert_eq!(prefix("/orders/42/items"), "/orders/42");
+        assert_eq!(prefix("/orders/42"), "/orders/42");
+        assert_eq!(prefix("/fail"), "/fail");
+        assert_eq!(prefix("/"), "/");
+        assert_eq!(prefix(""), "");
+        assert_eq!(prefix("/a/b?x=/c/d"), "/a/b");
+        let paths = PathBreakers::new(&config());
+        assert_eq!(paths.key("/a/b/c"), paths.key("/a/b/d"));
+        assert_ne!(paths.key("/a/b"), paths.key("/a/c"));
+    }
+
+    #[test]
+    fn a_path_failing_alone_opens_alone_and_stops_counting_for_the_route() {
+        let paths = PathBreakers::new(&config());
+        let mut rng = SmallRng::seed_from_u64(1);
+        let now = Instant::now();
+        let (bad, good) = (paths.key("/fail"), paths.key("/ok"));
+        // Healthy traffic is not tracked: nothing to lock.
+        assert_eq!(
+            paths.record(good, false, Outcome::Success, now, &mut rng),
+            (true, None)
+        );
+        assert_eq!(paths.tracked(), 0);
+        // Another path answered lately, and no other failed: this path's
+        // failures are its alone; it trips, the route hears none of them.
+        let mut for_route = 0;
+        for _ in 0..10 {
+            if let (Admit::Yes { probe }, _) = paths.admit(bad, now, &mut rng) {
+                let (counts, _) = paths.record(bad, probe, Outcome::Failure, now, &mut rng);
+                for_route += usize::from(counts);
+            }
+        }
+        assert_eq!(for_route, 0, "the route hears none");
+        assert!(matches!(
+            paths.admit(bad, now, &mut rng).0,
+            Admit::No { .. }
+        ));
+        assert_eq!(
+            paths.admit(good, now, &mut rng).0,
+            Admit::Yes { probe: false }
+        );
+        paths.name(bad, "/fail?id=1");
+        let open = paths.snapshot(now);
+        assert_eq!(open.len(), 1);
+        assert_eq!(open[0].0, "/fail");
+        assert_eq!(open[0].1.state, "open");
+    }
+
+    #[test]
+    fn a_path_that_is_all_the_traffic_or_failures_spread_still_reach_the_route() {
+        let paths = PathBreakers::new(&config());
+        let mut rng = SmallRng::seed_from_u64(3);
+        let now = Instant::now();
+        let (a, b) = (paths.key("/a"), paths.key("/b"));
+        // All the traffic on one path: its last success was its own.
+        paths.record(a, false, Outcome::Success, now, &mut rng);
+        assert!(paths.record(a, false, Outcome::Failure, now, &mut rng).0);
+        // Failures spread: /b succeeded last, but /a failed since.
+        paths.record(b, false, Outcome::Success, now, &mut rng);
+        assert!(
+            !paths.record(a, false, Outcome::Failure, now, &mut rng).0,
+            "alone so far"
+        );
+        assert!(
+            paths.record(b, false, Outcome::Failure, now, &mut rng).0,
+            "spread"
+        );
+        // A success elsewhere longer ago than the window proves nothing.
+        let paths = PathBreakers::new(&config());
+        paths.record(b, false, Outcome::Success, now, &mut rng);
+        let later = now + config().window + Duration::from_secs(1);
+        assert!(paths.record(a, false, Outcome::Failure, later, &mut rng).0);
+        // Forgotten when the route recovers.
+        paths.clear();
+        assert_eq!(paths.tracked(), 0);
+    }
+
+    #[test]
+    fn a_recovered_path_is_forgotten_and_the_tracked_paths_stay_bounded() {
+        let paths = PathBreakers::new(&config());
+        let mut rng = SmallRng::seed_from_u64(2);
+        let mut now = Instant::now();
+        for i in 0..(MAX_PATHS * 4) {
+            let key = paths.key(&format!("/p/{i}"));
+            paths.record(key, false, Outcome::Failure, now, &mut rng);
+            now += Duration::from_millis(1);
+        }
+        assert_eq!(paths.tracked(), MAX_PATHS);
+        // One failure, then successes once the window has passed: gone.
+        let key = paths.key("/q");
+        paths.record(key, false, Outcome::Failure, now, &mut rng);
+        let later = now + Duration::from_secs(60);
+        paths.record(key, false, Outcome::Success, later, &mut rng);
+        assert!(paths.lock().get(&key).is_none());
+    }
+}

@@ -463,6 +463,9 @@ pub(super) fn warnings(config: &Config, report: &mut Report<'_>) {
                 .into(),
         );
     }
+    for (name, u) in &config.upstreams {
+        limit_warnings(report, &root.key("upstreams").key(name.as_str()), u);
+    }
     for (i, route) in config.routes.iter().enumerate() {
         retry_warnings(
             report,
@@ -521,6 +524,39 @@ fn absurd_values(config: &Config, report: &mut Report<'_>) {
     }
     if let Ok(value) = toml::Value::try_from(config) {
         walk(&value, &KeyPath::root(), report);
+    }
+}
+
+/// Adaptive limits that cannot do what they say.
+fn limit_warnings(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) {
+    let a = &u.adaptive_concurrency;
+    if !a.enabled {
+        return;
+    }
+    let path = path.key("adaptive_concurrency");
+    if a.tolerance < 1.5 {
+        report(
+            path.key("tolerance"),
+            format!(
+                "{}: the limit grows only on answers within {:.2} x the fastest recent latency, which few come within; it will mostly fall (1.5 or more is sound; the default is 2.0)",
+                a.tolerance,
+                1.0 + (a.tolerance - 1.0) / 2.0
+            ),
+        );
+    }
+    for (key, value) in [
+        ("min_limit", a.min_limit),
+        ("initial_limit", a.initial_limit),
+    ] {
+        if value > u.max_in_flight {
+            report(
+                path.key(key),
+                format!(
+                    "{value} is above max_in_flight ({}): it is taken down to it",
+                    u.max_in_flight
+                ),
+            );
+        }
     }
 }
 

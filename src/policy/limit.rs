@@ -62,6 +62,13 @@ pub struct Limiter {
     calm_at: Option<Instant>,
     /// When a timeout last cut the limit: it is cut at most once per window.
     last_cut: Option<Instant>,
+    /// Where latency stood (mean in flight, window average) when the limit
+    /// began to shrink, until a window is calm again or attempts time out:
+    /// if halving what is in flight does not bring latency down, the
+    /// upstream is not queueing but slower, and the baseline follows it.
+    shrink_from: Option<(f64, f64)>,
+    /// Since when every window has said so (see [`SLOWER_FOR`]).
+    slower_since: Option<Instant>,
 }
 
 /// Why a limiter could not be built; [`key`](InvalidLimiter::key) names
@@ -140,6 +147,10 @@ const BASELINE_PERIOD: Duration = Duration::from_secs(30);
 /// share).
 const SLOW_START_STEP: f64 = 2.0;
 
+/// How long latency must stay up with half as many in flight before the
+/// baseline follows it.
+const SLOWER_FOR: Duration = Duration::from_secs(2);
+
 /// How long trouble (a cut, an outage) keeps slow start to the calm level.
 const FORGET: Duration = Duration::from_secs(30);
 /// The calm level halves in this long.
@@ -181,6 +192,8 @@ impl Limiter {
             calm: 0.0,
             calm_at: None,
             last_cut: None,
+            shrink_from: None,
+            slower_since: None,
         })
     }
 
@@ -211,6 +224,8 @@ impl Limiter {
                     self.trouble(now);
                     self.last_cut = Some(now);
                 }
+                self.shrink_from = None;
+                self.slower_since = None;
                 self.window = None;
                 return;
             }
@@ -235,9 +250,11 @@ impl Limiter {
             sum: 0.0,
             count: 0,
             in_flight: 0,
+            unanswered: false,
         });
         w.sum += latency;
         w.count += 1;
+        w.unanswered |= matches!(sample, Sample::Unanswered(_));
         w.in_flight = w.in_flight.saturating_add(in_flight);
         let age = now.saturating_duration_since(w.start);
         // Light traffic fills no window of MIN_SAMPLES: after ten windows'
@@ -250,7 +267,13 @@ impl Limiter {
             return;
         };
         let count = f64::from(w.count.max(1));
-        self.apply((w.sum / count).max(1e-6), w.in_flight as f64 / count, now);
+        let answered = !w.unanswered;
+        self.apply(
+            (w.sum / count).max(1e-6),
+            w.in_flight as f64 / count,
+            answered,
+            now,
+        );
     }
 
     /// Once a second: the limit of a sidecar whose traffic fell comes down
@@ -313,6 +336,45 @@ impl Limiter {
         self.trouble(now);
     }
 
+    /// A slow window while the limit shrinks: if half as many in flight as
+    /// when it began to shrink still take as long (within 20%), latency is
+    /// not queueing but the upstream's own (a deploy, a cold cache, a
+    /// failover): the baseline becomes the latency now and the limit goes
+    /// back to where it stood. True when that was the case.
+    fn slower_not_queueing(
+        &mut self,
+        short: f64,
+        mean_in_flight: f64,
+        answered: bool,
+        now: Instant,
+    ) -> bool {
+        let Some((from_in_flight, from_latency)) = self.shrink_from else {
+            self.shrink_from = Some((mean_in_flight, short));
+            return false;
+        };
+        let halved = mean_in_flight <= 0.5 * from_in_flight;
+        if !(answered && halved && short >= 0.8 * from_latency) {
+            self.slower_since = None;
+            return false;
+        }
+        // Said by every window for a while: a fleet that overloads an
+        // upstream together sees latency fall as all its sidecars shrink;
+        // latency that stays is the upstream's.
+        let since = *self.slower_since.get_or_insert(now);
+        if now.saturating_duration_since(since) < SLOWER_FOR {
+            return false;
+        }
+        self.slower_since = None;
+        self.baseline = Baseline::default();
+        self.baseline.record(short, now);
+        self.limit = self
+            .limit
+            .max(from_in_flight.ceil())
+            .clamp(self.min_limit, self.max_limit);
+        self.shrink_from = None;
+        true
+    }
+
     /// The calm level, decayed to `now`.
     fn calm_now(&mut self, now: Instant) -> f64 {
         if let Some(at) = self.calm_at {
@@ -340,10 +402,16 @@ impl Limiter {
     /// A window closed with average latency `short`: above the tolerance,
     /// the limit shrinks toward `tolerance × baseline / short` of itself,
     /// smoothly (one slow window is not a trend), and slow start ends there.
-    fn apply(&mut self, short: f64, mean_in_flight: f64, now: Instant) {
+    ///
+    /// `answered`: every sample of the window was an answer (no caller
+    /// that left).
+    fn apply(&mut self, short: f64, mean_in_flight: f64, answered: bool, now: Instant) {
         self.baseline.record(short, now);
         let base = self.baseline.get().unwrap_or(short);
         let gradient = (self.tolerance * base / short).clamp(0.5, 1.0);
+        if gradient < 1.0 && self.slower_not_queueing(short, mean_in_flight, answered, now) {
+            return;
+        }
         if gradient < 1.0 {
             let target = self.limit * gradient;
             self.limit = (self.limit * (1.0 - self.smoothing) + target * self.smoothing)
@@ -351,6 +419,7 @@ impl Limiter {
             self.trouble(now);
         } else {
             self.calm = self.calm_now(now).max(mean_in_flight);
+            self.shrink_from = None;
         }
         self.limit = self
             .limit
@@ -367,6 +436,8 @@ struct Window {
     count: u32,
     /// The sum of the in-flight counts the samples came with.
     in_flight: usize,
+    /// A sample was a caller that left, not an answer.
+    unanswered: bool,
 }
 
 /// The peak in flight over the current [`USE_PERIOD`] and the one before.
@@ -470,6 +541,74 @@ mod tests {
         move |l| (l.limit(), n)
     }
 
+    /// `demand` requests: as many in flight as the limit lets, the rest waiting.
+    fn demand(n: usize) -> impl Fn(&Limiter) -> (usize, usize) {
+        move |l| (l.limit().min(n), n.saturating_sub(l.limit()))
+    }
+
+    /// Feeds `windows` windows from an upstream that queues: `base` up to
+    /// `knee` in flight, in proportion above (a saturated server), with
+    /// `demand` requests.
+    fn queueing(
+        l: &mut Limiter,
+        clock: &mut Instant,
+        windows: usize,
+        base: u64,
+        knee: usize,
+        n: usize,
+    ) {
+        for _ in 0..windows {
+            let in_flight = l.limit().min(n).max(1);
+            let latency = base * in_flight.max(knee) as u64 / knee as u64;
+            feed(l, clock, 1, ms(latency), demand(n));
+        }
+    }
+
+    /// An upstream that becomes five times slower and stays so, whatever
+    /// is in flight (a deploy, a cold cache): the limit shrinks at first,
+    /// then, as half as many in flight take as long, the baseline follows
+    /// and the limit goes back, within seconds, not the baseline's minute.
+    #[test]
+    fn an_upstream_that_got_slower_is_followed_within_seconds() {
+        let mut l = limiter();
+        let mut clock = Instant::now();
+        feed(&mut l, &mut clock, 100, ms(20), demand(64));
+        let before = l.limit();
+        assert!(before >= 60, "grown to the demand: {before}");
+        let mut lowest = before;
+        let mut back_after = None;
+        for window in 0..100 {
+            feed(&mut l, &mut clock, 1, ms(100), demand(64));
+            lowest = lowest.min(l.limit());
+            if l.limit() >= before && lowest < before {
+                back_after = Some(window);
+                break;
+            }
+        }
+        let back_after = back_after.expect("back within 10 s");
+        assert!(back_after <= 60, "back after {back_after} windows");
+        assert!(lowest < before / 2, "it did shrink first: {lowest}");
+    }
+
+    /// An upstream that queues: latency falls as what is in flight falls.
+    /// The baseline stays, and the limit stays down.
+    #[test]
+    fn an_upstream_that_queues_is_not_taken_for_a_slower_one() {
+        let mut l = limiter();
+        let mut clock = Instant::now();
+        // 20 ms up to 64 in flight: the limit grows to the demand.
+        queueing(&mut l, &mut clock, 100, 20, 64, 64);
+        assert!(l.limit() >= 60, "{}", l.limit());
+        // Then it serves well only up to 16 (another client took the rest):
+        // 80 ms at 64 in flight, 20 ms at 16.
+        queueing(&mut l, &mut clock, 200, 20, 16, 64);
+        assert!(
+            l.limit() <= 40,
+            "stays near what the upstream serves: {}",
+            l.limit()
+        );
+    }
+
     #[test]
     fn grows_while_requests_wait_and_never_past_the_demand() {
         let (mut l, mut clock) = (limiter(), Instant::now());
@@ -513,7 +652,8 @@ mod tests {
         feed(&mut l, &mut clock, 20, ms(10), pressed(100));
         let healthy = l.limit();
         assert!(healthy > 100, "{healthy}");
-        feed(&mut l, &mut clock, 30, ms(200), pressed(100));
+        // It queues past 8 in flight: 10 ms at 8, 200 ms at 160.
+        queueing(&mut l, &mut clock, 30, 10, 8, 400);
         let slow = l.limit();
         assert!(slow < healthy / 4, "{slow} vs {healthy}");
         feed(&mut l, &mut clock, 20, ms(10), pressed(100));
@@ -541,10 +681,11 @@ mod tests {
     fn a_long_overload_does_not_become_the_baseline() {
         let (mut l, mut clock) = (limiter(), Instant::now());
         feed(&mut l, &mut clock, 20, ms(100), pressed(100));
-        // Twenty seconds at four times the latency: the limit stays down,
-        // where an average would have come to take it for normal.
-        feed(&mut l, &mut clock, 200, ms(400), pressed(100));
-        assert_eq!(l.limit(), 1);
+        // Twenty seconds of an upstream that queues past 4 in flight: the
+        // limit stays down, where an average would have come to take four
+        // times the latency for normal.
+        queueing(&mut l, &mut clock, 200, 100, 4, 400);
+        assert!(l.limit() <= 8, "{}", l.limit());
     }
 
     #[test]

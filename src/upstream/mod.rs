@@ -284,7 +284,7 @@ fn with_base(base: &str, pq: &PathAndQuery) -> Option<PathAndQuery> {
 
 /// The least and the most a request may wait for a slot.
 const MIN_WAIT: Duration = Duration::from_millis(50);
-const MAX_WAIT: Duration = Duration::from_secs(1);
+const MAX_WAIT: Duration = Duration::from_secs(5);
 
 pub struct Upstream {
     pub name: Arc<str>,

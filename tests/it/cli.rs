@@ -552,6 +552,21 @@ fn check_warns_of_absurd_durations_and_counts() {
             "{key}: {stderr}"
         );
     }
+    // Adaptive limits that cannot do what they say.
+    let limits = write(
+        &dir,
+        "limits.toml",
+        "[upstreams.api]\nendpoints = [\"http://127.0.0.1:3000\"]\nmax_in_flight = 4\n\
+         [upstreams.api.adaptive_concurrency]\ntolerance = 1.0\nmin_limit = 50\ninitial_limit = 50\n\
+         [[routes]]\nname = \"a\"\nupstream = \"api\"\n",
+    );
+    let out = check(&limits);
+    assert!(out.status.success(), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for key in ["tolerance", "min_limit", "initial_limit"] {
+        let key = format!("warning: upstreams.api.adaptive_concurrency.{key}");
+        assert!(stderr.contains(&key), "{key}: {stderr}");
+    }
     // Sensible values warn of nothing.
     let fine = write(
         &dir,

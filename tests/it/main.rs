@@ -6,6 +6,7 @@ mod common;
 
 mod access_log;
 mod admin;
+mod admission;
 mod attribution;
 mod backoff;
 mod breaker;

@@ -878,17 +878,18 @@ impl Guards {
                 })
             }
         };
+        // The route's own probe goes whatever its path's breaker says: the
+        // route's recovery is found at the route's pace, and forgets the
+        // paths' breakers.
+        if route {
+            return Ok(Probe { route, path: false });
+        }
         match self.paths.admit(path, Instant::now(), &mut rand::rng()) {
             (Admit::Yes { probe }, _) => Ok(Probe { route, path: probe }),
-            (Admit::No { retry_after }, _) => {
-                if route {
-                    self.record_route(true, BreakerOutcome::Unknown);
-                }
-                Err(Refused {
-                    retry_after,
-                    path: true,
-                })
-            }
+            (Admit::No { retry_after }, _) => Err(Refused {
+                retry_after,
+                path: true,
+            }),
         }
     }
 

@@ -111,6 +111,14 @@ def proc_stat(pid):
     return rss, fds
 
 
+def peak_rss(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
+
+
 async def main():
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -164,17 +172,19 @@ async def main():
         kind, _ = await get(port, f"/soak/{i}")
         record(sent_at, kind)
 
-    async def silent_batches():
+    async def batches(n, send=b""):
+        """Every 10 s, `n` new connections that send `send` (or nothing)
+        and then hold still; the last batch is let go on this side too."""
         held = []
         while time.monotonic() < end:
-            # The proxy closes them after header_read_timeout; let go of
-            # the last batch's sockets on this side too.
             for _, w in held:
                 w.close()
             held = []
-            for _ in range(50):
+            for _ in range(n):
                 try:
-                    held.append(await asyncio.open_connection("127.0.0.1", port))
+                    r, w = await asyncio.open_connection("127.0.0.1", port)
+                    w.write(send)
+                    held.append((r, w))
                 except OSError:
                     pass
             await asyncio.sleep(10)
@@ -205,6 +215,30 @@ async def main():
                 f.write(config(port, admin, up_port, 500 if big else 2))
             proxy.send_signal(1)
 
+    # The hostile mix: uploads that stall one byte short (bodies held for a
+    # retry; `batches`), heads sent a byte a second, and long paths.
+    stalled = b"PUT /upload HTTP/1.1\r\nHost: soak\r\nContent-Length: 65536\r\n\r\n"
+    stalled += b"x" * (64 * 1024 - 1)
+    async def slow_head():
+        head = b"GET /soak/slow HTTP/1.1\r\nHost: soak\r\nX-Slow: " + b"a" * 4096
+        while time.monotonic() < end:
+            try:
+                _, w = await asyncio.open_connection("127.0.0.1", port)
+                for byte in head:
+                    if time.monotonic() >= end:
+                        break
+                    w.write(bytes([byte]))
+                    await w.drain()
+                    await asyncio.sleep(1)
+                w.close()
+            except OSError:
+                await asyncio.sleep(1)
+
+    async def long_paths():
+        while time.monotonic() < end:
+            await get(port, "/soak/" + "p" * 20000)
+            await asyncio.sleep(0.2)
+
     stats = []
 
     async def sample():
@@ -212,8 +246,10 @@ async def main():
             stats.append((time.monotonic() - start, *proc_stat(proxy.pid)))
             await asyncio.sleep(10)
 
-    side = [asyncio.create_task(c) for c in (silent_batches(), reloads(), sample())]
+    side = [asyncio.create_task(c) for c in (batches(50), reloads(), sample())]
     side += [asyncio.create_task(slow_reader()) for _ in range(10)]
+    side += [asyncio.create_task(c) for c in (batches(200, stalled), long_paths())]
+    side += [asyncio.create_task(slow_head()) for _ in range(100)]
     i = 0
     interval = 1.0 / args.rate
     next_at = start
@@ -237,6 +273,7 @@ async def main():
         t.cancel()
     await asyncio.gather(*side, return_exceptions=True)
     rss_end, fds_end = proc_stat(proxy.pid)
+    rss_peak = peak_rss(proxy.pid)
     proxy.terminate()
     code = await proxy.wait()
     server.close()
@@ -245,7 +282,8 @@ async def main():
     print(f"soak: {args.duration:.0f} s at {args.rate} req/s; phases: healthy, failing (30% 503) "
           f"from {0.2*args.duration:.0f} s, frozen from {0.4*args.duration:.0f} s, healthy again "
           f"from {0.55*args.duration:.0f} s; 50 silent connections every 10 s, 10 slow readers, "
-          f"a reload every 15 s (2 <-> 500 routes)\n")
+          f"a reload every 15 s (2 <-> 500 routes); hostile: 200 uploads stalled one byte short of "
+          f"64 KiB every 10 s, 100 heads sent a byte a second, a 20 KB path 5 times a second\n")
     print(f"{'window':>9} {'phase':>8} {'sent':>6} {'ok':>7}  errors by kind")
     for w in sorted(windows):
         kinds = windows[w]
@@ -259,6 +297,7 @@ async def main():
     for t, rss, fds in stats:
         print(f"{t:>6.0f} {rss:>9} {fds:>5}")
     print(f"{'end':>6} {rss_end:>9} {fds_end:>5}")
+    print(f"peak RSS: {rss_peak} KiB ({rss_peak / 1024:.1f} MiB)")
     resume = int(resume_at - start)
     back = next((s for s in sorted(seconds) if s >= resume and seconds[s][0]
                  and seconds[s][1] / seconds[s][0] >= 0.9), None)

@@ -422,6 +422,8 @@ async fn slow_heads_cost_only_themselves() {
             listen_ok * 100 >= rounds * 90,
             "requests {listen_ok}/{rounds}"
         );
+        let peak_mib = hg.peak_rss_kib() / 1024;
+        assert!(peak_mib <= 64, "peak RSS {peak_mib} MiB");
     }
 }
 
@@ -608,6 +610,8 @@ async fn an_upstream_closing_idle_connections_loses_no_request() {
         assert!(twice.is_empty(), "POSTs sent twice: {twice:?}");
         assert_eq!(gets, 60, "every GET succeeds");
         assert!(posts >= 58, "POST {posts}/60");
+        let peak_mib = hg.peak_rss_kib() / 1024;
+        assert!(peak_mib <= 64, "peak RSS {peak_mib} MiB");
     }
 }
 
@@ -665,6 +669,8 @@ async fn one_failing_path_is_refused_alone() {
                 .await
                 >= 1.0
         );
+        let peak_mib = hg.peak_rss_kib() / 1024;
+        assert!(peak_mib <= 64, "peak RSS {peak_mib} MiB");
     }
     // Failures over many paths: the route's breaker opens.
     let mut every = tokio::time::interval(Duration::from_millis(20));

@@ -16,7 +16,7 @@
 //!   [`USE_HEADROOM`]), and grows only while it is what holds requests back
 //!   (requests wait for a slot or were shed), on answers within half the
 //!   tolerance: by two per answer (tripling per round trip, a slow start as
-//!   TCP's). For [`FORGET`] after trouble (a cut, an outage) slow start
+//!   TCP's). For 30 s after trouble (a cut, an outage) slow start
 //!   stops at the level it held while latency was calm (or where a cut left
 //!   it, if higher), and above that it grows by one per round trip on
 //!   answers within a quarter of the tolerance; never past the requests in

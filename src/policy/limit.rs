@@ -69,6 +69,9 @@ pub struct Limiter {
     shrink_from: Option<(f64, f64)>,
     /// Since when every window has said so (see [`SLOWER_FOR`]).
     slower_since: Option<Instant>,
+    /// When attempts last timed out or an outage ended: for [`FORGET`]
+    /// after, slow answers are the outage's backlog, never a new baseline.
+    outage_at: Option<Instant>,
 }
 
 /// Why a limiter could not be built; [`key`](InvalidLimiter::key) names
@@ -138,6 +141,8 @@ pub const USE_MULTIPLE: f64 = 2.0;
 pub const USE_HEADROOM: f64 = 2.0;
 /// The recent peak is the larger of this period's and the last one's.
 const USE_PERIOD: Duration = Duration::from_secs(5);
+/// The first period, before which the use is not known.
+const FIRST_USE_PERIOD: Duration = Duration::from_secs(1);
 /// The baseline is the lowest window average of this period and the last.
 const BASELINE_PERIOD: Duration = Duration::from_secs(30);
 
@@ -194,6 +199,7 @@ impl Limiter {
             last_cut: None,
             shrink_from: None,
             slower_since: None,
+            outage_at: None,
         })
     }
 
@@ -226,6 +232,7 @@ impl Limiter {
                 }
                 self.shrink_from = None;
                 self.slower_since = None;
+                self.outage_at = Some(now);
                 self.window = None;
                 return;
             }
@@ -334,6 +341,7 @@ impl Limiter {
     /// upstream that failed fast cut nothing).
     pub fn after_outage(&mut self, now: Instant) {
         self.trouble(now);
+        self.outage_at = Some(now);
     }
 
     /// A slow window while the limit shrinks: if half as many in flight as
@@ -353,7 +361,10 @@ impl Limiter {
             return false;
         };
         let halved = mean_in_flight <= 0.5 * from_in_flight;
-        if !(answered && halved && short >= 0.8 * from_latency) {
+        let after_outage = self
+            .outage_at
+            .is_some_and(|at| now.saturating_duration_since(at) < FORGET);
+        if after_outage || !(answered && halved && short >= 0.8 * from_latency) {
             self.slower_since = None;
             return false;
         }
@@ -453,7 +464,14 @@ struct Use {
 impl Use {
     fn record(&mut self, in_flight: usize, now: Instant) {
         let since = *self.since.get_or_insert(now);
-        let periods = now.saturating_duration_since(since).as_nanos() / USE_PERIOD.as_nanos();
+        // The first period is short: a sidecar started in a fleet (a
+        // rollout, a restart mid-outage) holds its initial limit for a
+        // second only.
+        let period = match self.previous {
+            Some(_) => USE_PERIOD,
+            None => FIRST_USE_PERIOD,
+        };
+        let periods = now.saturating_duration_since(since).as_nanos() / period.as_nanos();
         if periods >= 1 {
             self.previous = Some(if periods == 1 { self.current } else { 0 });
             self.current = 0;
@@ -588,6 +606,27 @@ mod tests {
         let back_after = back_after.expect("back within 10 s");
         assert!(back_after <= 60, "back after {back_after} windows");
         assert!(lowest < before / 2, "it did shrink first: {lowest}");
+    }
+
+    /// After timeouts (an outage), slow answers are its backlog draining:
+    /// never taken for a slower upstream, however long they stay slow.
+    #[test]
+    fn an_outages_backlog_is_not_taken_for_a_slower_upstream() {
+        let mut l = limiter();
+        let mut clock = Instant::now();
+        feed(&mut l, &mut clock, 100, ms(20), demand(64));
+        for _ in 0..20 {
+            clock += Duration::from_millis(100);
+            l.update(Sample::Dropped, l.limit(), 64, clock);
+        }
+        // The breaker closes: slow start back, on answers as fast as before.
+        l.after_outage(clock);
+        feed(&mut l, &mut clock, 10, ms(20), demand(64));
+        assert!(l.limit() >= 32, "back by slow start: {}", l.limit());
+        // Then answers ten times slower, whatever is in flight, for 5 s:
+        // the backlog the other sidecars left, not a new normal.
+        feed(&mut l, &mut clock, 50, ms(200), demand(64));
+        assert!(l.limit() <= 16, "stays down: {}", l.limit());
     }
 
     /// An upstream that queues: latency falls as what is in flight falls.

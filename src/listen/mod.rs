@@ -78,6 +78,10 @@ impl Drop for Abandoned {
     }
 }
 
+/// Connections still sending their first request head, per listener, at
+/// most: callers send a head in one write; only an attack holds many.
+const MAX_UNHEARD: usize = 256;
+
 /// The connections of a listener that have not finished a request head
 /// yet, oldest first: when the listener is full, the oldest is closed for
 /// a caller waiting to connect, so that connections that say nothing, or
@@ -99,15 +103,31 @@ impl Silent {
     /// twice `max`: a connection that stays unheard at the front cannot
     /// make the list grow with every connection accepted behind it (at most
     /// `max` are open, each holding a slot), so it stays within `2 * max`.
+    ///
+    /// Past [`MAX_UNHEARD`] connections still sending their first head,
+    /// the oldest of them is closed whether the listener is full or not: a
+    /// head may hold up to 64 KiB of buffer, and thousands of heads left
+    /// one byte short would otherwise hold hundreds of MiB.
     fn push(&self, max: usize, conduct: &Arc<Conduct>) {
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
         while waiting.front().is_some_and(|w| !unheard(w)) {
             waiting.pop_front();
         }
-        if waiting.len() >= max.saturating_mul(2) {
+        if waiting.len() >= max.min(MAX_UNHEARD).saturating_mul(2) {
             waiting.retain(unheard);
         }
         waiting.push_back(Arc::downgrade(conduct));
+        if waiting.len() > MAX_UNHEARD {
+            waiting.retain(unheard);
+        }
+        if waiting.len() > MAX_UNHEARD {
+            while let Some(oldest) = waiting.pop_front() {
+                if let Some(c) = oldest.upgrade().filter(|c| !c.has_spoken()) {
+                    c.evict();
+                    break;
+                }
+            }
+        }
     }
 
     /// Closes the oldest connection still unheard; false if there is none.

@@ -693,3 +693,34 @@ async fn reqwest_like_get(addr: &str, path: &str) -> String {
     let (_, _, body) = send(&client(), req).await;
     String::from_utf8_lossy(&body).into_owned()
 }
+
+/// Thousands of connections each leaving its head one byte short of done
+/// (under the 64 KiB head limit, inside the head timeout): past 256 such
+/// connections the oldest is closed, listener full or not, so the heads
+/// cannot hold hundreds of MiB; requests still come through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unfinished_heads_are_bounded_in_number() {
+    raise_open_files();
+    let up = ok_upstream("ok").await;
+    let hg = Binary::start(&one_route(&up.url())).await;
+    for (n, pad) in [(1500usize, 59_000usize), (3000, 20_000)] {
+        let head = format!(
+            "GET / HTTP/1.1\r\nHost: a\r\n{}",
+            "X-Pad: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n"
+                .repeat(pad / 76)
+        );
+        let mut held = Vec::with_capacity(n);
+        for _ in 0..n {
+            let Ok(mut s) = tokio::net::TcpStream::connect(&hg.listen).await else {
+                continue;
+            };
+            let _ = s.write_all(head.as_bytes()).await;
+            held.push(s);
+        }
+        assert!(get_path(&hg.listen, "/").await, "a request comes through");
+        let peak_mib = hg.peak_rss_kib() / 1024;
+        eprintln!("{n} heads of {pad} bytes left unfinished: peak RSS {peak_mib} MiB");
+        assert!(peak_mib <= 64, "peak RSS {peak_mib} MiB");
+        drop(held);
+    }
+}

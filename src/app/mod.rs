@@ -290,7 +290,19 @@ fn serve_admin(
             // A whole head came: no longer evicted for a new caller.
             conduct.heard();
             let shared = shared.clone();
-            Box::pin(async move { Ok::<_, Infallible>(admin::serve(&shared, peer, &req).await) })
+            Box::pin(async move {
+                let mut resp = admin::serve(&shared, peer, &req).await;
+                // One request per HTTP/1 connection: probes and scrapes open
+                // one each time anyway, and 256 connections kept busy with a
+                // request every few seconds cannot lock the kubelet out.
+                if req.version() < http::Version::HTTP_2 {
+                    resp.headers_mut().insert(
+                        http::header::CONNECTION,
+                        http::HeaderValue::from_static("close"),
+                    );
+                }
+                Ok::<_, Infallible>(resp)
+            })
         })
     })
 }

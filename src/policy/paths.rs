@@ -48,7 +48,7 @@ impl PathKey {
 }
 
 /// The first [`SEGMENTS`] segments of `path` (without its query).
-pub fn prefix(path: &str) -> &str {
+fn prefix(path: &str) -> &str {
     let path = path.split(['?', '#']).next().unwrap_or(path);
     let mut end = 0;
     let mut seen = 0;
@@ -62,6 +62,26 @@ pub fn prefix(path: &str) -> &str {
         end = i + 1;
     }
     &path[..end]
+}
+
+/// The segments that name a path, an id among them as `*`: `/orders/42`
+/// and `/orders/43` are one path, `/orders/*`, so that a caller cannot
+/// spread one broken endpoint's failures over a path per id (and have them
+/// taken for an outage of the route).
+fn segments(path: &str) -> impl Iterator<Item = &str> {
+    prefix(path)
+        .split('/')
+        .skip(1)
+        .map(|s| if is_id(s) { "*" } else { s })
+}
+
+/// Whether a segment reads as an id: digits, a UUID or long hex, or long.
+fn is_id(segment: &str) -> bool {
+    let b = segment.as_bytes();
+    let digits = b.iter().filter(|c| c.is_ascii_digit()).count();
+    (!b.is_empty() && digits == b.len())
+        || (b.len() >= 8 && digits > 0 && b.iter().all(|c| c.is_ascii_hexdigit() || *c == b'-'))
+        || b.len() > 24
 }
 
 struct Tracked {
@@ -103,8 +123,13 @@ impl PathBreakers {
 
     /// The key of a request's `path`.
     pub fn key(&self, path: &str) -> PathKey {
+        use std::hash::{Hash as _, Hasher as _};
+        let mut h = self.hasher.build_hasher();
+        for segment in segments(path) {
+            segment.hash(&mut h);
+        }
         // 32 bits are plenty for at most MAX_PATHS paths; 0 is no path.
-        PathKey((self.hasher.hash_one(prefix(path)) as u32).max(1))
+        PathKey((h.finish() as u32).max(1))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PathKey, Tracked>> {
@@ -247,7 +272,7 @@ impl PathBreakers {
         }
         if let Some(t) = self.lock().get_mut(&key) {
             if t.name.is_none() {
-                let name = prefix(path);
+                let name: String = segments(path).flat_map(|s| ["/", s]).collect();
                 let mut end = name.len().min(MAX_NAME);
                 while !name.is_char_boundary(end) {
                     end -= 1;
@@ -317,6 +342,17 @@ mod tests {
         let paths = PathBreakers::new(&config());
         assert_eq!(paths.key("/a/b/c"), paths.key("/a/b/d"));
         assert_ne!(paths.key("/a/b"), paths.key("/a/c"));
+        // Ids are one path.
+        assert_eq!(paths.key("/orders/42"), paths.key("/orders/43/items"));
+        assert_eq!(
+            paths.key("/u/3f2504e0-4f89-11d3-9a0c-0305e82c3301"),
+            paths.key("/u/deadbeef01")
+        );
+        assert_eq!(
+            paths.key(&("/t/".to_owned() + &"x".repeat(30))),
+            paths.key("/t/7")
+        );
+        assert_ne!(paths.key("/orders/list"), paths.key("/orders/42"));
     }
 
     #[test]
@@ -391,7 +427,7 @@ mod tests {
         let mut rng = SmallRng::seed_from_u64(2);
         let mut now = Instant::now();
         for i in 0..(MAX_PATHS * 4) {
-            let key = paths.key(&format!("/p/{i}"));
+            let key = paths.key(&format!("/p{i}"));
             paths.record(key, false, Outcome::Failure, now, &mut rng);
             now += Duration::from_millis(1);
         }

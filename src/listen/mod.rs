@@ -29,6 +29,10 @@ const MAX_STREAMS: u32 = 100;
 /// connection's streams together, before the proxy reads it.
 const H2_STREAM_WINDOW: u32 = 64 * 1024;
 const H2_CONNECTION_WINDOW: u32 = 128 * 1024;
+/// What all HTTP/2 connections of a listener may hold together: past 128
+/// of them, each gets its share, down to [`H2_MIN_WINDOW`].
+const H2_WINDOWS: u32 = 16 << 20;
+const H2_MIN_WINDOW: u32 = 16 * 1024;
 
 /// The most of an unfinished HTTP/1 request head (its request line and
 /// header fields) a caller connection may have buffered: past it, hyper
@@ -213,6 +217,29 @@ pub(crate) fn local_addr(listener: &TcpListener) -> SocketAddr {
 struct Builders {
     h1: http1::Builder,
     h2: http2::Builder<TokioExecutor>,
+    /// HTTP/2 connections open now.
+    h2_open: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// One HTTP/2 connection counted open while this lives.
+struct H2Open(Arc<std::sync::atomic::AtomicUsize>);
+
+impl H2Open {
+    fn new(open: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        open.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Self(open.clone())
+    }
+
+    /// Connections open, this one included.
+    fn count(&self) -> usize {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for H2Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Builders {
@@ -235,7 +262,11 @@ impl Builders {
             .max_concurrent_streams(MAX_STREAMS)
             .initial_stream_window_size(H2_STREAM_WINDOW)
             .initial_connection_window_size(H2_CONNECTION_WINDOW);
-        Self { h1, h2 }
+        Self {
+            h1,
+            h2,
+            h2_open: Arc::default(),
+        }
     }
 }
 
@@ -318,11 +349,21 @@ impl Serve<'_> {
         B::Data: Send,
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        let conn = self
-            .builders
-            .h2
-            .serve_connection(io, crate::listen::h1::Streams(service));
-        Box::pin(self.drain.watch(conn, self.conduct))
+        // The windows shrink as HTTP/2 connections add up: together they
+        // may hold at most H2_WINDOWS of bodies not yet read.
+        let open = H2Open::new(&self.builders.h2_open);
+        let window = H2_CONNECTION_WINDOW
+            .min(H2_WINDOWS / open.count().max(1) as u32)
+            .max(H2_MIN_WINDOW);
+        let mut h2 = self.builders.h2.clone();
+        h2.initial_connection_window_size(window)
+            .initial_stream_window_size(window.min(H2_STREAM_WINDOW));
+        let conn = h2.serve_connection(io, crate::listen::h1::Streams(service));
+        Box::pin(async move {
+            let served = self.drain.watch(conn, self.conduct).await;
+            drop(open);
+            served
+        })
     }
 
     /// [`connection`](Self::connection) inside TLS: the handshake, and the

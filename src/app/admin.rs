@@ -112,22 +112,25 @@ fn handle<B>(shared: &Shared, peer: SocketAddr, req: &Request<B>) -> Response<Fu
 /// page whose name an attacker rebinds to 127.0.0.1 sends its own name, and
 /// is refused: DNS rebinding cannot read `/config` or `/metrics`.
 fn known_host<'a, B>(req: &'a Request<B>, hosts: &[String]) -> Result<(), &'a str> {
-    let host = match req.uri().authority() {
-        Some(authority) => authority.host(),
-        None => match req.headers().get(http::header::HOST) {
-            None => return Ok(()),
-            Some(value) => {
-                let value = value.to_str().map_err(|_| "(not text)")?;
-                match value.parse::<http::uri::Authority>() {
-                    Ok(authority) if !authority.as_str().contains('@') => {
-                        return check_host(authority.host(), hosts).map_err(|()| value);
-                    }
-                    _ => return Err(value),
-                }
-            }
-        },
+    // The URI's authority (absolute form, HTTP/2) and every Host field must
+    // each be known: the proxy listener refuses two Host fields outright.
+    if let Some(authority) = req.uri().authority() {
+        check_host(authority.host(), hosts).map_err(|()| authority.as_str())?;
+    }
+    let mut fields = req.headers().get_all(http::header::HOST).iter();
+    if let (Some(_), Some(second)) = (fields.next(), fields.next()) {
+        return Err(second.to_str().unwrap_or("(not text)"));
+    }
+    let Some(value) = req.headers().get(http::header::HOST) else {
+        return Ok(());
     };
-    check_host(host, hosts).map_err(|()| host)
+    let value = value.to_str().map_err(|_| "(not text)")?;
+    match value.parse::<http::uri::Authority>() {
+        Ok(authority) if !authority.as_str().contains('@') => {
+            check_host(authority.host(), hosts).map_err(|()| value)
+        }
+        _ => Err(value),
+    }
 }
 
 fn check_host(host: &str, hosts: &[String]) -> Result<(), ()> {

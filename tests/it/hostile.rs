@@ -313,6 +313,15 @@ async fn the_admin_listener_answers_only_to_hosts_it_knows() {
             "{host} {path}: {answer}"
         );
     }
+    // The absolute form and a second Host are checked too.
+    for request in [
+        "GET http://127.0.0.1/config HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n",
+        "GET http://evil.example/config HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+        "GET /config HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n",
+    ] {
+        let answer = raw_exchange(admin, request.as_bytes()).await;
+        assert!(!answer.starts_with("HTTP/1.1 200"), "{request:?}: {answer}");
+    }
 }
 
 /// A change from a web page is refused whichever `Sec-Fetch-Site` field

@@ -218,6 +218,14 @@ impl Limiter {
     /// hiccup of the proxy itself does not collapse the limit.
     pub fn update(&mut self, sample: Sample, in_flight: usize, queued: usize, now: Instant) {
         self.use_.record(in_flight, now);
+        // A caller that left after waiting four times the tolerated latency
+        // (as long as a request may wait for a slot) met an upstream that
+        // is stuck, as a timeout does: its per-try timeout and the caller's
+        // own often end together, and the caller's may come first.
+        let sample = match (sample, self.wait()) {
+            (Sample::Unanswered(waited), Some(stuck)) if waited > stuck => Sample::Dropped,
+            (sample, _) => sample,
+        };
         let latency = match sample {
             Sample::Dropped => {
                 // A timeout says the upstream is struggling now: halve at

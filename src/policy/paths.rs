@@ -180,7 +180,13 @@ impl PathBreakers {
                 alone
             }
             Outcome::Success => {
-                self.last_success.store(stamp, Ordering::Relaxed);
+                // Written only when it changes (a new path, or a new
+                // millisecond): at thousands of requests a second on one
+                // route, a store each would bounce its cache line between
+                // the workers.
+                if self.last_success.load(Ordering::Relaxed) != stamp {
+                    self.last_success.store(stamp, Ordering::Relaxed);
+                }
                 false
             }
             Outcome::Unknown => false,

@@ -651,23 +651,6 @@ async fn close<I: Readable>(mut stream: Stream<I>, within: Duration) {
     let _ = tokio::time::timeout(within, stream.shutdown()).await;
 }
 
-/// The service on an HTTP/2 connection: each stream's body as a
-/// [`CallerBody`] that notes nothing (streams have their own ends).
-pub struct Streams<S>(pub S);
-
-impl<S> hyper::service::Service<Request<Incoming>> for Streams<S>
-where
-    S: hyper::service::Service<Request<CallerBody>>,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = S::Future;
-
-    fn call(&self, req: Request<Incoming>) -> Self::Future {
-        self.0.call(req.map(CallerBody::new))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,6 +7,7 @@ mod sniff;
 pub(crate) mod stall;
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,15 +25,22 @@ use crate::wire::CallerBody;
 
 /// HTTP/2 streams one caller connection may have open at once.
 const MAX_STREAMS: u32 = 100;
+/// HTTP/2 streams all connections of a listener may have open at once
+/// (each request waiting for an upstream slot holds about 4 KiB): past
+/// 20 connections each is offered its share (at least 8), and a stream
+/// past the bound is answered 503 `overloaded` at once. 200 connections
+/// of 100 streams each held 94 MiB before the bound.
+const H2_STREAMS: usize = 2048;
+const H2_MIN_STREAMS: u32 = 8;
 
 /// What a caller may send on an HTTP/2 stream, and on all of a
 /// connection's streams together, before the proxy reads it.
 const H2_STREAM_WINDOW: u32 = 64 * 1024;
 const H2_CONNECTION_WINDOW: u32 = 128 * 1024;
-/// What all HTTP/2 connections of a listener may hold together: past 128
+/// What all HTTP/2 connections of a listener may hold together: past 64
 /// of them, each gets its share, down to [`H2_MIN_WINDOW`].
-const H2_WINDOWS: u32 = 16 << 20;
-const H2_MIN_WINDOW: u32 = 16 * 1024;
+const H2_WINDOWS: u32 = 8 << 20;
+const H2_MIN_WINDOW: u32 = 8 * 1024;
 
 /// The most of an unfinished HTTP/1 request head (its request line and
 /// header fields) a caller connection may have buffered: past it, hyper
@@ -219,6 +227,62 @@ struct Builders {
     h2: http2::Builder<TokioExecutor>,
     /// HTTP/2 connections open now.
     h2_open: Arc<std::sync::atomic::AtomicUsize>,
+    /// HTTP/2 streams being answered now, over all connections.
+    h2_streams: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// The service on an HTTP/2 connection: each stream's body as a
+/// [`CallerBody`] that notes nothing (streams have their own ends), each
+/// stream counted open while its request is answered, and one past
+/// [`H2_STREAMS`] marked [`Crowded`](crate::wire::Crowded).
+struct Streams<S> {
+    service: S,
+    open: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl<S> hyper::service::Service<Request<hyper::body::Incoming>> for Streams<S>
+where
+    S: hyper::service::Service<Request<CallerBody>>,
+    S::Future: Unpin,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = OpenStream<S::Future>;
+
+    fn call(&self, req: Request<hyper::body::Incoming>) -> Self::Future {
+        let open = self.open.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut req = req.map(CallerBody::new);
+        if open >= H2_STREAMS {
+            req.extensions_mut().insert(crate::wire::Crowded);
+        }
+        OpenStream {
+            answer: self.service.call(req),
+            open: self.open.clone(),
+        }
+    }
+}
+
+/// A stream's answer, the stream counted open until it is done or dropped.
+struct OpenStream<F> {
+    answer: F,
+    open: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl<F: Future + Unpin> Future for OpenStream<F> {
+    type Output = F::Output;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        std::pin::Pin::new(&mut self.answer).poll(cx)
+    }
+}
+
+impl<F> Drop for OpenStream<F> {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// One HTTP/2 connection counted open while this lives.
@@ -266,6 +330,7 @@ impl Builders {
             h1,
             h2,
             h2_open: Arc::default(),
+            h2_streams: Arc::default(),
         }
     }
 }
@@ -334,7 +399,7 @@ impl Serve<'_> {
         &self,
         io: TokioIo<crate::listen::stall::WriteStall<Rewind<I>>>,
         service: S,
-    ) -> std::pin::Pin<Box<impl std::future::Future<Output = Option<Result<(), hyper::Error>>> + '_>>
+    ) -> std::pin::Pin<Box<impl Future<Output = Option<Result<(), hyper::Error>>> + '_>>
     where
         I: Readable,
         S: hyper::service::Service<
@@ -352,13 +417,22 @@ impl Serve<'_> {
         // The windows shrink as HTTP/2 connections add up: together they
         // may hold at most H2_WINDOWS of bodies not yet read.
         let open = H2Open::new(&self.builders.h2_open);
+        let connections = open.count().max(1);
         let window = H2_CONNECTION_WINDOW
-            .min(H2_WINDOWS / open.count().max(1) as u32)
+            .min(H2_WINDOWS / connections as u32)
             .max(H2_MIN_WINDOW);
+        let streams = u32::try_from(H2_STREAMS / connections)
+            .unwrap_or(MAX_STREAMS)
+            .clamp(H2_MIN_STREAMS, MAX_STREAMS);
         let mut h2 = self.builders.h2.clone();
         h2.initial_connection_window_size(window)
-            .initial_stream_window_size(window.min(H2_STREAM_WINDOW));
-        let conn = h2.serve_connection(io, crate::listen::h1::Streams(service));
+            .initial_stream_window_size(window.min(H2_STREAM_WINDOW))
+            .max_concurrent_streams(streams);
+        let streams = Streams {
+            service,
+            open: self.builders.h2_streams.clone(),
+        };
+        let conn = h2.serve_connection(io, streams);
         Box::pin(async move {
             let served = self.drain.watch(conn, self.conduct).await;
             drop(open);

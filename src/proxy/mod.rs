@@ -354,6 +354,12 @@ impl Proxy {
         start: Instant,
         entry: &mut Option<Box<Entry>>,
     ) -> Response<ResponseBody> {
+        if req.extensions().get::<crate::wire::Crowded>().is_some() {
+            let resp = LocalError::Overloaded
+                .response("too many HTTP/2 streams open on this listener; try again shortly");
+            metrics::unrouted(&self.metrics, resp.status());
+            return resp;
+        }
         if req.method() == Method::CONNECT {
             let resp = LocalError::NotProxied
                 .response("CONNECT is not proxied; herdguard is a reverse proxy");

@@ -8,6 +8,12 @@ pub(crate) mod stamp;
 
 pub use caller::{BodyEnd, CallerBody, CallerUpgrade, Io, Upgraded};
 
+/// Marks a request that came on an HTTP/2 stream past its listener's
+/// bound on open streams: the proxy answers it 503 at once, before any
+/// other work.
+#[derive(Clone, Copy, Debug)]
+pub struct Crowded;
+
 /// An error and its causes on one line.
 pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut text = e.to_string();

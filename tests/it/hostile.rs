@@ -102,6 +102,10 @@ fn stalling(len: usize) -> Stalling {
     }
 }
 
+/// Requests the proxy answered 503 before routing them: HTTP/2 streams
+/// past the listener's bound.
+const CROWDED: &str = "herdguard_requests_total{route=\"none\",code=\"503\",source=\"proxy\"}";
+
 /// `streams` PUTs on one HTTP/2 connection, each stalling one byte short
 /// of its `len`; the tasks that hold them.
 async fn stalled_h2_uploads(
@@ -161,8 +165,10 @@ async fn stalled_uploads_are_held_within_the_body_memory() {
     );
     raise_open_files();
     for (memory, bound, h2_connections, streams, h1_connections, len) in [
-        ("16MiB", 16 << 20, 40, 100, 500, 64 * 1024),
+        ("16MiB", 16 << 20, 20, 100, 500, 64 * 1024),
         ("4MiB", 4 << 20, 20, 50, 300, 24 * 1024),
+        // Many connections, few streams each: their windows shrink.
+        ("16MiB", 16 << 20, 250, 8, 0, 64 * 1024),
     ] {
         let hg = Binary::start_with(&format!("max_body_memory = \"{memory}\""), &toml).await;
         let mut held = Vec::new();
@@ -179,7 +185,9 @@ async fn stalled_uploads_are_held_within_the_body_memory() {
             || async {
                 let kept = hg.metric("herdguard_body_memory_bytes").await;
                 let refused = hg.metric("herdguard_body_memory_refused_total").await;
-                kept <= bound && refused + (kept / len as f64).round() >= bodies as f64
+                // Streams past the listener's bound, answered at once.
+                let crowded = hg.metric(CROWDED).await;
+                kept <= bound && refused + crowded + (kept / len as f64).round() >= bodies as f64
             },
         )
         .await;
@@ -194,6 +202,87 @@ async fn stalled_uploads_are_held_within_the_body_memory() {
         }
         drop(h1);
     }
+}
+
+/// An HTTP/2 connection that opens `streams` GETs at once, ignoring the
+/// server's SETTINGS (as an attacker would): the preface and every HEADERS
+/// frame in one write.
+async fn h2_flood(listen: &str, streams: u32) -> tokio::net::TcpStream {
+    let mut wire = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    wire.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]); // empty SETTINGS
+                                                            // :method GET, :scheme http, :path /, :authority "a" (HPACK, literal).
+    let block = [0x82, 0x86, 0x84, 0x41, 1, b'a'];
+    for i in 0..streams {
+        wire.extend_from_slice(&[0, 0, block.len() as u8, 0x1, 0x5]); // END_STREAM | END_HEADERS
+        wire.extend_from_slice(&(1 + 2 * i).to_be_bytes());
+        wire.extend_from_slice(&block);
+    }
+    let mut s = tokio::net::TcpStream::connect(listen).await.unwrap();
+    s.write_all(&wire).await.unwrap();
+    s
+}
+
+/// Callers opening more HTTP/2 streams than the listener takes (200
+/// connections of 100 streams each, SETTINGS ignored, before a frozen
+/// upstream): each connection is offered its share, the streams past the
+/// listener's bound are answered 503 at once, and the process stays small.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_http2_streams_is_bounded_per_listener() {
+    let up = held_upstream("ok").await;
+    raise_open_files();
+    let hg = Binary::start_with("", &one_route(&up.upstream.url())).await;
+    let mut held = Vec::new();
+    for _ in 0..200 {
+        held.push(h2_flood(&hg.listen, 100).await);
+    }
+    eventually(
+        Duration::from_secs(20),
+        "streams past the bound answered 503",
+        || async { hg.metric(CROWDED).await >= 100.0 },
+    )
+    .await;
+    let peak_mib = hg.peak_rss_kib() / 1024;
+    eprintln!("200 connections x 100 streams: peak RSS {peak_mib} MiB");
+    assert!(
+        peak_mib <= 64,
+        "a flood of HTTP/2 streams: peak RSS {peak_mib} MiB"
+    );
+    drop(held);
+    up.release.notify_waiters();
+    // The bound is on streams open now: once the flood is gone, a stream
+    // is served again.
+    let tcp = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+    let (sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    // Streams of the dropped connections may take a moment to close, and
+    // the limiter to let one through: asked again until one is served.
+    let served = async {
+        loop {
+            let req = http::Request::get("http://a/after")
+                .body(http_body_util::Empty::<bytes::Bytes>::new())
+                .unwrap();
+            let mut sender = sender.clone();
+            let mut answer = tokio::spawn(async move { sender.send_request(req).await });
+            let resp = loop {
+                up.release.notify_waiters();
+                tokio::select! {
+                    resp = &mut answer => break resp.unwrap().unwrap(),
+                    () = tokio::time::sleep(Duration::from_millis(20)) => {}
+                }
+            };
+            if resp.status() == 200 {
+                return;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), served)
+        .await
+        .expect("a stream served once the flood is gone");
 }
 
 /// What an upstream could read differently from the proxy is refused with

@@ -278,10 +278,12 @@ pub(super) fn compiled_or(
         .collect()
 }
 
-/// The largest config file read: ten times a 10,000-route config, and more
-/// than a Kubernetes ConfigMap holds (1 MiB). A larger "file" (`/dev/zero`,
-/// a log named by mistake) is refused before it fills memory.
-pub const MAX_CONFIG_BYTES: u64 = 16 * 1024 * 1024;
+/// The largest config file read: what a Kubernetes ConfigMap holds, and
+/// several times the largest config the route bounds allow (1,000 routes
+/// with every policy written out). A larger "file" (`/dev/zero`, a log
+/// named by mistake) is refused before it fills memory: parsing costs
+/// several times the file's size.
+pub const MAX_CONFIG_BYTES: u64 = 1024 * 1024;
 
 fn read_bounded(path: &Path) -> std::io::Result<String> {
     let bytes = super::files::read_bounded(path, MAX_CONFIG_BYTES)

@@ -101,6 +101,7 @@ pub(super) fn validate(
     for (name, upstream) in &config.upstreams {
         upstream_config(report, &root.key("upstreams").key(name.clone()), upstream);
     }
+    counts(config, report);
 
     let defaults = root.key("defaults");
     retry(report, &defaults.key("retry"), &config.defaults.retry);
@@ -147,6 +148,53 @@ pub(super) fn validate(
         });
     }
     compiled
+}
+
+/// Routes, upstreams and endpoints a config may have: each costs memory
+/// for as long as it is loaded (a route about 25 KiB, mostly its metric
+/// series; twice that during a reload), so their number is bounded as
+/// the file's size is: 1,000 routes take about 30 MiB.
+pub(crate) const MAX_ROUTES: usize = 1000;
+pub(crate) const MAX_UPSTREAMS: usize = 1000;
+pub(crate) const MAX_ENDPOINTS: usize = 256;
+
+/// The config has no more routes, upstreams, or endpoints per upstream
+/// than the proxy takes; the first one past a bound is named.
+fn counts(config: &Config, report: &mut Report<'_>) {
+    let root = KeyPath::root();
+    if config.routes.len() > MAX_ROUTES {
+        report(
+            root.key("routes").index(MAX_ROUTES),
+            format!(
+                "at most {MAX_ROUTES} routes (this file has {}): each holds about 25 KiB \
+                 of state and metric series; match several paths with one route",
+                config.routes.len()
+            ),
+        );
+    }
+    if let Some(name) = config.upstreams.keys().nth(MAX_UPSTREAMS) {
+        report(
+            root.key("upstreams").key(name.clone()),
+            format!(
+                "at most {MAX_UPSTREAMS} upstreams (this file has {})",
+                config.upstreams.len()
+            ),
+        );
+    }
+    for (name, u) in &config.upstreams {
+        if u.endpoints.len() > MAX_ENDPOINTS {
+            report(
+                root.key("upstreams")
+                    .key(name.clone())
+                    .key("endpoints")
+                    .index(MAX_ENDPOINTS),
+                format!(
+                    "at most {MAX_ENDPOINTS} endpoints per upstream (this one has {})",
+                    u.endpoints.len()
+                ),
+            );
+        }
+    }
 }
 
 /// A route's `upstream` names one the file has.

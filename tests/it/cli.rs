@@ -445,7 +445,7 @@ fn check_survives_a_closed_or_full_stdout_and_refuses_an_endless_file() {
     let big = dir.path().join("big.toml");
     std::fs::File::create(&big)
         .unwrap()
-        .set_len(17 << 20)
+        .set_len(2 << 20)
         .unwrap();
     let out = Command::new(BIN)
         .args(["check", "--config"])
@@ -454,7 +454,7 @@ fn check_survives_a_closed_or_full_stdout_and_refuses_an_endless_file() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("larger than 16 MiB"),
+        String::from_utf8_lossy(&out.stderr).contains("larger than 1 MiB"),
         "{out:?}"
     );
 }

@@ -26,6 +26,51 @@ const BASE: &str = r#"
 endpoints = ["http://127.0.0.1:3000"]
 "#;
 
+/// Routes, upstreams and endpoints are bounded in number (each costs
+/// memory while loaded): the first past a bound is named, with its line.
+#[test]
+fn route_upstream_and_endpoint_counts_are_bounded() {
+    let route = |i: usize| format!("[[routes]]\nname = \"r{i}\"\nupstream = \"api\"\n");
+    let many_routes: String = std::iter::once(BASE.to_string())
+        .chain((0..1001).map(route))
+        .collect();
+    let errs = errors(&many_routes);
+    // BASE is 3 lines (a blank first), then 3 lines per route from line 4.
+    assert_reported(
+        &errs,
+        &["routes[1000] (line 3004): at most 1000 routes (this file has 1001)"],
+    );
+    let fits: String = std::iter::once(BASE.to_string())
+        .chain((0..1000).map(route))
+        .collect();
+    Config::parse(&fits).expect("1,000 routes are taken");
+
+    let many_upstreams: String = (0..1001)
+        .map(|i| format!("[upstreams.u{i:04}]\nendpoints = [\"http://127.0.0.1:3000\"]\n"))
+        .chain(std::iter::once(
+            "[[routes]]\nname = \"r\"\nupstream = \"u0000\"\n".to_string(),
+        ))
+        .collect();
+    let errs = errors(&many_upstreams);
+    assert_reported(
+        &errs,
+        &["upstreams.u1000 (line 2001): at most 1000 upstreams"],
+    );
+
+    let endpoints: Vec<String> = (0..257)
+        .map(|i| format!("\"http://127.0.0.1:{}\"", 3000 + i))
+        .collect();
+    let many_endpoints = format!(
+        "[upstreams.api]\nendpoints = [{}]\n[[routes]]\nname = \"r\"\nupstream = \"api\"\n",
+        endpoints.join(", ")
+    );
+    let errs = errors(&many_endpoints);
+    assert_reported(
+        &errs,
+        &["upstreams.api.endpoints[256] (line 2): at most 256 endpoints"],
+    );
+}
+
 #[test]
 fn empty_file_is_builtin_defaults() {
     let c = Config::parse("").unwrap();

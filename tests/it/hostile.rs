@@ -533,8 +533,33 @@ async fn slow_heads_cost_only_themselves() {
 async fn a_huge_or_fifo_config_file_costs_the_watcher_nothing() {
     let up = ok_upstream("ok").await;
     let hg = Binary::start(&one_route(&up.url())).await;
-    let start = hg.rss_kib();
     let path = hg.config_path().to_owned();
+    // A large config within the limit is read once, when it changes, never
+    // again while it stays as it is: the watcher looks at its metadata.
+    let mut padded = std::fs::read_to_string(&path).unwrap();
+    while padded.len() < 1000 * 1000 {
+        padded.push_str("# a comment line, to make the file large but valid\n");
+    }
+    let staged = path.with_extension("padded");
+    std::fs::write(&staged, &padded).unwrap();
+    std::fs::rename(&staged, &path).unwrap();
+    let reloaded = r#"herdguard_config_reloads_total{result="ok"}"#;
+    eventually(
+        Duration::from_secs(10),
+        "the padded file loaded",
+        || async { hg.metric(reloaded).await >= 1.0 },
+    )
+    .await;
+    let read_before = hg.bytes_read();
+    // Not a wait for an event: the span over which reads are counted (the
+    // watcher looks once a second).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let read = hg.bytes_read() - read_before;
+    assert!(
+        read < 100_000,
+        "{read} bytes read in 3 s of watching an unchanged 1 MB config"
+    );
+    let start = hg.rss_kib();
     let refused = r#"herdguard_config_reloads_total{result="error"}"#;
     for (i, size) in [300u64 << 20, 40 << 20].into_iter().enumerate() {
         // Sparse: as large as it says, nothing on disk.

@@ -198,6 +198,16 @@ impl Binary {
     }
 
     /// The most it was ever resident, in KiB.
+    /// Bytes the process has read with read(2) and its kin, files and
+    /// sockets alike (`rchar` in /proc/PID/io).
+    pub fn bytes_read(&self) -> u64 {
+        let io = std::fs::read_to_string(format!("/proc/{}/io", self.pid())).unwrap();
+        io.lines()
+            .find_map(|l| l.strip_prefix("rchar:"))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("rchar in /proc/PID/io")
+    }
+
     pub fn peak_rss_kib(&self) -> u64 {
         self.status_kib("VmHWM:")
     }

@@ -318,9 +318,11 @@ async fn upkeep(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
         tokio::select! {
             _ = stopped(&mut stop) => break,
             () = metrics.samples_piled_up() => metrics.upkeep(),
+            () = proxy.swapped.notified() => proxy.runtime().discover(),
             _ = tick.tick() => {
                 metrics.upkeep();
                 proxy.sweep();
+                proxy.runtime().discover();
             }
         }
     }

@@ -351,6 +351,11 @@ impl<'i> Loader<'_, 'i> {
                         config.defaults = v;
                     }
                 }
+                "dns" => {
+                    if let Some(v) = self.section(value, &path) {
+                        config.dns = v;
+                    }
+                }
                 "upstreams" => match value.get_ref() {
                     DeValue::Table(table) => {
                         for (name, upstream) in table.iter() {
@@ -383,7 +388,7 @@ impl<'i> Loader<'_, 'i> {
                     path,
                     Some(value.span()),
                     format!(
-                        "unknown key {other:?} (expected listen, admin, access_log, upstreams, defaults or routes)"
+                        "unknown key {other:?} (expected listen, admin, access_log, dns, upstreams, defaults or routes)"
                     ),
                 ),
             }

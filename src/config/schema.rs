@@ -35,6 +35,32 @@ pub struct Config {
     pub defaults: Defaults,
     #[serde(default)]
     pub routes: Vec<RouteConfig>,
+    /// The DNS servers upstreams with `discovery = "dns"` ask.
+    #[serde(default)]
+    pub dns: DnsConfig,
+}
+
+/// Where names of upstreams with `discovery = "dns"` are resolved.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DnsConfig {
+    /// `IP:port` of DNS servers, asked over UDP (TCP for long answers);
+    /// empty: those of /etc/resolv.conf, with its search domains.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub servers: Vec<String>,
+}
+
+/// How an upstream's endpoints are found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Discovery {
+    /// Each URL in `endpoints` is one endpoint; its host is resolved when
+    /// a connection is made.
+    #[default]
+    Static,
+    /// Every address an endpoint's host resolves to (A and AAAA) is an
+    /// endpoint of its own, re-resolved every `dns_refresh`.
+    Dns,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -123,6 +149,13 @@ impl Default for AdminConfig {
 pub struct UpstreamConfig {
     /// `http://host:port` or `https://host:port`; requests are balanced over them.
     pub endpoints: Vec<String>,
+    /// `"static"`: each URL is an endpoint; `"dns"`: each address its host
+    /// resolves to is (a headless Service: one per pod).
+    pub discovery: Discovery,
+    /// How often a `"dns"` upstream's names are resolved again (sooner
+    /// when the answer's TTL runs out first).
+    #[serde(with = "duration")]
+    pub dns_refresh: Duration,
     #[serde(with = "duration")]
     pub connect_timeout: Duration,
     /// More requests than this in flight to the upstream are shed with 503 at once.
@@ -162,6 +195,8 @@ impl Default for UpstreamConfig {
     fn default() -> Self {
         Self {
             endpoints: Vec::new(),
+            discovery: Discovery::Static,
+            dns_refresh: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(1),
             max_in_flight: 1024,
             pool_idle_timeout: Duration::from_secs(90),

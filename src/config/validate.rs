@@ -102,6 +102,14 @@ pub(super) fn validate(
         upstream_config(report, &root.key("upstreams").key(name.clone()), upstream);
     }
     counts(config, report);
+    for (i, server) in config.dns.servers.iter().enumerate() {
+        if server.parse::<std::net::SocketAddr>().is_err() {
+            report(
+                root.key("dns").key("servers").index(i),
+                format!("{server:?} is not IP:port, such as \"10.96.0.10:53\""),
+            );
+        }
+    }
 
     let defaults = root.key("defaults");
     retry(report, &defaults.key("retry"), &config.defaults.retry);
@@ -197,6 +205,17 @@ fn counts(config: &Config, report: &mut Report<'_>) {
     }
 }
 
+/// The different hosts an upstream's https endpoints name.
+fn https_hosts(u: &UpstreamConfig) -> usize {
+    u.endpoints
+        .iter()
+        .filter(|e| e.starts_with("https://"))
+        .filter_map(|e| e.parse::<http::Uri>().ok())
+        .filter_map(|uri| uri.host().map(str::to_ascii_lowercase))
+        .collect::<HashSet<_>>()
+        .len()
+}
+
 /// A route's `upstream` names one the file has.
 fn upstream_named(
     config: &Config,
@@ -290,6 +309,22 @@ fn upstream_tls_files(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfi
 }
 
 fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) {
+    if u.discovery == super::Discovery::Dns {
+        if u.dns_refresh < Duration::from_millis(100) {
+            report(
+                path.key("dns_refresh"),
+                format!("{:?} is below 100ms", u.dns_refresh),
+            );
+        }
+        if u.server_name.is_none() && https_hosts(u) > 1 {
+            report(
+                path.key("server_name"),
+                "needed with discovery = \"dns\" when https endpoints name different hosts: \
+                 the name their certificates are checked against"
+                    .into(),
+            );
+        }
+    }
     if u.endpoints.is_empty() {
         report(
             path.key("endpoints"),

@@ -37,6 +37,8 @@ pub const CONCURRENCY_LIMIT: &str = "herdguard_concurrency_limit";
 pub const ENDPOINT_EJECTIONS: &str = "herdguard_endpoint_ejections_total";
 pub const ENDPOINT_EJECTED: &str = "herdguard_endpoint_ejected";
 pub const TUNNELS_OPEN: &str = "herdguard_tunnels_open";
+pub const DNS_RESOLUTIONS: &str = "herdguard_dns_resolutions_total";
+pub const ENDPOINTS: &str = "herdguard_endpoints";
 pub const ATTEMPT_DURATION: &str = "herdguard_upstream_attempt_duration_seconds";
 pub const BUILD_INFO: &str = "herdguard_build_info";
 pub const HEDGES_TOTAL: &str = "herdguard_hedges_total";
@@ -279,6 +281,10 @@ fn help(name: &str) -> Option<&'static str> {
         }
         CONCURRENCY_LIMIT => "Requests the upstream may have in flight now (adaptive limit).",
         TUNNELS_OPEN => "Upgraded connections (WebSockets) open to the upstream.",
+        DNS_RESOLUTIONS => {
+            "Resolutions of a discovery = \"dns\" upstream's names, by result (ok; error: the last good endpoints kept; gone: the name does not exist)."
+        }
+        ENDPOINTS => "Endpoints the upstream balances over now (for discovery = \"dns\": the addresses last resolved).",
         REQUEST_DURATION => {
             "Time from request received to response headers sent, retries included."
         }
@@ -629,9 +635,16 @@ pub struct UpstreamMetrics {
     pub shed: Counter,
     pub limit: Gauge,
     pub tunnels: Gauge,
-    /// By endpoint index; empty when the upstream has one endpoint (it is
-    /// never ejected).
-    pub endpoints: Box<[EndpointMetrics]>,
+    pub endpoints: Gauge,
+    /// Resolutions, for an upstream with `discovery = "dns"`.
+    pub dns: Option<DnsMetrics>,
+}
+
+/// Resolutions of a `discovery = "dns"` upstream's names, by result.
+pub struct DnsMetrics {
+    pub ok: Counter,
+    pub error: Counter,
+    pub gone: Counter,
 }
 
 /// Handles for one endpoint of an upstream.
@@ -641,26 +654,32 @@ pub struct EndpointMetrics {
     pub ejected: Gauge,
 }
 
+impl EndpointMetrics {
+    /// The series of endpoint `label` of `upstream`, kept while this lives.
+    pub fn new(metrics: &Metrics, upstream: &str, label: &str) -> Self {
+        let labels = [("upstream", upstream), ("endpoint", label)];
+        let registry = metrics.scope(ScopeKind::Endpoint, &format!("{upstream}\0{label}"));
+        let m = EndpointMetrics {
+            _scope: registry.clone(),
+            ejections: registry.counter(ENDPOINT_EJECTIONS, &labels),
+            ejected: registry.gauge(ENDPOINT_EJECTED, &labels),
+        };
+        m.ejections.increment(0);
+        m.ejected.set(0.0);
+        m
+    }
+}
+
 impl UpstreamMetrics {
-    pub fn new(metrics: &Metrics, upstream: &str, endpoints: &[&str]) -> Self {
+    pub fn new(metrics: &Metrics, upstream: &str, dns: bool) -> Self {
         let registry = &metrics.scope(ScopeKind::Upstream, upstream);
-        let endpoints = match endpoints.len() {
-            0 | 1 => Box::default(),
-            _ => endpoints
-                .iter()
-                .map(|e| {
-                    let labels = [("upstream", upstream), ("endpoint", *e)];
-                    let registry = metrics.scope(ScopeKind::Endpoint, &format!("{upstream}\0{e}"));
-                    let m = EndpointMetrics {
-                        _scope: registry.clone(),
-                        ejections: registry.counter(ENDPOINT_EJECTIONS, &labels),
-                        ejected: registry.gauge(ENDPOINT_EJECTED, &labels),
-                    };
-                    m.ejections.increment(0);
-                    m.ejected.set(0.0);
-                    m
-                })
-                .collect(),
+        let resolutions = |result| {
+            let c = registry.counter(
+                DNS_RESOLUTIONS,
+                &[("upstream", upstream), ("result", result)],
+            );
+            c.increment(0);
+            c
         };
         Self {
             _scope: registry.clone(),
@@ -668,7 +687,12 @@ impl UpstreamMetrics {
             shed: registry.counter(SHED_TOTAL, &[("upstream", upstream)]),
             limit: registry.gauge(CONCURRENCY_LIMIT, &[("upstream", upstream)]),
             tunnels: registry.gauge(TUNNELS_OPEN, &[("upstream", upstream)]),
-            endpoints,
+            endpoints: registry.gauge(ENDPOINTS, &[("upstream", upstream)]),
+            dns: dns.then(|| DnsMetrics {
+                ok: resolutions("ok"),
+                error: resolutions("error"),
+                gone: resolutions("gone"),
+            }),
         }
     }
 }

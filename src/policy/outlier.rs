@@ -304,6 +304,31 @@ impl Outliers {
         })
     }
 
+    /// As [`try_new`](Self::try_new) for a new set of endpoints, each
+    /// keeping the health it had in `previous` at the index `kept` gives
+    /// (an address still resolved), the others new.
+    pub fn carried(
+        c: &OutlierConfig,
+        kept: &[Option<usize>],
+        previous: Option<&Outliers>,
+        now: Instant,
+    ) -> Result<Self, InvalidOutlier> {
+        let mut o = Self::try_new(c, kept.len(), now)?;
+        if let Some(previous) = previous {
+            for (health, k) in o.endpoints.iter_mut().zip(kept) {
+                if let Some(h) = k.and_then(|k| previous.endpoints.get(k)) {
+                    *health = h.clone();
+                }
+            }
+        }
+        o.out = o
+            .endpoints
+            .iter()
+            .filter(|h| h.state != State::Serving)
+            .count();
+        Ok(o)
+    }
+
     /// Whether any endpoint is out of rotation (a fast path for the pick).
     pub fn any_out(&self) -> bool {
         self.out > 0

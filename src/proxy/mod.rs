@@ -42,6 +42,8 @@ pub enum BuildError {
     Invalid(#[from] crate::config::ConfigErrors),
     #[error("the new config has no routes: every request would be answered 404 (a truncated file?); the running config stays")]
     NoRoutes,
+    #[error("{0}")]
+    Dns(String),
 }
 
 /// Everything built from one config: swapped whole on reload.
@@ -50,6 +52,8 @@ pub struct Runtime {
     pub routes: Vec<Arc<Route>>,
     /// `[access_log]`, when on.
     access_log: Option<Arc<AccessLog>>,
+    /// For upstreams with `discovery = "dns"`, when there are any.
+    resolver: Option<Arc<hickory_resolver::TokioResolver>>,
 }
 
 /// A route, compiled.
@@ -88,6 +92,7 @@ impl Runtime {
         previous: Option<&Runtime>,
     ) -> Result<Self, BuildError> {
         let (config, compiled) = config.into_parts();
+        let resolver = resolver(&config, previous)?;
         let upstreams = build_upstreams(&config, registry, previous)?;
         let mut adopt = Vec::new();
         let mut routes = Vec::with_capacity(compiled.len());
@@ -123,7 +128,22 @@ impl Runtime {
             config,
             routes,
             access_log,
+            resolver,
         })
+    }
+
+    /// Starts resolving the names of each upstream with `discovery = "dns"`
+    /// that is due (on the runtime of the caller).
+    pub fn discover(&self) {
+        let Some(resolver) = &self.resolver else {
+            return;
+        };
+        let now = tokio::time::Instant::now();
+        for route in &self.routes {
+            if route.upstream.begin_discovery(now) {
+                tokio::spawn(route.upstream.clone().discover(resolver.clone()));
+            }
+        }
     }
 
     /// Sets the gauges that are cheaper to compute when scraped than on every request.
@@ -149,6 +169,30 @@ impl Runtime {
     fn route(&self, req: &RequestInfo<'_>) -> Option<&Arc<Route>> {
         crate::policy::route::first_match(&self.routes, |r| &r.matcher, req)
     }
+}
+
+/// The resolver of `config`'s `[dns]`, when an upstream needs one: the
+/// previous runtime's while `[dns]` is the same.
+fn resolver(
+    config: &Config,
+    previous: Option<&Runtime>,
+) -> Result<Option<Arc<hickory_resolver::TokioResolver>>, BuildError> {
+    let dns = config
+        .upstreams
+        .values()
+        .any(|u| u.discovery == crate::config::Discovery::Dns);
+    if !dns {
+        return Ok(None);
+    }
+    if let Some(kept) = previous
+        .filter(|p| p.config.dns == config.dns)
+        .and_then(|p| p.resolver.clone())
+    {
+        return Ok(Some(kept));
+    }
+    crate::upstream::discovery::resolver(&config.dns)
+        .map(|r| Some(Arc::new(r)))
+        .map_err(BuildError::Dns)
 }
 
 /// The upstreams of `config` by name: those the previous runtime has with
@@ -271,6 +315,9 @@ pub struct Proxy {
     body_memory: Arc<BodyMemory>,
     /// `herdguard_body_memory_bytes`, set once a second.
     body_memory_held: ::metrics::Gauge,
+    /// Woken when a new runtime is in place: its new upstreams' names are
+    /// resolved at once, not at the next tick.
+    pub swapped: tokio::sync::Notify,
 }
 
 impl Proxy {
@@ -285,6 +332,7 @@ impl Proxy {
             metrics,
             tunnels: Arc::default(),
             body_memory,
+            swapped: tokio::sync::Notify::new(),
         }
     }
 
@@ -305,6 +353,7 @@ impl Proxy {
         self.body_memory
             .set_limit(runtime.config.listen.max_body_memory);
         self.runtime.store(Arc::new(runtime));
+        self.swapped.notify_one();
     }
 
     pub fn metrics(&self) -> &Arc<Metrics> {
@@ -909,6 +958,6 @@ mod tests {
         let size =
             size_of_future(|| proxy.handle(unreachable!("only its type is needed"), &caller));
         eprintln!("a request's future: {size} bytes");
-        assert!(size <= 4_224, "a request's future grew to {size} bytes");
+        assert!(size <= 4_256, "a request's future grew to {size} bytes");
     }
 }

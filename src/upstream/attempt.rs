@@ -361,7 +361,7 @@ impl<'a> retry::Attempts for Forward<'a> {
                     None => return overloaded(upstream),
                 },
             };
-            let (index, target) = (picked.index, picked.endpoint());
+            let target = picked.endpoint();
             let sent_at = Instant::now();
             // Pinned where it is made: moved into `timed`, the request's
             // future would keep room for it twice.
@@ -398,7 +398,7 @@ impl<'a> retry::Attempts for Forward<'a> {
             let (mut answer, detail) = match timed {
                 Timed::Done(Ok((resp, conn))) if why == Why::Answered => {
                     if let Some(conn) = conn {
-                        slot.hold(index, conn);
+                        slot.hold(picked.endpoint_arc(), conn);
                     }
                     (Some((resp, slot)), String::new())
                 }

@@ -6,6 +6,7 @@
 pub(crate) mod attempt;
 pub(crate) mod body;
 pub(crate) mod classify;
+pub(crate) mod discovery;
 pub(crate) mod pool;
 pub mod replay;
 pub(crate) mod tunnel;
@@ -31,8 +32,8 @@ use rustls::{ClientConfig, RootCertStore};
 use tokio::time::Instant;
 
 use crate::config::tls::{read_certs, read_key};
-use crate::config::{Http2Mode, UpstreamConfig};
-use crate::observe::metrics::{Metrics, UpstreamMetrics};
+use crate::config::{Discovery, Http2Mode, OutlierConfig, UpstreamConfig};
+use crate::observe::metrics::{EndpointMetrics, Metrics, UpstreamMetrics};
 use crate::policy::limit::{Limiter, Sample};
 use crate::policy::outlier::{Event, Outliers, Pick, PickKind, State as OutlierState, Verdict};
 use crate::policy::{Outcome, UpstreamFault};
@@ -131,6 +132,9 @@ pub struct Endpoint {
     /// to every path forwarded to it; `None` for `/` or none.
     base: Option<Box<str>>,
     transport: Transport,
+    /// Its ejection series, when it can be ejected (one of several, or
+    /// found by DNS): they go with it.
+    metrics: Option<EndpointMetrics>,
 }
 
 /// How requests reach an endpoint.
@@ -144,11 +148,14 @@ enum Transport {
 impl Endpoint {
     /// Plain HTTP/1.1 endpoints get their own pool; the others share the
     /// upstream's TLS/HTTP/2 client, built (system roots loaded) only for them.
+    /// `host`: the `Host` sent, when it is not `url`'s authority (an
+    /// address found by DNS for a name).
     fn parse(
         name: &str,
         url: &str,
         config: &UpstreamConfig,
         client: &mut dyn FnMut() -> Result<Arc<HttpClient>, UpstreamError>,
+        host: Option<&HeaderValue>,
     ) -> Result<Self, UpstreamError> {
         let bad = || UpstreamError::Endpoint {
             upstream: name.to_owned(),
@@ -174,9 +181,13 @@ impl Endpoint {
             label: url.into(),
             scheme,
             base: (!base.is_empty()).then(|| base.into()),
-            host: HeaderValue::from_str(authority.as_str()).map_err(|_| bad())?,
+            host: match host {
+                Some(host) => host.clone(),
+                None => HeaderValue::from_str(authority.as_str()).map_err(|_| bad())?,
+            },
             authority,
             transport,
+            metrics: None,
         })
     }
 
@@ -288,16 +299,15 @@ const MAX_WAIT: Duration = Duration::from_secs(5);
 
 pub struct Upstream {
     pub name: Arc<str>,
-    endpoints: Box<[Endpoint]>,
+    /// The endpoints now, and their health: replaced whole when DNS
+    /// gives another set of addresses.
+    members: arc_swap::ArcSwap<Members>,
+    /// The names to resolve, for `discovery = "dns"`.
+    names: Option<discovery::Names>,
     next: AtomicUsize,
     /// Shared with the upstream of the same name a reload replaced, so
     /// that requests still in flight there count here too.
     in_flight: Arc<AtomicUsize>,
-    /// Each endpoint's health; `None` when there is one endpoint or
-    /// ejection is off. `any_out` mirrors it for a lock-free pick while
-    /// every endpoint serves.
-    outliers: Option<Mutex<Outliers>>,
-    any_out: AtomicBool,
     max_in_flight: usize,
     /// The adaptive limit, when on; `limit` mirrors it for lock-free admission.
     limiter: Option<Mutex<Limiter>>,
@@ -324,7 +334,7 @@ impl Upstream {
     pub fn new(
         name: &str,
         config: &UpstreamConfig,
-        registry: &Metrics,
+        registry: &Arc<Metrics>,
         in_flight: Option<Arc<AtomicUsize>>,
     ) -> Result<Arc<Self>, UpstreamError> {
         let limiter = match &config.adaptive_concurrency {
@@ -341,29 +351,34 @@ impl Upstream {
             Some(c) => Ok(Arc::clone(c)),
             None => Ok(shared.insert(Arc::new(client(name, config)?)).clone()),
         };
+        let dns = config.discovery == Discovery::Dns;
+        let several = dns || config.endpoints.len() > 1;
         let endpoints = config
             .endpoints
             .iter()
-            .map(|e| Endpoint::parse(name, e, config, &mut shared_client))
-            .collect::<Result<Box<[_]>, _>>()?;
+            .map(|e| {
+                let mut endpoint = Endpoint::parse(name, e, config, &mut shared_client, None)?;
+                endpoint.metrics = several.then(|| EndpointMetrics::new(registry, name, e));
+                Ok(Arc::new(endpoint))
+            })
+            .collect::<Result<Box<[_]>, UpstreamError>>()?;
         if endpoints.is_empty() {
             return Err(UpstreamError::NoEndpoints {
                 upstream: name.to_owned(),
             });
         }
-        let outliers = Outliers::try_new(&config.outlier, endpoints.len(), Instant::now())
-            .map_err(|e| UpstreamError::Outlier {
+        let members =
+            Members::new(endpoints, &config.outlier, None).map_err(|e| UpstreamError::Outlier {
                 upstream: name.to_owned(),
                 key: e.key(),
                 message: e.to_string(),
             })?;
-        let labels: Vec<&str> = config.endpoints.iter().map(String::as_str).collect();
+        let names = dns.then(|| discovery::Names::new(config, shared.clone(), registry.clone()));
         Ok(Arc::new(Self {
             name: name.into(),
-            endpoints,
+            members: arc_swap::ArcSwap::from_pointee(members),
+            names,
             next: AtomicUsize::new(0),
-            outliers: (config.outlier.enabled && labels.len() > 1).then(|| Mutex::new(outliers)),
-            any_out: AtomicBool::new(false),
             in_flight: in_flight.unwrap_or_default(),
             max_in_flight: config.max_in_flight,
             limit: AtomicUsize::new(
@@ -377,7 +392,7 @@ impl Upstream {
             pressed: AtomicBool::new(false),
             closed_after_outage: Arc::default(),
             wait_nanos: std::sync::atomic::AtomicU64::new(MAX_WAIT.as_nanos() as u64),
-            metrics: UpstreamMetrics::new(registry, name, &labels),
+            metrics: UpstreamMetrics::new(registry, name, dns),
             tunnels: Tunnels::new(config.max_tunnels, config.tunnel_idle_timeout),
         }))
     }
@@ -397,16 +412,17 @@ impl Upstream {
         retryable: bool,
         breaker_probe: bool,
     ) -> Picked<'_> {
-        let len = self.endpoints.len();
+        let members = self.members.load_full();
+        let len = members.endpoints.len();
         let turn = match previous {
             Some(_) => 0,
             None => self.next.fetch_add(1, Ordering::Relaxed),
         };
-        let pick = match &self.outliers {
-            Some(o) if self.any_out.load(Ordering::Acquire) => {
+        let pick = match &members.outliers {
+            Some(o) if members.any_out.load(Ordering::Acquire) => {
                 let mut o = o.lock().unwrap_or_else(|e| e.into_inner());
                 let pick = o.pick(Instant::now(), turn, previous, retryable, breaker_probe);
-                self.any_out.store(o.any_out(), Ordering::Release);
+                members.any_out.store(o.any_out(), Ordering::Release);
                 pick
             }
             _ => Pick {
@@ -419,64 +435,23 @@ impl Upstream {
         };
         Picked {
             upstream: self,
+            members,
             index: pick.index,
             kind: pick.kind,
             settled: false,
         }
     }
 
-    /// Feeds how an attempt to an endpoint ended to its health; counts and
-    /// logs an ejection or a return.
-    fn settle(&self, index: usize, kind: PickKind, verdict: Verdict, latency: Option<Duration>) {
-        let Some(outliers) = &self.outliers else {
-            return;
-        };
-        if verdict == Verdict::Neutral && kind != PickKind::Probe {
-            return;
-        }
-        let event = {
-            let mut o = outliers.lock().unwrap_or_else(|e| e.into_inner());
-            let event = o.record(
-                Instant::now(),
-                index,
-                kind,
-                verdict,
-                latency,
-                &mut rand::rng(),
-            );
-            self.any_out.store(o.any_out(), Ordering::Release);
-            event
-        };
-        let endpoint = |i: usize| self.endpoints.get(i).map_or("?", |e| e.label.as_ref());
-        match event {
-            Some(Event::Ejected { index, length, why }) => {
-                // The `ejected` gauge is set from the state at scrape time.
-                if let Some(m) = self.metrics.endpoints.get(index) {
-                    m.ejections.increment(1);
-                }
-                tracing::warn!(
-                    upstream = %self.name,
-                    endpoint = endpoint(index),
-                    why = why.as_str(),
-                    for_ms = length.as_millis() as u64,
-                    "endpoint ejected"
-                );
-            }
-            Some(Event::Returned { index }) => {
-                tracing::info!(upstream = %self.name, endpoint = endpoint(index), "endpoint back in rotation");
-            }
-            None => {}
-        }
-    }
-
     /// Each endpoint's label and health, for /breakers.
     pub fn endpoints_snapshot(&self) -> Vec<serde_json::Value> {
-        let health = self.outliers.as_ref().map(|o| {
+        let members = self.members.load();
+        let health = members.outliers.as_ref().map(|o| {
             o.lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .snapshot(Instant::now())
         });
-        self.endpoints
+        members
+            .endpoints
             .iter()
             .enumerate()
             .map(|(i, e)| {
@@ -493,7 +468,9 @@ impl Upstream {
     /// The in-flight count, for the upstream that replaces this one.
     /// The label of endpoint `index` (as written in `endpoints`).
     pub fn endpoint_label(&self, index: usize) -> Arc<str> {
-        self.endpoints
+        self.members
+            .load()
+            .endpoints
             .get(index)
             .map_or_else(|| Arc::from("?"), |e| e.label.clone())
     }
@@ -548,7 +525,7 @@ impl Upstream {
     /// Also brings the limit down to what the traffic uses (see
     /// [`Limiter::relax`]).
     pub fn sweep(&self) {
-        for e in &self.endpoints {
+        for e in self.members.load().endpoints.iter() {
             if let Transport::Pool(pool) = &e.transport {
                 pool.sweep();
             }
@@ -567,10 +544,16 @@ impl Upstream {
         self.metrics.in_flight.set(self.in_flight() as f64);
         self.metrics.limit.set(self.limit() as f64);
         self.metrics.tunnels.set(self.tunnels.open() as f64);
-        if let Some(o) = &self.outliers {
-            let o = o.lock().unwrap_or_else(|e| e.into_inner());
-            for (i, m) in self.metrics.endpoints.iter().enumerate() {
-                let out = !matches!(o.state(i), Some(OutlierState::Serving) | None);
+        let members = self.members.load();
+        self.metrics.endpoints.set(members.endpoints.len() as f64);
+        let outliers = members
+            .outliers
+            .as_ref()
+            .map(|o| o.lock().unwrap_or_else(|e| e.into_inner()));
+        for (i, e) in members.endpoints.iter().enumerate() {
+            if let Some(m) = &e.metrics {
+                let state = outliers.as_ref().and_then(|o| o.state(i));
+                let out = !matches!(state, Some(OutlierState::Serving) | None);
                 m.ejected.set(if out { 1.0 } else { 0.0 });
             }
         }
@@ -659,6 +642,8 @@ impl Upstream {
 /// and leaves the endpoint due for another probe.
 pub struct Picked<'a> {
     upstream: &'a Upstream,
+    /// The set it was picked from: its health is settled there.
+    members: Arc<Members>,
     pub index: usize,
     pub kind: PickKind,
     settled: bool,
@@ -666,29 +651,151 @@ pub struct Picked<'a> {
 
 impl Picked<'_> {
     pub fn endpoint(&self) -> &Endpoint {
-        &self.upstream.endpoints[self.index]
+        &self.members.endpoints[self.index]
     }
 
-    /// Leaves the verdict to whoever reads the answer's body: the index
-    /// and the kind of pick, to settle later.
-    fn defer(mut self, latency: Duration) -> (usize, PickKind, Duration) {
+    /// The endpoint, to hold its pooled connection past this pick.
+    pub fn endpoint_arc(&self) -> Arc<Endpoint> {
+        self.members.endpoints[self.index].clone()
+    }
+
+    /// Leaves the verdict to whoever reads the answer's body: the set, the
+    /// index and the kind of pick, to settle later.
+    fn defer(mut self, latency: Duration) -> Deferred {
         self.settled = true;
-        (self.index, self.kind, latency)
+        Deferred {
+            members: self.members.clone(),
+            index: self.index,
+            kind: self.kind,
+            latency,
+        }
     }
 
     /// `latency`: from the request sent whole to the response's head.
     pub fn settle(mut self, outcome: Outcome, latency: Duration) {
         self.settled = true;
-        self.upstream
-            .settle(self.index, self.kind, Verdict::of(outcome), Some(latency));
+        self.members.settle(
+            &self.upstream.name,
+            self.index,
+            self.kind,
+            Verdict::of(outcome),
+            Some(latency),
+        );
     }
 }
 
 impl Drop for Picked<'_> {
     fn drop(&mut self) {
         if !self.settled {
-            self.upstream
-                .settle(self.index, self.kind, Verdict::Neutral, None);
+            self.members.settle(
+                &self.upstream.name,
+                self.index,
+                self.kind,
+                Verdict::Neutral,
+                None,
+            );
+        }
+    }
+}
+
+/// An endpoint's answer whose verdict waits for the end of its body.
+struct Deferred {
+    members: Arc<Members>,
+    index: usize,
+    kind: PickKind,
+    latency: Duration,
+}
+
+impl Deferred {
+    fn settle(self, upstream: &str, verdict: Verdict, latency: Option<Duration>) {
+        self.members
+            .settle(upstream, self.index, self.kind, verdict, latency);
+    }
+}
+
+/// The endpoints an upstream balances over now, and their health; `None`
+/// when there is one endpoint or ejection is off. `any_out` mirrors it for
+/// a lock-free pick while every endpoint serves.
+pub(crate) struct Members {
+    endpoints: Box<[Arc<Endpoint>]>,
+    outliers: Option<Mutex<Outliers>>,
+    any_out: AtomicBool,
+}
+
+impl Members {
+    /// `endpoints`, each keeping the health it had in `previous` (by label).
+    fn new(
+        endpoints: Box<[Arc<Endpoint>]>,
+        config: &OutlierConfig,
+        previous: Option<&Members>,
+    ) -> Result<Self, crate::policy::outlier::InvalidOutlier> {
+        let kept: Vec<Option<usize>> = endpoints
+            .iter()
+            .map(|e| previous.and_then(|p| p.endpoints.iter().position(|o| o.label == e.label)))
+            .collect();
+        let before = previous.and_then(|p| p.outliers.as_ref());
+        let before = before.map(|o| o.lock().unwrap_or_else(|e| e.into_inner()));
+        let outliers = Outliers::carried(config, &kept, before.as_deref(), Instant::now())?;
+        let any_out = outliers.any_out();
+        Ok(Self {
+            outliers: (config.enabled && endpoints.len() > 1).then(|| Mutex::new(outliers)),
+            endpoints,
+            any_out: AtomicBool::new(any_out),
+        })
+    }
+
+    /// Feeds how an attempt to an endpoint ended to its health; counts and
+    /// logs an ejection or a return.
+    fn settle(
+        &self,
+        upstream: &str,
+        index: usize,
+        kind: PickKind,
+        verdict: Verdict,
+        latency: Option<Duration>,
+    ) {
+        let Some(outliers) = &self.outliers else {
+            return;
+        };
+        if verdict == Verdict::Neutral && kind != PickKind::Probe {
+            return;
+        }
+        let event = {
+            let mut o = outliers.lock().unwrap_or_else(|e| e.into_inner());
+            let event = o.record(
+                Instant::now(),
+                index,
+                kind,
+                verdict,
+                latency,
+                &mut rand::rng(),
+            );
+            self.any_out.store(o.any_out(), Ordering::Release);
+            event
+        };
+        let endpoint = |i: usize| self.endpoints.get(i).map_or("?", |e| e.label.as_ref());
+        match event {
+            Some(Event::Ejected { index, length, why }) => {
+                // The `ejected` gauge is set from the state at scrape time.
+                if let Some(m) = self.endpoints.get(index).and_then(|e| e.metrics.as_ref()) {
+                    m.ejections.increment(1);
+                }
+                tracing::warn!(
+                    upstream,
+                    endpoint = endpoint(index),
+                    why = why.as_str(),
+                    for_ms = length.as_millis() as u64,
+                    "endpoint ejected"
+                );
+            }
+            Some(Event::Returned { index }) => {
+                tracing::info!(
+                    upstream,
+                    endpoint = endpoint(index),
+                    "endpoint back in rotation"
+                );
+            }
+            None => {}
         }
     }
 }
@@ -697,19 +804,19 @@ impl Drop for Picked<'_> {
 /// included, with the pooled connection the response came on.
 pub struct InFlight {
     upstream: Arc<Upstream>,
-    conn: Option<(usize, Pooled)>,
+    conn: Option<(Arc<Endpoint>, Pooled)>,
     /// The endpoint that answered and how it was picked, while its answer
     /// is not yet settled: that waits for the end of the body.
-    endpoint: Option<(usize, PickKind, Duration)>,
+    endpoint: Option<Deferred>,
     /// Whether it still counts toward the upstream's in-flight requests.
     counted: bool,
 }
 
 impl InFlight {
-    /// Keeps `conn`, the connection of endpoint `index`, until the slot is
-    /// let go; then it goes back to its pool.
-    pub fn hold(&mut self, index: usize, conn: Pooled) {
-        self.conn = Some((index, conn));
+    /// Keeps `conn`, the connection of `endpoint`, until the slot is let
+    /// go; then it goes back to its pool.
+    pub fn hold(&mut self, endpoint: Arc<Endpoint>, conn: Pooled) {
+        self.conn = Some((endpoint, conn));
     }
 
     /// The endpoint of `picked` answered the request this slot is for; its
@@ -720,17 +827,17 @@ impl InFlight {
 
     /// The body came whole: a success of the endpoint that sent it.
     pub fn body_done(&mut self) {
-        if let Some((index, kind, latency)) = self.endpoint.take() {
-            self.upstream
-                .settle(index, kind, Verdict::Success, Some(latency));
+        if let Some(deferred) = self.endpoint.take() {
+            let latency = deferred.latency;
+            deferred.settle(&self.upstream.name, Verdict::Success, Some(latency));
         }
     }
 
     /// The endpoint broke its answer off mid-body: a failure of that
     /// endpoint, as if it had failed before answering.
     pub fn broken(&mut self) {
-        if let Some((index, kind, _)) = self.endpoint.take() {
-            self.upstream.settle(index, kind, Verdict::Failure, None);
+        if let Some(deferred) = self.endpoint.take() {
+            deferred.settle(&self.upstream.name, Verdict::Failure, None);
         }
     }
 
@@ -758,14 +865,12 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         // The caller left before the body ended: the endpoint answered
         // well as far as anyone saw.
-        if let Some((index, kind, latency)) = self.endpoint.take() {
-            self.upstream
-                .settle(index, kind, Verdict::Success, Some(latency));
+        if let Some(deferred) = self.endpoint.take() {
+            let latency = deferred.latency;
+            deferred.settle(&self.upstream.name, Verdict::Success, Some(latency));
         }
-        if let Some((index, conn)) = self.conn.take() {
-            if let Some(Transport::Pool(pool)) =
-                self.upstream.endpoints.get(index).map(|e| &e.transport)
-            {
+        if let Some((endpoint, conn)) = self.conn.take() {
+            if let Transport::Pool(pool) = &endpoint.transport {
                 pool.put_back(conn);
             }
         }
@@ -784,7 +889,17 @@ fn client(name: &str, config: &UpstreamConfig) -> Result<HttpClient, UpstreamErr
     let builder = HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http();
-    let builder = match &config.server_name {
+    // An endpoint found by DNS is connected to by address: its
+    // certificate is checked against the name it was found by.
+    let dns_name = (config.discovery == Discovery::Dns)
+        .then(|| {
+            config
+                .endpoints
+                .iter()
+                .find_map(|e| e.parse::<Uri>().ok()?.host().map(str::to_owned))
+        })
+        .flatten();
+    let builder = match config.server_name.as_ref().or(dns_name.as_ref()) {
         Some(server_name) => {
             let server_name =
                 ServerName::try_from(server_name.clone()).map_err(|e| UpstreamError::Tls {

@@ -15,6 +15,7 @@ mod cli;
 mod config;
 mod demo;
 mod deploy;
+mod discovery;
 mod drain;
 mod explain_and_faults;
 mod fault_matrix;

@@ -2,6 +2,7 @@
 //! 127.0.0.1:0, the whole proxy started in-process, and a plain client.
 #![allow(dead_code)]
 
+pub mod dns;
 pub mod process;
 pub mod scripted;
 
@@ -93,7 +94,28 @@ where
     F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<Response<Body>, BoxError>> + Send + 'static,
 {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    fallible_upstream_at("127.0.0.1:0", handler).await
+}
+
+/// An upstream whose answers come from `handler`, on `addr`.
+pub async fn upstream_at<F, Fut>(addr: &str, handler: F) -> Upstream
+where
+    F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Response<Body>> + Send + 'static,
+{
+    fallible_upstream_at(addr, move |req| {
+        let fut = handler(req);
+        async move { Ok(fut.await) }
+    })
+    .await
+}
+
+async fn fallible_upstream_at<F, Fut>(addr: &str, handler: F) -> Upstream
+where
+    F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Response<Body>, BoxError>> + Send + 'static,
+{
+    let listener = TcpListener::bind(addr).await.unwrap();
     let addr = listener.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let hits = Arc::new(AtomicUsize::new(0));

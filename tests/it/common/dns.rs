@@ -1,0 +1,98 @@
+//! A DNS server on loopback for the discovery tests: answers A queries for
+//! the names it is given, with the addresses set now (TTL 1 s); AAAA with
+//! no record; any other name NXDOMAIN. Never the machine's resolver.
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+
+use tokio::net::UdpSocket;
+
+/// The server, and the records it answers with.
+pub struct Dns {
+    pub addr: SocketAddr,
+    records: Arc<Mutex<HashMap<String, Vec<Ipv4Addr>>>>,
+    pub queries: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Dns {
+    pub async fn start() -> Dns {
+        let socket = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let records: Arc<Mutex<HashMap<String, Vec<Ipv4Addr>>>> = Arc::default();
+        let queries = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (r, q) = (records.clone(), queries.clone());
+        tokio::spawn(async move {
+            let mut buf = [0u8; 512];
+            loop {
+                let Ok((n, from)) = socket.recv_from(&mut buf).await else {
+                    return;
+                };
+                q.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let answer = {
+                    let records = r.lock().unwrap();
+                    answer(&buf[..n], &records)
+                };
+                if let Some(answer) = answer {
+                    let _ = socket.send_to(&answer, from).await;
+                }
+            }
+        });
+        Dns {
+            addr,
+            records,
+            queries,
+        }
+    }
+
+    /// `name` (without the final dot) answers `addresses` from now on.
+    pub fn set(&self, name: &str, addresses: &[Ipv4Addr]) {
+        self.records
+            .lock()
+            .unwrap()
+            .insert(name.to_ascii_lowercase(), addresses.to_vec());
+    }
+}
+
+/// The answer to one query, or `None` if it cannot be read.
+fn answer(query: &[u8], records: &HashMap<String, Vec<Ipv4Addr>>) -> Option<Vec<u8>> {
+    if query.len() < 12 {
+        return None;
+    }
+    // The question: labels, then type and class.
+    let mut at = 12;
+    let mut labels = Vec::new();
+    loop {
+        let len = usize::from(*query.get(at)?);
+        at += 1;
+        if len == 0 {
+            break;
+        }
+        labels.push(String::from_utf8_lossy(query.get(at..at + len)?).to_ascii_lowercase());
+        at += len;
+    }
+    let qtype = u16::from_be_bytes([*query.get(at)?, *query.get(at + 1)?]);
+    let question = query.get(12..at + 4)?;
+    let name = labels.join(".");
+    let found = records.get(&name);
+    let addresses: &[Ipv4Addr] = match (found, qtype) {
+        (Some(a), 1) => a,
+        _ => &[],
+    };
+    let mut out = Vec::with_capacity(512);
+    out.extend_from_slice(&query[..2]); // id
+    let rcode = if found.is_some() { 0 } else { 3 }; // NXDOMAIN
+    out.extend_from_slice(&[0x85, 0x80 | rcode]); // response, AA, RD, RA
+    out.extend_from_slice(&1u16.to_be_bytes());
+    out.extend_from_slice(&(addresses.len() as u16).to_be_bytes());
+    out.extend_from_slice(&[0, 0, 0, 0]);
+    out.extend_from_slice(question);
+    for ip in addresses {
+        out.extend_from_slice(&[0xc0, 12]); // the question's name
+        out.extend_from_slice(&[0, 1, 0, 1]); // A, IN
+        out.extend_from_slice(&1u32.to_be_bytes()); // TTL 1 s
+        out.extend_from_slice(&[0, 4]);
+        out.extend_from_slice(&ip.octets());
+    }
+    Some(out)
+}

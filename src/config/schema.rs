@@ -50,6 +50,18 @@ pub struct DnsConfig {
     pub servers: Vec<String>,
 }
 
+/// What happens to a request no route takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Unrouted {
+    /// 404 `no-route`, and CONNECT 405: herdguard is no open proxy.
+    #[default]
+    Refuse,
+    /// Sent once, never retried, to the host it names (absolute form or
+    /// `Host`); CONNECT is tunnelled.
+    Passthrough,
+}
+
 /// How an upstream's endpoints are found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -96,6 +108,8 @@ pub struct ListenConfig {
     pub idle_timeout: Duration,
     /// Answer `x-herdguard-explain: 1` with the request's attempt trace.
     pub explain: bool,
+    /// What happens to a request no route takes.
+    pub unrouted: Unrouted,
     /// Serve callers over TLS (off unless written).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls: Option<TlsConfig>,
@@ -113,6 +127,7 @@ impl Default for ListenConfig {
             write_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
             explain: false,
+            unrouted: Unrouted::Refuse,
             tls: None,
         }
     }

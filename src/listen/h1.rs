@@ -159,6 +159,8 @@ pub struct Cycle {
     unread: AtomicBool,
     /// The latest answer switched protocols.
     switched: AtomicBool,
+    /// The latest request is a CONNECT: a 2xx answer hands the connection over.
+    connect: AtomicBool,
     /// Where the caller's side goes if the latest request is upgraded.
     upgrade: Mutex<Option<oneshot::Sender<Upgraded>>>,
 }
@@ -184,6 +186,7 @@ impl Cycle {
             answered: AtomicBool::new(false),
             unread: AtomicBool::new(false),
             switched: AtomicBool::new(false),
+            connect: AtomicBool::new(false),
             upgrade: Mutex::new(None),
         })
     }
@@ -271,7 +274,10 @@ where
         cycle.unread.store(unread, Ordering::Release);
         cycle.writes.unhear();
         detach_head(&mut req);
-        if crate::wire::headers::requested_upgrade(req.version(), req.headers()) {
+        let connect =
+            req.method() == http::Method::CONNECT && req.version() == http::Version::HTTP_11;
+        cycle.connect.store(connect, Ordering::Relaxed);
+        if connect || crate::wire::headers::requested_upgrade(req.version(), req.headers()) {
             let (tx, rx) = oneshot::channel();
             *cycle.upgrade.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
             req.extensions_mut().insert(CallerUpgrade::new(rx));
@@ -346,7 +352,10 @@ where
         };
         let cycle = this.cycle.take();
         if let Some(cycle) = &cycle {
-            if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+            // hyper hands the connection over after a 101, and after a 2xx
+            // to a CONNECT.
+            let tunnel = cycle.connect.load(Ordering::Relaxed) && resp.status().is_success();
+            if resp.status() == StatusCode::SWITCHING_PROTOCOLS || tunnel {
                 cycle.switched.store(true, Ordering::Relaxed);
             }
         }

@@ -613,6 +613,28 @@ impl Source {
     }
 }
 
+/// The route label of requests no route took that were passed through.
+pub const PASSTHROUGH: &str = "passthrough";
+
+/// `herdguard_requests_total` for a request passed through: the upstream's
+/// answer, or the proxy's own when it could not pass it (`own`).
+pub fn passthrough(registry: &Metrics, status: StatusCode, own: bool) {
+    let source = match own {
+        true => Source::Proxy,
+        false => Source::Upstream,
+    };
+    registry
+        .counter(
+            REQUESTS_TOTAL,
+            &[
+                ("route", PASSTHROUGH),
+                ("code", status.as_str()),
+                ("source", source.as_str()),
+            ],
+        )
+        .increment(1);
+}
+
 /// `herdguard_requests_total` for requests no route took: always the proxy's answer.
 pub fn unrouted(registry: &Metrics, status: StatusCode) {
     registry

@@ -8,7 +8,8 @@ use crate::policy::settings::MatchConfig;
 /// A compiled `match = { ... }` table. Every condition given must hold.
 #[derive(Debug, Clone, Default)]
 pub struct Matcher {
-    host: Option<HostMatch>,
+    /// Any one of them; empty: any host.
+    hosts: Vec<HostMatch>,
     path: Option<String>,
     path_prefix: Option<String>,
     methods: Option<Vec<Method>>,
@@ -59,22 +60,12 @@ impl Matcher {
                 }
             }
         }
-        let host = match &m.host {
-            Some(h) if h.is_empty() || h.parse::<http::uri::Authority>().is_err() => {
-                return Err(InvalidMatch::Host(h.clone()))
-            }
-            Some(h) => {
-                let h = h.to_ascii_lowercase();
-                Some(if let Some(rest) = h.strip_prefix('*') {
-                    HostMatch::Suffix(rest.to_owned())
-                } else if h.contains(':') && !h.ends_with(']') {
-                    HostMatch::Authority(h)
-                } else {
-                    HostMatch::Host(h)
-                })
-            }
-            None => None,
-        };
+        let hosts = m
+            .host
+            .iter()
+            .flat_map(|hosts| hosts.0.iter())
+            .map(|h| host_match(h))
+            .collect::<Result<Vec<_>, _>>()?;
         let methods = m
             .methods
             .as_ref()
@@ -93,7 +84,7 @@ impl Matcher {
             })
             .collect::<Result<_, _>>()?;
         Ok(Self {
-            host,
+            hosts,
             path: m.path.clone(),
             path_prefix: m.path_prefix.clone(),
             methods,
@@ -117,11 +108,11 @@ impl Matcher {
                 return false;
             }
         }
-        if let Some(host) = &self.host {
+        if !self.hosts.is_empty() {
             let Some(authority) = req.host else {
                 return false;
             };
-            if !host.matches(authority) {
+            if !self.hosts.iter().any(|h| h.matches(authority)) {
                 return false;
             }
         }
@@ -129,6 +120,21 @@ impl Matcher {
             .iter()
             .all(|(name, value)| req.headers.get_all(name).iter().any(|v| v == value))
     }
+}
+
+/// One host of `match.host`, compiled.
+fn host_match(h: &str) -> Result<HostMatch, InvalidMatch> {
+    if h.is_empty() || h.parse::<http::uri::Authority>().is_err() {
+        return Err(InvalidMatch::Host(h.to_owned()));
+    }
+    let h = h.to_ascii_lowercase();
+    Ok(if let Some(rest) = h.strip_prefix('*') {
+        HostMatch::Suffix(rest.to_owned())
+    } else if h.contains(':') && !h.ends_with(']') {
+        HostMatch::Authority(h)
+    } else {
+        HostMatch::Host(h)
+    })
 }
 
 impl HostMatch {

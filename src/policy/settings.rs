@@ -318,9 +318,10 @@ impl Default for BreakerConfig {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MatchConfig {
-    /// Host (or `*.suffix`), compared without case; with a port only when written with one.
+    /// Host (or `*.suffix`), or a list of them (any one matches), compared
+    /// without case; with a port only when written with one.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub host: Option<String>,
+    pub host: Option<Hosts>,
     /// The exact path.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
@@ -332,6 +333,43 @@ pub struct MatchConfig {
     /// Headers that must be present with exactly these values.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub headers: BTreeMap<String, String>,
+}
+
+/// `match.host`: one host, or a list of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hosts(pub Vec<String>);
+
+impl From<&str> for Hosts {
+    fn from(host: &str) -> Self {
+        Hosts(vec![host.to_owned()])
+    }
+}
+
+impl Serialize for Hosts {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.0.as_slice() {
+            [one] => s.serialize_str(one),
+            many => many.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Hosts {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged, expecting = "a host, or a list of hosts")]
+        enum OneOrMany {
+            One(String),
+            Many(Vec<String>),
+        }
+        match OneOrMany::deserialize(d)? {
+            OneOrMany::One(host) => Ok(Hosts(vec![host])),
+            OneOrMany::Many(hosts) if hosts.is_empty() => Err(serde::de::Error::custom(
+                "an empty list of hosts matches nothing",
+            )),
+            OneOrMany::Many(hosts) => Ok(Hosts(hosts)),
+        }
+    }
 }
 
 /// An HTTP method, parsed as the config is read: in capitals, as HTTP

@@ -2,6 +2,7 @@
 //! rules, and stream the response back.
 
 mod error;
+mod passthrough;
 mod response;
 
 use std::net::SocketAddr;
@@ -318,6 +319,9 @@ pub struct Proxy {
     /// Woken when a new runtime is in place: its new upstreams' names are
     /// resolved at once, not at the next tick.
     pub swapped: tokio::sync::Notify,
+    /// For `listen.unrouted = "passthrough"`.
+    passthrough: std::sync::OnceLock<passthrough::Passthrough>,
+    listen: std::sync::OnceLock<SocketAddr>,
 }
 
 impl Proxy {
@@ -333,6 +337,8 @@ impl Proxy {
             tunnels: Arc::default(),
             body_memory,
             swapped: tokio::sync::Notify::new(),
+            passthrough: std::sync::OnceLock::new(),
+            listen: std::sync::OnceLock::new(),
         }
     }
 
@@ -354,6 +360,22 @@ impl Proxy {
             .set_limit(runtime.config.listen.max_body_memory);
         self.runtime.store(Arc::new(runtime));
         self.swapped.notify_one();
+    }
+
+    /// The address callers reach the proxy at, once bound: a request
+    /// passed through to it would loop.
+    pub fn listening_on(&self, addr: SocketAddr) {
+        let _ = self.listen.set(addr);
+    }
+
+    /// What passes unrouted requests through, made when first needed.
+    fn passthrough(&self) -> &passthrough::Passthrough {
+        self.passthrough.get_or_init(|| {
+            let listen = self.listen.get().copied();
+            passthrough::Passthrough::new(
+                listen.unwrap_or(self.runtime.load().config.listen.address),
+            )
+        })
     }
 
     pub fn metrics(&self) -> &Arc<Metrics> {
@@ -398,7 +420,7 @@ impl Proxy {
 
     async fn answer(
         &self,
-        req: Box<Request<CallerBody>>,
+        mut req: Box<Request<CallerBody>>,
         caller: &Caller,
         start: Instant,
         entry: &mut Option<Box<Entry>>,
@@ -409,9 +431,26 @@ impl Proxy {
             metrics::unrouted(&self.metrics, resp.status());
             return resp;
         }
+        let passthrough =
+            self.runtime.load().config.listen.unrouted == crate::config::Unrouted::Passthrough;
+        if req.method() == Method::CONNECT && passthrough {
+            if let Some(authority) = req.uri().authority().cloned() {
+                let resp = self
+                    .passthrough()
+                    .tunnel(&mut req, authority, &self.tunnels)
+                    .await;
+                passed_through(&self.metrics, entry, &resp);
+                return resp;
+            }
+        }
         if req.method() == Method::CONNECT {
-            let resp = LocalError::NotProxied
-                .response("CONNECT is not proxied; herdguard is a reverse proxy");
+            let mut resp = LocalError::NotProxied.response(
+                "CONNECT is not proxied here (listen.unrouted = \"refuse\"); herdguard is a reverse proxy",
+            );
+            // What the caller sends next may be the tunnel's first bytes
+            // (a TLS hello), never a request.
+            resp.headers_mut()
+                .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
             metrics::unrouted(&self.metrics, resp.status());
             return resp;
         }
@@ -474,6 +513,28 @@ impl Proxy {
             runtime.route(&info).cloned()
         };
         let Some(route) = route else {
+            if passthrough {
+                let authority = host.and_then(|h| h.parse::<http::uri::Authority>().ok());
+                let https = req
+                    .uri()
+                    .scheme_str()
+                    .is_some_and(|s| s.eq_ignore_ascii_case("https"));
+                let resp = match authority {
+                    Some(authority) if !https => {
+                        let write_timeout = self.runtime.load().config.listen.write_timeout;
+                        self.passthrough()
+                            .forward(req, caller, authority, write_timeout)
+                            .await
+                    }
+                    Some(_) => LocalError::BadRequest.response(
+                        "https:// is passed through with CONNECT (HTTPS_PROXY), not as a request",
+                    ),
+                    None => LocalError::BadRequest
+                        .response("no host to pass the request through to (absolute form or Host)"),
+                };
+                passed_through(&self.metrics, entry, &resp);
+                return resp;
+            }
             let resp = LocalError::NoRoute.response(&format!(
                 "no route for {} {}{}",
                 req.method(),
@@ -518,6 +579,20 @@ fn request_host<'a>(uri: &'a http::Uri, host: Option<&'a HeaderValue>) -> Option
     uri.authority()
         .map(|a| a.as_str())
         .or_else(|| host.and_then(|h| h.to_str().ok()))
+}
+
+/// Counts a request passed through (route `passthrough`), in the metrics
+/// and its access log line.
+fn passed_through(
+    registry: &Metrics,
+    entry: &mut Option<Box<Entry>>,
+    resp: &Response<ResponseBody>,
+) {
+    let own = resp.headers().contains_key(&headers::X_HERDGUARD_ERROR);
+    metrics::passthrough(registry, resp.status(), own);
+    if let Some(entry) = entry.as_mut() {
+        entry.route = Some(Arc::from(metrics::PASSTHROUGH));
+    }
 }
 
 async fn forward(

@@ -91,6 +91,18 @@ impl ResponseBody {
         }
     }
 
+    /// A passed-through host's body: no slot, no route to tell.
+    pub fn passthrough(body: Incoming, idle: Duration) -> Self {
+        ResponseBody::Upstream {
+            body,
+            slot: Slot::Own(None),
+            route: Pending(None),
+            idle,
+            timer: None,
+            waiting: false,
+        }
+    }
+
     pub fn local(text: impl Into<Bytes>) -> Self {
         ResponseBody::Local {
             body: Full::new(text.into()),

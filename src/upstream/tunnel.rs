@@ -138,9 +138,38 @@ pub async fn relay(
             return;
         }
     };
+    copy_until_idle(caller, TokioIo::new(upstream), idle).await;
+    drop(slot);
+    drop(place);
+    drop(tracked);
+}
+
+/// Relays bytes both ways between a caller whose CONNECT was answered 2xx
+/// and the connection made for it, until either side closes or nothing
+/// moves for the idle timeout.
+pub async fn relay_connect(
+    caller: crate::wire::CallerUpgrade,
+    upstream: tokio::net::TcpStream,
+    place: TunnelSlot,
+    tracked: Tracked,
+) {
+    match caller.upgraded().await {
+        Ok(caller) => copy_until_idle(caller, upstream, place.0.idle_timeout).await,
+        Err(e) => debug!(error = %e, "CONNECT tunnel not taken up"),
+    }
+    drop(place);
+    drop(tracked);
+}
+
+/// Copies both ways until either side closes or nothing moves for `idle`.
+async fn copy_until_idle<A, B>(caller: A, upstream: B, idle: Duration)
+where
+    A: AsyncRead + AsyncWrite + Unpin,
+    B: AsyncRead + AsyncWrite + Unpin,
+{
     let activity = Arc::new(Stamp::new());
     let mut caller = Watched::new(caller, activity.clone());
-    let mut upstream = Watched::new(TokioIo::new(upstream), activity.clone());
+    let mut upstream = Watched::new(upstream, activity.clone());
     let copy = tokio::io::copy_bidirectional(&mut caller, &mut upstream);
     tokio::pin!(copy);
     loop {
@@ -160,9 +189,6 @@ pub async fn relay(
             }
         }
     }
-    drop(slot);
-    drop(place);
-    drop(tracked);
 }
 
 pin_project_lite::pin_project! {

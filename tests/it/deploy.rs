@@ -186,10 +186,11 @@ fn check_deployment(name: &str, native: bool) {
         let url: http::Uri = env(dependency).unwrap().parse().unwrap();
         let host = url.host().unwrap();
         assert!(
-            config
-                .routes
-                .iter()
-                .any(|r| r.matcher.host.as_deref() == Some(host)),
+            config.routes.iter().any(|r| r
+                .matcher
+                .host
+                .as_ref()
+                .is_some_and(|h| h.0.iter().any(|h| h == host))),
             "{name}: {dependency} names {host}, which no route matches"
         );
         assert!(

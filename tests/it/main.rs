@@ -30,6 +30,7 @@ mod layout;
 mod memory;
 mod metrics_reload;
 mod outlier;
+mod passthrough;
 mod pool;
 mod recovery;
 mod reload;

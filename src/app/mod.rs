@@ -241,30 +241,37 @@ fn serve_callers(
         write_timeout: config.listen.write_timeout,
         idle_timeout: config.listen.idle_timeout,
         drain_timeout: config.listen.drain_timeout,
+        transparent: config.listen.transparent,
     };
-    accept_loop("listen", listener, limits, stop, move |peer, conduct| {
-        let proxy = proxy.clone();
-        let caller = Arc::new(Caller::new(peer, tls_on));
-        let conduct = conduct.clone();
-        service_fn(move |req: Request<CallerBody>| {
+    accept_loop(
+        "listen",
+        listener,
+        limits,
+        stop,
+        move |peer, original, conduct| {
             let proxy = proxy.clone();
-            let caller = caller.clone();
+            let caller = Arc::new(Caller::new(peer, tls_on).redirected_from(original));
             let conduct = conduct.clone();
-            // The request on the heap, and the future boxed: hyper keeps
-            // room for one request's future per connection for as long as
-            // the connection lives, and an idle one needs none; see
-            // `Proxy::handle` for the request.
-            let req = Box::new(req);
-            Box::pin(async move {
-                // Dropped unanswered only when the caller abandoned the request.
-                conduct.begun();
-                let pending = Abandoned(Some(conduct));
-                let resp = proxy.handle(req, &caller).await;
-                pending.answered(&resp);
-                Ok::<_, Infallible>(resp)
+            service_fn(move |req: Request<CallerBody>| {
+                let proxy = proxy.clone();
+                let caller = caller.clone();
+                let conduct = conduct.clone();
+                // The request on the heap, and the future boxed: hyper keeps
+                // room for one request's future per connection for as long as
+                // the connection lives, and an idle one needs none; see
+                // `Proxy::handle` for the request.
+                let req = Box::new(req);
+                Box::pin(async move {
+                    // Dropped unanswered only when the caller abandoned the request.
+                    conduct.begun();
+                    let pending = Abandoned(Some(conduct));
+                    let resp = proxy.handle(req, &caller).await;
+                    pending.answered(&resp);
+                    Ok::<_, Infallible>(resp)
+                })
             })
-        })
-    })
+        },
+    )
 }
 
 /// The admin listener. Probes and scrapes send their few bytes at once: a
@@ -283,8 +290,9 @@ fn serve_admin(
         write_timeout: Duration::from_secs(10),
         idle_timeout: Duration::from_secs(10),
         drain_timeout: Duration::from_secs(1),
+        transparent: false,
     };
-    accept_loop("admin", listener, limits, stop, move |peer, conduct| {
+    accept_loop("admin", listener, limits, stop, move |peer, _, conduct| {
         let shared = shared.clone();
         let conduct = conduct.clone();
         service_fn(move |req: Request<CallerBody>| {

@@ -110,6 +110,9 @@ pub struct ListenConfig {
     pub explain: bool,
     /// What happens to a request no route takes.
     pub unrouted: Unrouted,
+    /// Connections come redirected by iptables (`REDIRECT`): each one's
+    /// original destination is read, and an unrouted request goes there.
+    pub transparent: bool,
     /// Serve callers over TLS (off unless written).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls: Option<TlsConfig>,
@@ -128,6 +131,7 @@ impl Default for ListenConfig {
             idle_timeout: Duration::from_secs(60),
             explain: false,
             unrouted: Unrouted::Refuse,
+            transparent: false,
             tls: None,
         }
     }

@@ -526,6 +526,14 @@ fn list(items: &[&str]) -> String {
 pub(super) fn warnings(config: &Config, report: &mut Report<'_>) {
     let root = KeyPath::root();
     absurd_values(config, report);
+    if config.listen.transparent && config.listen.unrouted == super::Unrouted::Refuse {
+        report(
+            root.key("listen").key("unrouted"),
+            "\"refuse\" with transparent = true: every captured call to a host no route names \
+             is answered 404; \"passthrough\" sends it on to where it was going"
+                .into(),
+        );
+    }
     if config.routes.is_empty() {
         report(
             root.key("routes"),

@@ -532,6 +532,23 @@ pub(crate) struct Limits {
     pub(crate) write_timeout: Duration,
     pub(crate) idle_timeout: Duration,
     pub(crate) drain_timeout: Duration,
+    /// Read each connection's original destination (`SO_ORIGINAL_DST`).
+    pub(crate) transparent: bool,
+}
+
+/// Where a connection redirected by iptables (`REDIRECT`) was going, read
+/// from the kernel's NAT table (`SO_ORIGINAL_DST`); `None` when it was not
+/// redirected (it came to the listener's own address).
+pub(crate) fn original_destination(stream: &tokio::net::TcpStream) -> Option<SocketAddr> {
+    use rustix::net::sockopt;
+    let local = stream.local_addr().ok()?;
+    let original = match local {
+        SocketAddr::V4(_) => sockopt::ip_original_dst(stream).map(SocketAddr::V4),
+        SocketAddr::V6(_) => sockopt::ipv6_original_dst(stream)
+            .map(SocketAddr::V6)
+            .or_else(|_| sockopt::ip_original_dst(stream).map(SocketAddr::V4)),
+    };
+    original.ok().filter(|o| *o != local)
 }
 
 /// Accepts connections until `stop`, serving each with HTTP/1.1 or h2c
@@ -543,7 +560,7 @@ pub(crate) async fn accept_loop<M, S, B>(
     mut stop: watch::Receiver<bool>,
     make_service: M,
 ) where
-    M: Fn(SocketAddr, &Arc<Conduct>) -> S,
+    M: Fn(SocketAddr, Option<SocketAddr>, &Arc<Conduct>) -> S,
     S: hyper::service::Service<
             Request<CallerBody>,
             Response = http::Response<B>,
@@ -584,7 +601,11 @@ pub(crate) async fn accept_loop<M, S, B>(
         let _ = stream.set_nodelay(true);
         let conduct = Arc::new(Conduct::new(limits.idle_timeout, limits.write_timeout));
         silent.push(limits.max_connections, &conduct);
-        let service = make_service(peer, &conduct);
+        let original = match limits.transparent {
+            true => original_destination(&stream),
+            false => None,
+        };
+        let service = make_service(peer, original, &conduct);
         let (builders, drain) = (builders.clone(), drain.clone());
         let (wait, write_timeout) = (limits.header_read_timeout, limits.write_timeout);
         let tls = limits.tls.clone();

@@ -294,6 +294,9 @@ pub struct Caller {
     ip: HeaderValue,
     /// `X-Forwarded-Proto`: `https` when the caller came over TLS.
     proto: &'static str,
+    /// Where the connection was going before iptables redirected it here
+    /// (`listen.transparent`).
+    original: Option<SocketAddr>,
 }
 
 impl Caller {
@@ -302,7 +305,14 @@ impl Caller {
             addr,
             ip: headers::ip_value(addr.ip()),
             proto: if tls { "https" } else { "http" },
+            original: None,
         }
+    }
+
+    /// The caller, whose connection was redirected from `original`.
+    pub fn redirected_from(mut self, original: Option<SocketAddr>) -> Self {
+        self.original = original;
+        self
     }
 }
 
@@ -514,7 +524,11 @@ impl Proxy {
         };
         let Some(route) = route else {
             if passthrough {
-                let authority = host.and_then(|h| h.parse::<http::uri::Authority>().ok());
+                // Redirected here: where it was going; else the host it names.
+                let authority = match caller.original {
+                    Some(original) => original.to_string().parse().ok(),
+                    None => host.and_then(|h| h.parse::<http::uri::Authority>().ok()),
+                };
                 let https = req
                     .uri()
                     .scheme_str()

@@ -98,7 +98,12 @@ impl Passthrough {
             ));
         }
         let (mut parts, body) = (*req).into_parts();
-        let original_host = http::HeaderValue::from_str(authority.as_str()).ok();
+        // An absolute-form request names its host in its target: that is
+        // the `Host` sent. A redirected one (origin form) keeps its own.
+        let original_host = match parts.uri.authority() {
+            Some(named) => http::HeaderValue::from_str(named.as_str()).ok(),
+            None => parts.headers.get(http::header::HOST).cloned(),
+        };
         let h = &mut parts.headers;
         headers::strip_hop_by_hop(h, false);
         headers::decrement_max_forwards(&parts.method, h);

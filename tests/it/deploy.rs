@@ -140,7 +140,7 @@ fn check_deployment(name: &str, native: bool) {
     assert_eq!(sc["runAsNonRoot"].as_bool(), Some(true));
     assert_eq!(sc["readOnlyRootFilesystem"].as_bool(), Some(true));
     assert_eq!(sc["allowPrivilegeEscalation"].as_bool(), Some(false));
-    restricted(name, spec);
+    restricted(name, spec, native);
 
     // The config comes from the ConfigMap, where the args say it is.
     let args = container_args(herdguard);
@@ -180,7 +180,14 @@ fn check_deployment(name: &str, native: bool) {
     };
     let listen = format!("http://{}", config.listen.address);
     for proxy in ["HTTP_PROXY", "http_proxy"] {
-        assert_eq!(env(proxy), Some(listen.as_str()), "{name}: {proxy}");
+        match native {
+            // Captured: the app needs no proxy setting.
+            true => assert_eq!(env(proxy), None, "{name}: {proxy}"),
+            false => assert_eq!(env(proxy), Some(listen.as_str()), "{name}: {proxy}"),
+        }
+    }
+    if native {
+        check_capture(name, spec, herdguard, &config);
     }
     for dependency in ["INVENTORY_URL", "PAYMENTS_URL"] {
         let url: http::Uri = env(dependency).unwrap().parse().unwrap();
@@ -200,11 +207,84 @@ fn check_deployment(name: &str, native: bool) {
     }
 }
 
+/// The capture init container: first, before herdguard; it redirects to
+/// the port herdguard listens on (with `transparent`), lets herdguard's
+/// own user through, and runs the script the capture ConfigMap carries.
+fn check_capture(name: &str, spec: &Yaml, herdguard: &Yaml, config: &Config) {
+    let inits = spec["initContainers"].as_vec().unwrap();
+    let capture = &inits[0];
+    assert_eq!(
+        capture["name"].as_str(),
+        Some(CAPTURE),
+        "{name}: capture first"
+    );
+    let env = |key: &str| {
+        capture["env"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"].as_str() == Some(key))
+            .and_then(|e| e["value"].as_str())
+            .unwrap_or_else(|| panic!("{name}: capture {key}"))
+    };
+    assert_eq!(
+        env("HERDGUARD_PORT"),
+        config.listen.address.port().to_string()
+    );
+    assert_eq!(
+        env("HERDGUARD_UID"),
+        herdguard["securityContext"]["runAsUser"]
+            .as_i64()
+            .unwrap()
+            .to_string(),
+        "{name}: herdguard's own calls are not captured"
+    );
+    assert!(
+        config.listen.transparent,
+        "the listener reads original destinations"
+    );
+    assert_eq!(
+        config.listen.unrouted,
+        herdguard::config::Unrouted::Passthrough,
+        "what no route names still works"
+    );
+    let mount = &capture["volumeMounts"].as_vec().unwrap()[0];
+    let script = str_of(&capture["command"].as_vec().unwrap()[1], "script");
+    assert!(script.starts_with(mount["mountPath"].as_str().unwrap()));
+    let volume = spec["volumes"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    assert_eq!(
+        volume["configMap"]["name"].as_str(),
+        Some("herdguard-capture")
+    );
+}
+
+/// The capture init container's name.
+const CAPTURE: &str = "herdguard-capture";
+
+/// The capture ConfigMap carries the script as it is in deploy/.
+#[test]
+fn the_capture_configmap_carries_the_script() {
+    let cm = load("capture-configmap.yaml");
+    assert_eq!(str_of(&cm["metadata"]["name"], "name"), "herdguard-capture");
+    let script = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/kubernetes/capture.sh"),
+    )
+    .unwrap();
+    assert_eq!(str_of(&cm["data"]["capture.sh"], "capture.sh"), script);
+}
+
 /// The Pod Security Standards' "restricted" profile, for every container of
 /// the pod: no privilege escalation, every capability dropped, non-root,
 /// a seccomp profile, no host namespaces or paths; and no service-account
-/// token mounted (nothing in the pod calls the Kubernetes API).
-fn restricted(name: &str, spec: &Yaml) {
+/// token mounted (nothing in the pod calls the Kubernetes API). The one
+/// exception, with `capture`: the capture init container, root with
+/// NET_ADMIN and NET_RAW and nothing more.
+fn restricted(name: &str, spec: &Yaml, capture: bool) {
     let pod = &spec["securityContext"];
     assert_eq!(
         spec["automountServiceAccountToken"].as_bool(),
@@ -239,6 +319,16 @@ fn restricted(name: &str, spec: &Yaml) {
         assert_ne!(sc["privileged"].as_bool(), Some(true), "{who}");
         let drop = sc["capabilities"]["drop"].as_vec().expect("drops");
         assert!(drop.iter().any(|d| d.as_str() == Some("ALL")), "{who}");
+        if capture && c["name"].as_str() == Some(CAPTURE) {
+            let add = sc["capabilities"]["add"].as_vec().expect("adds");
+            assert!(
+                add.iter()
+                    .all(|a| matches!(a.as_str(), Some("NET_ADMIN" | "NET_RAW"))),
+                "{who}"
+            );
+            assert!(c["restartPolicy"].is_badvalue(), "{who}: runs once");
+            continue;
+        }
         if let Some(add) = sc["capabilities"]["add"].as_vec() {
             assert!(
                 add.iter().all(|a| a.as_str() == Some("NET_BIND_SERVICE")),
@@ -253,7 +343,11 @@ fn restricted(name: &str, spec: &Yaml) {
             "{who}: seccompProfile {seccomp:?}"
         );
     }
-    assert_eq!(seen, 2, "{name}: the app and herdguard");
+    assert_eq!(
+        seen,
+        2 + usize::from(capture),
+        "{name}: the app and herdguard (and the capture)"
+    );
 }
 
 #[test]

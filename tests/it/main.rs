@@ -38,4 +38,5 @@ mod retry;
 mod routing;
 mod tls;
 mod tls_listener;
+mod transparent;
 mod upgrade;

@@ -175,6 +175,9 @@ pub struct UpstreamConfig {
     /// when the answer's TTL runs out first).
     #[serde(with = "duration")]
     pub dns_refresh: Duration,
+    /// `false`: every attempt carries `x-envoy-max-retries: 0`, so that a
+    /// mesh's sidecar (Istio's Envoy) does not retry what herdguard retries.
+    pub mesh_retries: bool,
     #[serde(with = "duration")]
     pub connect_timeout: Duration,
     /// More requests than this in flight to the upstream are shed with 503 at once.
@@ -216,6 +219,7 @@ impl Default for UpstreamConfig {
             endpoints: Vec::new(),
             discovery: Discovery::Static,
             dns_refresh: Duration::from_secs(5),
+            mesh_retries: true,
             connect_timeout: Duration::from_secs(1),
             max_in_flight: 1024,
             pool_idle_timeout: Duration::from_secs(90),

@@ -282,6 +282,14 @@ impl<'a> Forward<'a> {
                 if !self.inner_hop {
                     h.insert(&X_HERDGUARD_ATTEMPT, attempt_value(n));
                 }
+                if self.upstream.mesh_retries_off {
+                    // Envoy (Istio's sidecar) honours it from its own pod:
+                    // one layer of retries, this one.
+                    h.insert(
+                        http::HeaderName::from_static("x-envoy-max-retries"),
+                        HeaderValue::from_static("0"),
+                    );
+                }
                 if self.retrying {
                     let copy = h.clone();
                     self.headers = Some(h);

@@ -328,6 +328,9 @@ pub struct Upstream {
     pub metrics: UpstreamMetrics,
     /// Upgraded connections: counted apart from requests in flight.
     pub tunnels: Arc<Tunnels>,
+    /// `mesh_retries = false`: every attempt asks a mesh's sidecar
+    /// (Envoy) not to retry it.
+    pub mesh_retries_off: bool,
 }
 
 impl Upstream {
@@ -394,6 +397,7 @@ impl Upstream {
             wait_nanos: std::sync::atomic::AtomicU64::new(MAX_WAIT.as_nanos() as u64),
             metrics: UpstreamMetrics::new(registry, name, dns),
             tunnels: Tunnels::new(config.max_tunnels, config.tunnel_idle_timeout),
+            mesh_retries_off: !config.mesh_retries,
         }))
     }
 

@@ -495,3 +495,27 @@ async fn a_huge_head_reaches_the_upstream_whole_on_every_attempt() {
         assert_eq!(got, want, "{name}");
     }
 }
+
+/// Beside a mesh: with `mesh_retries = false`, every attempt asks Envoy
+/// (Istio's sidecar) not to retry it; by default nothing is added.
+#[tokio::test]
+async fn mesh_retries_off_asks_envoy_not_to_retry() {
+    for (setting, expected) in [("", None), ("mesh_retries = false\n", Some("0"))] {
+        let up = ok_upstream("ok").await;
+        let server = proxy(&format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\n{setting}[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+            up.url()
+        ))
+        .await;
+        let (status, _, _) = get(&server, "/").await;
+        assert_eq!(status, 200);
+        let seen = up.last();
+        assert_eq!(
+            seen.headers
+                .get("x-envoy-max-retries")
+                .map(|v| v.to_str().unwrap()),
+            expected,
+            "{setting:?}"
+        );
+    }
+}

@@ -32,6 +32,8 @@ const MAX_STREAMS: u32 = 100;
 /// of 100 streams each held 94 MiB before the bound.
 const H2_STREAMS: usize = 2048;
 const H2_MIN_STREAMS: u32 = 8;
+/// What one HTTP/2 stream's answer may have queued for its caller.
+const H2_SEND_BUFFER: usize = 64 * 1024;
 
 /// What a caller may send on an HTTP/2 stream, and on all of a
 /// connection's streams together, before the proxy reads it.
@@ -322,7 +324,11 @@ impl Builders {
         // 1 MiB for each stream and the connection: 100 MiB over 100 stalled
         // connections; at 512 KiB, 40 connections of stalled uploads took
         // the process 13 MiB higher than at 128 KiB).
+        // What a stream may have queued for a caller that does not read
+        // (hyper's default is about 400 KB: 20 connections of GETs for
+        // large bodies, never read, held 150-210 MiB).
         h2.timer(TokioTimer::new())
+            .max_send_buf_size(H2_SEND_BUFFER)
             .max_concurrent_streams(MAX_STREAMS)
             .initial_stream_window_size(H2_STREAM_WINDOW)
             .initial_connection_window_size(H2_CONNECTION_WINDOW);

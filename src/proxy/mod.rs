@@ -378,6 +378,63 @@ impl Proxy {
         let _ = self.listen.set(addr);
     }
 
+    /// A request no route takes, passed through: to where its connection
+    /// was going (redirected here), else to the host it names.
+    async fn pass_through(
+        &self,
+        req: Box<Request<CallerBody>>,
+        caller: &Caller,
+        entry: &mut Option<Box<Entry>>,
+    ) -> Response<ResponseBody> {
+        let authority = match caller.original {
+            Some(original) => original.to_string().parse().ok(),
+            None => request_host(req.uri(), req.headers().get(HOST))
+                .and_then(|h| h.parse::<http::uri::Authority>().ok()),
+        };
+        let https = req
+            .uri()
+            .scheme_str()
+            .is_some_and(|s| s.eq_ignore_ascii_case("https"));
+        let resp = match authority {
+            Some(authority) if !https => {
+                let write_timeout = self.runtime.load().config.listen.write_timeout;
+                self.passthrough()
+                    .forward(req, caller, authority, write_timeout)
+                    .await
+            }
+            Some(_) => LocalError::BadRequest.response(
+                "https:// is passed through with CONNECT (HTTPS_PROXY), not as a request",
+            ),
+            None => LocalError::BadRequest
+                .response("no host to pass the request through to (absolute form or Host)"),
+        };
+        passed_through(&self.metrics, entry, &resp);
+        resp
+    }
+
+    /// A CONNECT, passed through: tunnelled to the host and port it names.
+    async fn tunnel(
+        &self,
+        mut req: Box<Request<CallerBody>>,
+        entry: &mut Option<Box<Entry>>,
+    ) -> Response<ResponseBody> {
+        let resp = match req.uri().authority().cloned() {
+            Some(authority) => {
+                self.passthrough()
+                    .tunnel(&mut req, authority, &self.tunnels)
+                    .await
+            }
+            None => LocalError::BadRequest.response("CONNECT needs host:port"),
+        };
+        passed_through(&self.metrics, entry, &resp);
+        resp
+    }
+
+    /// Whether requests no route takes are passed through.
+    fn passes_through(&self) -> bool {
+        self.runtime.load().config.listen.unrouted == crate::config::Unrouted::Passthrough
+    }
+
     /// What passes unrouted requests through, made when first needed.
     fn passthrough(&self) -> &passthrough::Passthrough {
         self.passthrough.get_or_init(|| {
@@ -430,7 +487,7 @@ impl Proxy {
 
     async fn answer(
         &self,
-        mut req: Box<Request<CallerBody>>,
+        req: Box<Request<CallerBody>>,
         caller: &Caller,
         start: Instant,
         entry: &mut Option<Box<Entry>>,
@@ -441,17 +498,9 @@ impl Proxy {
             metrics::unrouted(&self.metrics, resp.status());
             return resp;
         }
-        let passthrough =
-            self.runtime.load().config.listen.unrouted == crate::config::Unrouted::Passthrough;
-        if req.method() == Method::CONNECT && passthrough {
-            if let Some(authority) = req.uri().authority().cloned() {
-                let resp = self
-                    .passthrough()
-                    .tunnel(&mut req, authority, &self.tunnels)
-                    .await;
-                passed_through(&self.metrics, entry, &resp);
-                return resp;
-            }
+        if req.method() == Method::CONNECT && self.passes_through() {
+            // Boxed: the request's future keeps no room for it.
+            return Box::pin(self.tunnel(req, entry)).await;
         }
         if req.method() == Method::CONNECT {
             let mut resp = LocalError::NotProxied.response(
@@ -523,31 +572,9 @@ impl Proxy {
             runtime.route(&info).cloned()
         };
         let Some(route) = route else {
-            if passthrough {
-                // Redirected here: where it was going; else the host it names.
-                let authority = match caller.original {
-                    Some(original) => original.to_string().parse().ok(),
-                    None => host.and_then(|h| h.parse::<http::uri::Authority>().ok()),
-                };
-                let https = req
-                    .uri()
-                    .scheme_str()
-                    .is_some_and(|s| s.eq_ignore_ascii_case("https"));
-                let resp = match authority {
-                    Some(authority) if !https => {
-                        let write_timeout = self.runtime.load().config.listen.write_timeout;
-                        self.passthrough()
-                            .forward(req, caller, authority, write_timeout)
-                            .await
-                    }
-                    Some(_) => LocalError::BadRequest.response(
-                        "https:// is passed through with CONNECT (HTTPS_PROXY), not as a request",
-                    ),
-                    None => LocalError::BadRequest
-                        .response("no host to pass the request through to (absolute form or Host)"),
-                };
-                passed_through(&self.metrics, entry, &resp);
-                return resp;
+            if self.passes_through() {
+                // Boxed: the request's future keeps no room for it.
+                return Box::pin(self.pass_through(req, caller, entry)).await;
             }
             let resp = LocalError::NoRoute.response(&format!(
                 "no route for {} {}{}",

@@ -64,6 +64,7 @@ impl Passthrough {
             .pool_timer(TokioTimer::new())
             .timer(TokioTimer::new())
             .retry_canceled_requests(false)
+            .http1_max_buf_size(64 * 1024)
             .set_host(false)
             .build(http);
         Self {

@@ -929,6 +929,8 @@ fn client(name: &str, config: &UpstreamConfig) -> Result<HttpClient, UpstreamErr
         .timer(TokioTimer::new())
         // Every attempt must pass through our budget and metrics: no hidden retries.
         .retry_canceled_requests(false)
+        .http1_max_buf_size(pool::UPSTREAM_BUFFER)
+        .http2_max_send_buf_size(pool::UPSTREAM_BUFFER)
         // Host is set per endpoint by the proxy.
         .set_host(false)
         .http2_only(config.http2 == Http2Mode::Always);

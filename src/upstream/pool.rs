@@ -45,6 +45,12 @@ use tracing::debug;
 
 use super::body::RequestBody;
 
+/// The most hyper keeps queued to write to an upstream, or read from it
+/// at once (its default is about 400 KB): an upstream that answers without
+/// reading the request's body would otherwise have each connection hold
+/// that much of it (300 uploads to one took the process past 200 MiB).
+pub(crate) const UPSTREAM_BUFFER: usize = 64 * 1024;
+
 /// Why a request got no response from the pool.
 #[derive(Debug, thiserror::Error)]
 pub enum PoolError {
@@ -478,6 +484,7 @@ impl H1Pool {
             source,
         })?;
         let (sender, conn) = http1::Builder::new()
+            .max_buf_size(UPSTREAM_BUFFER)
             .handshake(TokioIo::new(stream))
             .await
             .map_err(|source| PoolError::Handshake {

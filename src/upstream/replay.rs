@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 
@@ -121,9 +121,20 @@ struct Slot<B> {
     waiting: Vec<Waker>,
 }
 
+/// Chunks smaller than this are copied into the copy rather than kept as
+/// the slices of the caller's read buffers they are: a body sent a byte
+/// per chunk would otherwise keep a buffer per byte (260 uploads of 64 KB
+/// in 1-byte chunks took the process past 200 MiB, counted as 16 MiB).
+const COALESCE: usize = 4 * 1024;
+/// The size of the pieces small chunks are copied into.
+const TAIL: usize = 16 * 1024;
+
 struct State<B> {
-    /// Everything read from `rest` so far, while `buffering`.
+    /// Everything read from `rest` so far, while `buffering` (but `tail`).
     buffer: Vec<Bytes>,
+    /// Small chunks read last, copied together (see [`COALESCE`]); moved
+    /// into `buffer` when it fills, and when the state is handed on.
+    tail: BytesMut,
     buffered: u64,
     buffering: bool,
     /// Bytes taken from [`BodyMemory`]: at least `buffered` while
@@ -139,6 +150,13 @@ struct State<B> {
 }
 
 impl<B> State<B> {
+    /// Moves the small chunks copied together into `buffer`.
+    fn flush_tail(&mut self) {
+        if !self.tail.is_empty() {
+            self.buffer.push(self.tail.split().freeze());
+        }
+    }
+
     fn replayable(&self) -> bool {
         !self.failed && (self.buffering || !self.consumed)
     }
@@ -147,6 +165,7 @@ impl<B> State<B> {
     fn stop_buffering(&mut self, memory: &BodyMemory) {
         self.buffering = false;
         self.buffer = Vec::new();
+        self.tail = BytesMut::new();
         memory.give(std::mem::take(&mut self.reserved));
     }
 
@@ -161,7 +180,15 @@ impl<B> State<B> {
                     true
                 }
             });
-        if fits {
+        if fits && data.len() < COALESCE {
+            // A small chunk is a slice of the caller's read buffer, which
+            // it would keep whole: copied instead, beside the others.
+            self.tail.extend_from_slice(data);
+            if self.tail.len() >= TAIL {
+                self.buffer.push(self.tail.split().freeze());
+            }
+        } else if fits {
+            self.flush_tail();
             self.buffer.push(data.clone());
         } else {
             self.stop_buffering(memory);
@@ -188,6 +215,7 @@ where
         };
         let state = State {
             buffer: Vec::new(),
+            tail: BytesMut::new(),
             buffered: 0,
             buffering,
             reserved,
@@ -323,7 +351,9 @@ fn park(waiting: &mut Vec<Waker>, waker: &Waker) {
 
 impl<B> Drop for ReplayBody<B> {
     fn drop(&mut self) {
-        if let Some(state) = self.state.take() {
+        if let Some(mut state) = self.state.take() {
+            // The next clone replays the tail from `buffer`.
+            state.flush_tail();
             let waiting = {
                 let mut slot = self.shared.lock();
                 slot.state = Some(state);
@@ -392,7 +422,8 @@ where
                         this.sent = this.sent.saturating_add(len);
                         if state.buffering {
                             if state.keep(&data, shared.max_bytes, &shared.memory) {
-                                this.position += 1;
+                                // All of it sent by this clone, the tail too.
+                                this.position = state.buffer.len();
                             } else {
                                 this.position = 0;
                             }

@@ -134,7 +134,7 @@ struct State<B> {
     buffer: Vec<Bytes>,
     /// Small chunks read last, copied together (see [`COALESCE`]); moved
     /// into `buffer` when it fills, and when the state is handed on.
-    tail: BytesMut,
+    tail: Option<Box<BytesMut>>,
     buffered: u64,
     buffering: bool,
     /// Bytes taken from [`BodyMemory`]: at least `buffered` while
@@ -152,8 +152,8 @@ struct State<B> {
 impl<B> State<B> {
     /// Moves the small chunks copied together into `buffer`.
     fn flush_tail(&mut self) {
-        if !self.tail.is_empty() {
-            self.buffer.push(self.tail.split().freeze());
+        if let Some(tail) = self.tail.as_mut().filter(|t| !t.is_empty()) {
+            self.buffer.push(tail.split().freeze());
         }
     }
 
@@ -165,7 +165,7 @@ impl<B> State<B> {
     fn stop_buffering(&mut self, memory: &BodyMemory) {
         self.buffering = false;
         self.buffer = Vec::new();
-        self.tail = BytesMut::new();
+        self.tail = None;
         memory.give(std::mem::take(&mut self.reserved));
     }
 
@@ -183,9 +183,10 @@ impl<B> State<B> {
         if fits && data.len() < COALESCE {
             // A small chunk is a slice of the caller's read buffer, which
             // it would keep whole: copied instead, beside the others.
-            self.tail.extend_from_slice(data);
-            if self.tail.len() >= TAIL {
-                self.buffer.push(self.tail.split().freeze());
+            let tail = self.tail.get_or_insert_default();
+            tail.extend_from_slice(data);
+            if tail.len() >= TAIL {
+                self.buffer.push(tail.split().freeze());
             }
         } else if fits {
             self.flush_tail();
@@ -215,7 +216,7 @@ where
         };
         let state = State {
             buffer: Vec::new(),
-            tail: BytesMut::new(),
+            tail: None,
             buffered: 0,
             buffering,
             reserved,

@@ -133,6 +133,9 @@ pub struct Conduct {
     /// Evicted for a new caller before it finished its first request head:
     /// closed outright.
     evicted: AtomicBool,
+    /// Its first bytes came: a head (or a TLS handshake) is being read,
+    /// into a buffer that grows with it.
+    began: AtomicBool,
     /// Requests begun and not yet answered or abandoned.
     open: std::sync::atomic::AtomicU32,
     /// When a request last began or ended.
@@ -152,6 +155,12 @@ pub struct Conduct {
 impl Conduct {
     pub const TOLERATED: u32 = 100;
 
+    /// How long since a request last began or ended; for a connection
+    /// that has not spoken, since it was accepted.
+    pub fn quiet_for(&self) -> Duration {
+        self.last.last().elapsed()
+    }
+
     pub fn new(idle_timeout: Duration, write_timeout: Duration) -> Self {
         let written = Arc::<crate::listen::stall::Writes>::default();
         Self {
@@ -161,6 +170,7 @@ impl Conduct {
             expel: Arc::new(Notify::new()),
             spoke: AtomicBool::new(false),
             evicted: AtomicBool::new(false),
+            began: AtomicBool::new(false),
             open: Default::default(),
             last: Stamp::new(),
             idle_timeout,
@@ -176,6 +186,16 @@ impl Conduct {
         if !self.spoke.load(Ordering::Relaxed) {
             self.spoke.store(true, Ordering::Relaxed);
         }
+    }
+
+    /// Its first bytes came.
+    pub fn began(&self) {
+        self.began.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether its first bytes came.
+    pub fn has_begun(&self) -> bool {
+        self.began.load(Ordering::Relaxed)
     }
 
     /// Whether a whole request head ever came.

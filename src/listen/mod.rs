@@ -95,6 +95,12 @@ impl Drop for Abandoned {
 /// Connections still sending their first request head, per listener, at
 /// most: callers send a head in one write; only an attack holds many.
 const MAX_UNHEARD: usize = 256;
+/// How long a connection may take to send its first head before, past
+/// [`MAX_UNHEARD`], it is closed for a newer one: a caller sends its head
+/// as it connects, or just after its pool has opened its connections;
+/// only a slow head takes this long. (Short: heads sent fast and left one
+/// byte short pile up for this long before the oldest go.)
+const SLOW_HEAD: Duration = Duration::from_millis(250);
 
 /// The connections of a listener that have not finished a request head
 /// yet, oldest first: when the listener is full, the oldest is closed for
@@ -119,9 +125,13 @@ impl Silent {
     /// `max` are open, each holding a slot), so it stays within `2 * max`.
     ///
     /// Past [`MAX_UNHEARD`] connections still sending their first head,
-    /// the oldest of them is closed whether the listener is full or not: a
+    /// the oldest of them that has begun its head is closed whether the
+    /// listener is full or not, if it has been at it for [`SLOW_HEAD`]: a
     /// head may hold up to 64 KiB of buffer, and thousands of heads left
-    /// one byte short would otherwise hold hundreds of MiB.
+    /// one byte short would otherwise hold hundreds of MiB. A burst of
+    /// callers that connect together and then send their heads (a client
+    /// pool starting) is not cut: those that have sent nothing hold no
+    /// buffer.
     fn push(&self, max: usize, conduct: &Arc<Conduct>) {
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
         while waiting.front().is_some_and(|w| !unheard(w)) {
@@ -135,11 +145,17 @@ impl Silent {
             waiting.retain(unheard);
         }
         if waiting.len() > MAX_UNHEARD {
-            while let Some(oldest) = waiting.pop_front() {
-                if let Some(c) = oldest.upgrade().filter(|c| !c.has_spoken()) {
-                    c.evict();
-                    break;
-                }
+            // One that has sent nothing holds no buffer yet: only a head
+            // begun and slow to finish is worth a slot's memory.
+            let slow = waiting.iter().position(|w| {
+                w.upgrade()
+                    .is_some_and(|c| c.has_begun() && !c.has_spoken() && c.quiet_for() >= SLOW_HEAD)
+            });
+            if let Some(c) = slow
+                .and_then(|i| waiting.remove(i))
+                .and_then(|w| w.upgrade())
+            {
+                c.evict();
             }
         }
     }
@@ -632,7 +648,10 @@ pub(crate) async fn accept_loop<M, S, B>(
                 () = drain.started() => Opening::Silent,
             };
             let h2 = match opened {
-                Opening::Speaks { h2 } => h2,
+                Opening::Speaks { h2 } => {
+                    conduct.began();
+                    h2
+                }
                 Opening::Silent => {
                     debug!(listener = what, %peer, "connection closed: it sent nothing within header_read_timeout, before a new caller needed its slot, or before the drain");
                     drop(permit);

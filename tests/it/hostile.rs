@@ -855,6 +855,36 @@ async fn unfinished_heads_are_bounded_in_number() {
     }
 }
 
+/// A burst of callers that open their connections first and then send a
+/// request on each (a client pool starting): past the bound on unfinished
+/// heads, none is cut, since none is slow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_new_connections_is_served_whole() {
+    raise_open_files();
+    let up = ok_upstream("ok").await;
+    let hg = Binary::start(&one_route(&up.url())).await;
+    let n = 1000;
+    let mut conns = Vec::with_capacity(n);
+    for _ in 0..n {
+        conns.push(tokio::net::TcpStream::connect(&hg.listen).await.unwrap());
+    }
+    let answers = conns.into_iter().map(|mut s| {
+        tokio::spawn(async move {
+            let sent = s
+                .write_all(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+                .await;
+            let mut got = Vec::new();
+            let read = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut got));
+            sent.is_ok() && read.await.is_ok() && got.starts_with(b"HTTP/1.1 200")
+        })
+    });
+    let mut served = 0;
+    for answer in answers.collect::<Vec<_>>() {
+        served += usize::from(answer.await.unwrap());
+    }
+    assert_eq!(served, n, "every connection of the burst answered");
+}
+
 /// 256 connections to the admin listener, each asking for `/healthz` again
 /// every second: the admin listener serves one request per HTTP/1
 /// connection, so they cannot keep its slots, and probes keep succeeding.

@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
@@ -12,6 +13,25 @@ use subtle::ConstantTimeEq;
 
 use super::Shared;
 use crate::policy::breaker::State as BreakerState;
+
+/// A rendered `/metrics` page, shared by the scrapes it is sent to.
+pub(crate) struct Page(String);
+
+/// A page as one response's body.
+struct SharedPage(Arc<Page>);
+
+impl AsRef<[u8]> for SharedPage {
+    fn as_ref(&self) -> &[u8] {
+        self.0 .0.as_bytes()
+    }
+}
+
+/// The last page rendered, while some scrape still holds it.
+pub(crate) type PageRef = std::sync::Weak<Page>;
+
+/// How long a rendered `/metrics` page may be sent again to other scrapes
+/// while one is still reading it.
+const REUSE_PAGE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Answers one admin request. `/metrics` is rendered on a thread of its own:
 /// with thousands of routes it takes a while, and the proxy's workers must
@@ -29,17 +49,33 @@ pub async fn serve<B>(
         // `on_own_thread`), and a scrape does not wait on a worker. The
         // turn goes with the thread, so a scrape abandoned mid-render (an
         // HTTP/2 stream reset) does not let the next one start beside it.
-        let turn = shared.rendering.clone().lock_owned().await;
-        let rendered = super::on_own_thread("herdguard-metrics", move || {
-            proxy.runtime().refresh_gauges();
-            let text = proxy.metrics().render();
-            drop(turn);
-            text
-        })
-        .await;
+        //
+        // A page still being sent to another scraper, rendered less than
+        // [`REUSE_PAGE`] ago, is sent again, the same bytes: scrapers that
+        // read slowly (or many at once) share one page rather than hold one
+        // each (with a thousand routes, a page is 6 MB). Once no one holds
+        // it, the next scrape renders afresh.
+        let mut turn = shared.rendering.clone().lock_owned().await;
+        let reused = turn
+            .as_ref()
+            .filter(|(at, _)| at.elapsed() < REUSE_PAGE)
+            .and_then(|(_, page)| page.upgrade());
+        let rendered = match reused {
+            Some(page) => Ok(Bytes::from_owner(SharedPage(page))),
+            None => {
+                super::on_own_thread("herdguard-metrics", move || {
+                    proxy.runtime().refresh_gauges();
+                    let page = Arc::new(Page(proxy.metrics().render()));
+                    *turn = Some((std::time::Instant::now(), Arc::downgrade(&page)));
+                    drop(turn);
+                    Bytes::from_owner(SharedPage(page))
+                })
+                .await
+            }
+        };
         return match rendered {
             Ok(body) => {
-                let mut resp = text(StatusCode::OK, body);
+                let mut resp = Response::new(Full::new(body));
                 resp.headers_mut().insert(
                     CONTENT_TYPE,
                     HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
@@ -90,7 +126,7 @@ fn handle<B>(shared: &Shared, peer: SocketAddr, req: &Request<B>) -> Response<Fu
             }
         }
         "/config" => {
-            let mut resp = text(StatusCode::OK, shared.proxy.runtime().config.to_toml());
+            let mut resp = Response::new(Full::new(shared.proxy.runtime().config_toml()));
             resp.headers_mut().insert(
                 CONTENT_TYPE,
                 HeaderValue::from_static("application/toml; charset=utf-8"),

@@ -57,7 +57,8 @@ pub struct Shared {
     /// never builds on a runtime another is about to replace.
     reloading: std::sync::Mutex<()>,
     /// Held while `/metrics` is rendered: one scrape at a time.
-    pub(crate) rendering: Arc<tokio::sync::Mutex<()>>,
+    /// One `/metrics` render at a time, and the last page rendered.
+    pub(crate) rendering: Arc<tokio::sync::Mutex<Option<(std::time::Instant, admin::PageRef)>>>,
 }
 
 /// A running proxy.

@@ -55,6 +55,8 @@ pub struct Runtime {
     access_log: Option<Arc<AccessLog>>,
     /// For upstreams with `discovery = "dns"`, when there are any.
     resolver: Option<Arc<hickory_resolver::TokioResolver>>,
+    /// The effective config as TOML, made once (for `/config`).
+    toml: std::sync::OnceLock<bytes::Bytes>,
 }
 
 /// A route, compiled.
@@ -130,7 +132,16 @@ impl Runtime {
             routes,
             access_log,
             resolver,
+            toml: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The effective config as TOML, rendered once per runtime: many
+    /// readers of a large config share one copy.
+    pub fn config_toml(&self) -> bytes::Bytes {
+        self.toml
+            .get_or_init(|| bytes::Bytes::from(self.config.to_toml()))
+            .clone()
     }
 
     /// Starts resolving the names of each upstream with `discovery = "dns"`

@@ -20,7 +20,7 @@ use http::{HeaderValue, Uri};
 use tokio::time::Instant;
 
 use super::{Endpoint, HttpClient, Members, Upstream, UpstreamError};
-use crate::config::{DnsConfig, UpstreamConfig};
+use crate::config::{DnsConfig, UpstreamConfig, MAX_DNS_ENDPOINTS};
 use crate::observe::metrics::{EndpointMetrics, Metrics};
 
 /// The soonest a name is asked again, whatever its TTL: a TTL of 0 must
@@ -213,6 +213,14 @@ impl Upstream {
         }
         urls.sort();
         urls.dedup_by(|a, b| a.0 == b.0);
+        if urls.len() > MAX_DNS_ENDPOINTS {
+            // Each sidecar keeps a subset of its own (by a seed of the
+            // process), so that a fleet spreads over every address.
+            tracing::warn!(upstream = %self.name, found = urls.len(), kept = MAX_DNS_ENDPOINTS, "more addresses than an upstream balances over; a subset of them is used");
+            urls.sort_by_cached_key(|(url, _)| subset_rank(url));
+            urls.truncate(MAX_DNS_ENDPOINTS);
+            urls.sort();
+        }
         let unchanged = urls.len() == current.endpoints.len()
             && urls
                 .iter()
@@ -257,6 +265,16 @@ impl Upstream {
             }
         }
     }
+}
+
+/// Where `url` falls in this process's own order of addresses.
+fn subset_rank(url: &str) -> u64 {
+    use std::hash::{BuildHasher as _, Hash as _, Hasher as _};
+    static SEED: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+        std::sync::OnceLock::new();
+    let mut h = SEED.get_or_init(Default::default).build_hasher();
+    url.hash(&mut h);
+    h.finish()
 }
 
 /// Every target's name, resolved.

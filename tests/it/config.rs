@@ -69,6 +69,20 @@ fn route_upstream_and_endpoint_counts_are_bounded() {
         &errs,
         &["upstreams.api.endpoints[256] (line 2): at most 256 endpoints"],
     );
+
+    // Endpoints over all upstreams: 16 x 256 static and 1 found by DNS.
+    let full: Vec<String> = (0..256)
+        .map(|i| format!("\"http://127.0.0.1:{}\"", 3000 + i))
+        .collect();
+    let mut many_in_all: String = (0..16)
+        .map(|u| format!("[upstreams.u{u:02}]\nendpoints = [{}]\n", full.join(", ")))
+        .collect();
+    many_in_all.push_str(
+        "[upstreams.pods]\nendpoints = [\"http://pods.test:80\"]\ndiscovery = \"dns\"\n\
+         [[routes]]\nname = \"r\"\nupstream = \"u00\"\n",
+    );
+    let errs = errors(&many_in_all);
+    assert_reported(&errs, &["upstreams (line 1): 4224 endpoints in all"]);
 }
 
 #[test]

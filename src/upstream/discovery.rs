@@ -269,12 +269,10 @@ impl Upstream {
 
 /// Where `url` falls in this process's own order of addresses.
 fn subset_rank(url: &str) -> u64 {
-    use std::hash::{BuildHasher as _, Hash as _, Hasher as _};
+    use std::hash::BuildHasher as _;
     static SEED: std::sync::OnceLock<std::collections::hash_map::RandomState> =
         std::sync::OnceLock::new();
-    let mut h = SEED.get_or_init(Default::default).build_hasher();
-    url.hash(&mut h);
-    h.finish()
+    SEED.get_or_init(Default::default).hash_one(url)
 }
 
 /// Every target's name, resolved.

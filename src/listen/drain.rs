@@ -207,7 +207,39 @@ impl Conduct {
     /// needs its slot (see `listen::Silent`).
     pub fn evict(&self) {
         self.evicted.store(true, Ordering::Release);
+        self.wake();
+    }
+
+    /// Closes the connection if it is idle between requests (it has spoken,
+    /// and no request is open): a new caller needs its slot, and a
+    /// keep-alive connection waiting for its next request is the cheapest
+    /// to give up (nginx closes its idle keep-alive connections likewise
+    /// when it runs out). HTTP/2 gets GOAWAY. False if it is not idle.
+    pub fn expel_idle(&self) -> bool {
+        if !self.has_spoken() || self.open.load(Ordering::Relaxed) > 0 {
+            return false;
+        }
+        if self.expelled.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        self.wake();
+        true
+    }
+
+    /// Wakes whoever waits on the connection's flags: every waiter (the
+    /// serving loop and the eviction watch wait side by side, each for its
+    /// own flag), and the next to wait if none does now.
+    fn wake(&self) {
+        self.expel.notify_waiters();
         self.expel.notify_one();
+    }
+
+    /// Ready once the connection was asked to close (expelled, for abuse or
+    /// for a new caller while idle).
+    pub async fn until_expelled(&self) {
+        while !self.expelled.load(Ordering::Acquire) {
+            self.expel.notified().await;
+        }
     }
 
     /// Ready once [`evict`](Self::evict) was called.
@@ -265,7 +297,7 @@ impl Conduct {
             && !self.expelled.swap(true, Ordering::AcqRel)
         {
             // Stored as a permit if the connection is not being polled now.
-            self.expel.notify_one();
+            self.wake();
         }
     }
 

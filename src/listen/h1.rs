@@ -499,6 +499,8 @@ pub struct Serving<'a> {
     pub drain: &'a Drain,
     /// The connection's, made as it was accepted ([`Cycle::new`]).
     pub cycle: &'a Arc<Cycle>,
+    /// Asked to close while idle (a new caller needs its slot).
+    pub conduct: &'a Arc<crate::listen::drain::Conduct>,
     pub write_timeout: Duration,
     pub idle_timeout: Duration,
 }
@@ -555,6 +557,7 @@ impl Serving<'_> {
             let next = tokio::select! {
                 biased;
                 () = self.drain.started() => None,
+                () = self.conduct.until_expelled() => None,
                 // Not `kept`: a future keeps room for what lives across
                 // its waits, and a task's room for its connection's life.
                 () = tokio::time::sleep(self.idle_timeout.saturating_sub(park_after)) => None,

@@ -110,6 +110,11 @@ const SLOW_HEAD: Duration = Duration::from_millis(250);
 #[derive(Default)]
 struct Silent {
     waiting: std::sync::Mutex<std::collections::VecDeque<std::sync::Weak<Conduct>>>,
+    /// Every connection of the listener, oldest first (those closed are
+    /// dropped as new ones come, and all at once past twice the most
+    /// open): when it is full and none is unheard, the oldest one idle
+    /// between requests is asked to close for a new caller.
+    every: std::sync::Mutex<std::collections::VecDeque<std::sync::Weak<Conduct>>>,
 }
 
 /// Whether the connection of `conduct` is still open and has not spoken.
@@ -133,6 +138,16 @@ impl Silent {
     /// pool starting) is not cut: those that have sent nothing hold no
     /// buffer.
     fn push(&self, max: usize, conduct: &Arc<Conduct>) {
+        {
+            let mut every = self.every.lock().unwrap_or_else(|e| e.into_inner());
+            while every.front().is_some_and(|w| w.strong_count() == 0) {
+                every.pop_front();
+            }
+            if every.len() >= max.saturating_mul(2) {
+                every.retain(|w| w.strong_count() > 0);
+            }
+            every.push_back(Arc::downgrade(conduct));
+        }
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
         while waiting.front().is_some_and(|w| !unheard(w)) {
             waiting.pop_front();
@@ -158,6 +173,16 @@ impl Silent {
                 c.evict();
             }
         }
+    }
+
+    /// Asks the oldest connection idle between requests to close; false
+    /// if there is none. Those passed over (busy) stay where they are.
+    fn expel_oldest_idle(&self) -> bool {
+        let every = self.every.lock().unwrap_or_else(|e| e.into_inner());
+        every
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .any(|c| c.expel_idle())
     }
 
     /// Closes the oldest connection still unheard; false if there is none.
@@ -409,6 +434,7 @@ impl Serve<'_> {
             builder: &self.builders.h1,
             drain: self.drain,
             cycle: &self.conduct.cycle,
+            conduct: self.conduct,
             write_timeout: self.write_timeout,
             idle_timeout: self.conduct.idle_timeout,
         };
@@ -747,6 +773,8 @@ async fn admit(
     }
     if silent.evict_oldest() {
         debug!(listener = what, %peer, "at max_connections: the oldest connection that has not finished a request head is closed for a new one");
+    } else if silent.expel_oldest_idle() {
+        debug!(listener = what, %peer, "at max_connections: the oldest connection idle between requests is closed for a new one");
     }
     tokio::select! {
         biased;

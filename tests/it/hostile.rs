@@ -855,6 +855,30 @@ async fn unfinished_heads_are_bounded_in_number() {
     }
 }
 
+/// Every slot held by keep-alive connections idle between requests: a new
+/// caller takes the slot of the oldest idle one (closed for it), rather
+/// than waiting in the kernel's queue until they leave.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_keep_alive_connections_give_way_to_new_callers() {
+    let up = ok_upstream("ok").await;
+    let hg = Binary::start_with("max_connections = 50", &one_route(&up.url())).await;
+    let mut idle = Vec::new();
+    for _ in 0..50 {
+        let mut s = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+        let answer = answered(&mut s, b"GET / HTTP/1.1\r\nHost: a\r\n\r\n", b"ok").await;
+        assert!(answer.starts_with(b"HTTP/1.1 200"));
+        idle.push(s);
+    }
+    for _ in 0..10 {
+        let served = tokio::time::timeout(Duration::from_secs(5), get_path(&hg.listen, "/"));
+        assert!(
+            served.await.unwrap_or(false),
+            "a new caller is served while every slot is held by an idle connection"
+        );
+    }
+    drop(idle);
+}
+
 /// A burst of callers that open their connections first and then send a
 /// request on each (a client pool starting): past the bound on unfinished
 /// heads, none is cut, since none is slow.

@@ -317,6 +317,7 @@ async fn serve(config: Validated, path: Option<PathBuf>) -> ExitCode {
             _ = hup.recv() => match &path {
                 Some(path) => {
                     info!(signal = "SIGHUP", path = %path.display(), "reloading");
+                    Server::settled(path).await;
                     let _ = reloader.reload_file_in_background(path.clone()).await;
                 }
                 None => warn!(signal = "SIGHUP", "no config file to reload (running with --upstream)"),

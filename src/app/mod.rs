@@ -202,6 +202,27 @@ impl Server {
         })
     }
 
+    /// Waits (at most 3 s) until the file at `path` stays as it is for a
+    /// quarter of a second: a SIGHUP sent while the file is being written
+    /// (not swapped whole) must not load half of it.
+    pub async fn settled(path: &Path) {
+        let look = |path: PathBuf| async move {
+            tokio::task::spawn_blocking(move || fingerprint(&path))
+                .await
+                .ok()
+                .flatten()
+        };
+        let mut before = look(path.to_owned()).await;
+        for _ in 0..12 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            let now = look(path.to_owned()).await;
+            if now == before {
+                return;
+            }
+            before = now;
+        }
+    }
+
     /// Turns `/readyz` to 503 (what a SIGTERM does first); the listener
     /// goes on serving until [`shutdown`](Self::shutdown).
     pub fn not_ready(&self) {

@@ -150,6 +150,21 @@ pub struct Conduct {
     /// Once asked to close, the connection is closed outright after this
     /// long with no byte going out.
     write_timeout: Duration,
+    /// The listener's list of open connections it is in, under this key:
+    /// it leaves it when dropped.
+    listed: Option<(Open, u64)>,
+}
+
+/// A listener's open connections, by the order they came in.
+pub(crate) type Open =
+    Arc<std::sync::Mutex<std::collections::BTreeMap<u64, std::sync::Weak<Conduct>>>>;
+
+impl Drop for Conduct {
+    fn drop(&mut self) {
+        if let Some((open, id)) = &self.listed {
+            open.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
+        }
+    }
 }
 
 impl Conduct {
@@ -177,7 +192,18 @@ impl Conduct {
             cycle: crate::listen::h1::Cycle::new(written.clone()),
             written,
             write_timeout,
+            listed: None,
         }
+    }
+
+    /// The connection, in `open` under `id` until it is dropped.
+    pub(crate) fn listed_in(mut self, open: &Open, id: u64) -> Arc<Self> {
+        self.listed = Some((open.clone(), id));
+        let conduct = Arc::new(self);
+        open.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, Arc::downgrade(&conduct));
+        conduct
     }
 
     /// A whole request head came (on a listener that does not count its

@@ -35,7 +35,7 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -273,7 +273,13 @@ where
         let unread = !req.body().is_end_stream();
         cycle.unread.store(unread, Ordering::Release);
         cycle.writes.unhear();
-        detach_head(&mut req);
+        let held = match HeadHeld::take(detach_head(&mut req)) {
+            Ok(held) => held,
+            Err(()) => {
+                req.extensions_mut().insert(crate::wire::Crowded);
+                None
+            }
+        };
         let connect =
             req.method() == http::Method::CONNECT && req.version() == http::Version::HTTP_11;
         cycle.connect.store(connect, Ordering::Relaxed);
@@ -289,6 +295,7 @@ where
         Answering {
             inner: self.inner.call(req),
             cycle: Some(cycle.clone()),
+            _head: held,
         }
     }
 }
@@ -300,7 +307,9 @@ where
 /// connections held 1 MiB of caller read buffers where 512 KiB do). Copied
 /// here into one buffer of their own size, before hyper reads on; a target
 /// or value that would not parse again (it did once) is left as it is.
-fn detach_head<B>(req: &mut Request<B>) {
+///
+/// Returns the bytes copied.
+fn detach_head<B>(req: &mut Request<B>) -> usize {
     let uri = req.uri();
     let origin_form = uri.scheme().is_none() && uri.authority().is_none();
     let target = match (origin_form, uri.path_and_query()) {
@@ -314,6 +323,7 @@ fn detach_head<B>(req: &mut Request<B>) {
         copy.extend_from_slice(value.as_bytes());
     }
     let copy = copy.freeze();
+    let size = copy.len();
     let mut at = target.len();
     if let Ok(uri) = http::Uri::from_maybe_shared(copy.slice(..at)) {
         *req.uri_mut() = uri;
@@ -328,6 +338,42 @@ fn detach_head<B>(req: &mut Request<B>) {
         }
         at = end;
     }
+    size
+}
+
+/// A request head larger than this counts against [`BIG_HEADS`].
+const BIG_HEAD: usize = 8 * 1024;
+/// Bytes of large request heads (over [`BIG_HEAD`]) being answered at
+/// once, all connections together: each also keeps its connection's read
+/// buffer grown to its size. Past it, a large head is answered 503 at once:
+/// 3,400 callers each sending a 60 KiB head to a frozen upstream held 177
+/// MiB while they waited for a slot.
+const BIG_HEADS: usize = 16 << 20;
+static BIG_HEADS_HELD: AtomicUsize = AtomicUsize::new(0);
+
+/// A large head's bytes, counted held until dropped.
+pub(crate) struct HeadHeld(usize);
+
+impl HeadHeld {
+    /// `Ok(None)` for a small head; `Err` when the large heads held are at
+    /// their bound.
+    fn take(size: usize) -> Result<Option<Self>, ()> {
+        if size <= BIG_HEAD {
+            return Ok(None);
+        }
+        let before = BIG_HEADS_HELD.fetch_add(size, Ordering::Relaxed);
+        if before.saturating_add(size) > BIG_HEADS {
+            BIG_HEADS_HELD.fetch_sub(size, Ordering::Relaxed);
+            return Err(());
+        }
+        Ok(Some(Self(size)))
+    }
+}
+
+impl Drop for HeadHeld {
+    fn drop(&mut self) {
+        BIG_HEADS_HELD.fetch_sub(self.0, Ordering::Relaxed);
+    }
 }
 
 pin_project! {
@@ -335,6 +381,8 @@ pin_project! {
         #[pin]
         inner: F,
         cycle: Option<Arc<Cycle>>,
+        // A large head counted held until its answer.
+        _head: Option<HeadHeld>,
     }
 }
 

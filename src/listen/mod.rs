@@ -110,11 +110,12 @@ const SLOW_HEAD: Duration = Duration::from_millis(250);
 #[derive(Default)]
 struct Silent {
     waiting: std::sync::Mutex<std::collections::VecDeque<std::sync::Weak<Conduct>>>,
-    /// Every connection of the listener, oldest first (those closed are
-    /// dropped as new ones come, and all at once past twice the most
-    /// open): when it is full and none is unheard, the oldest one idle
-    /// between requests is asked to close for a new caller.
-    every: std::sync::Mutex<std::collections::VecDeque<std::sync::Weak<Conduct>>>,
+    /// Every connection of the listener open now, oldest first (each
+    /// leaves as it closes, see [`Conduct`]'s drop): when it is full and
+    /// none is unheard, the oldest one idle between requests is asked to
+    /// close for a new caller.
+    every: crate::listen::drain::Open,
+    next: std::sync::atomic::AtomicU64,
 }
 
 /// Whether the connection of `conduct` is still open and has not spoken.
@@ -138,16 +139,6 @@ impl Silent {
     /// pool starting) is not cut: those that have sent nothing hold no
     /// buffer.
     fn push(&self, max: usize, conduct: &Arc<Conduct>) {
-        {
-            let mut every = self.every.lock().unwrap_or_else(|e| e.into_inner());
-            while every.front().is_some_and(|w| w.strong_count() == 0) {
-                every.pop_front();
-            }
-            if every.len() >= max.saturating_mul(2) {
-                every.retain(|w| w.strong_count() > 0);
-            }
-            every.push_back(Arc::downgrade(conduct));
-        }
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
         while waiting.front().is_some_and(|w| !unheard(w)) {
             waiting.pop_front();
@@ -175,12 +166,22 @@ impl Silent {
         }
     }
 
+    /// A new connection's conduct, listed among the open ones and the
+    /// unheard ones.
+    fn open(&self, limits: &Limits) -> Arc<Conduct> {
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let conduct =
+            Conduct::new(limits.idle_timeout, limits.write_timeout).listed_in(&self.every, id);
+        self.push(limits.max_connections, &conduct);
+        conduct
+    }
+
     /// Asks the oldest connection idle between requests to close; false
     /// if there is none. Those passed over (busy) stay where they are.
     fn expel_oldest_idle(&self) -> bool {
         let every = self.every.lock().unwrap_or_else(|e| e.into_inner());
         every
-            .iter()
+            .values()
             .filter_map(std::sync::Weak::upgrade)
             .any(|c| c.expel_idle())
     }
@@ -647,12 +648,11 @@ pub(crate) async fn accept_loop<M, S, B>(
             break;
         };
         let _ = stream.set_nodelay(true);
-        let conduct = Arc::new(Conduct::new(limits.idle_timeout, limits.write_timeout));
-        silent.push(limits.max_connections, &conduct);
-        let original = match limits.transparent {
-            true => original_destination(&stream),
-            false => None,
-        };
+        let conduct = silent.open(&limits);
+        let original = limits
+            .transparent
+            .then(|| original_destination(&stream))
+            .flatten();
         let service = make_service(peer, original, &conduct);
         let (builders, drain) = (builders.clone(), drain.clone());
         let (wait, write_timeout) = (limits.header_read_timeout, limits.write_timeout);

@@ -503,24 +503,11 @@ impl Proxy {
         start: Instant,
         entry: &mut Option<Box<Entry>>,
     ) -> Response<ResponseBody> {
-        if req.extensions().get::<crate::wire::Crowded>().is_some() {
-            let resp = LocalError::Overloaded
-                .response("too many HTTP/2 streams open on this listener; try again shortly");
-            metrics::unrouted(&self.metrics, resp.status());
-            return resp;
-        }
         if req.method() == Method::CONNECT && self.passes_through() {
             // Boxed: the request's future keeps no room for it.
             return Box::pin(self.tunnel(req, entry)).await;
         }
-        if req.method() == Method::CONNECT {
-            let mut resp = LocalError::NotProxied.response(
-                "CONNECT is not proxied here (listen.unrouted = \"refuse\"); herdguard is a reverse proxy",
-            );
-            // What the caller sends next may be the tunnel's first bytes
-            // (a TLS hello), never a request.
-            resp.headers_mut()
-                .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        if let Some(resp) = refused_at_once(&req) {
             metrics::unrouted(&self.metrics, resp.status());
             return resp;
         }
@@ -631,6 +618,28 @@ fn request_host<'a>(uri: &'a http::Uri, host: Option<&'a HeaderValue>) -> Option
     uri.authority()
         .map(|a| a.as_str())
         .or_else(|| host.and_then(|h| h.to_str().ok()))
+}
+
+/// The answer to a request refused before anything is looked at: one past
+/// the bounds on requests held at once, or a CONNECT where nothing is
+/// passed through.
+fn refused_at_once(req: &Request<CallerBody>) -> Option<Response<ResponseBody>> {
+    if req.extensions().get::<crate::wire::Crowded>().is_some() {
+        return Some(LocalError::Overloaded.response(
+            "too many requests held at once (HTTP/2 streams on this listener, or large request heads); try again shortly",
+        ));
+    }
+    if req.method() != Method::CONNECT {
+        return None;
+    }
+    let mut resp = LocalError::NotProxied.response(
+        "CONNECT is not proxied here (listen.unrouted = \"refuse\"); herdguard is a reverse proxy",
+    );
+    // What the caller sends next may be the tunnel's first bytes (a TLS
+    // hello), never a request.
+    resp.headers_mut()
+        .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    Some(resp)
 }
 
 /// Counts a request passed through (route `passthrough`), in the metrics

@@ -9,8 +9,8 @@ pub(crate) mod stamp;
 pub use caller::{BodyEnd, CallerBody, CallerUpgrade, Io, Upgraded};
 
 /// Marks a request that came on an HTTP/2 stream past its listener's
-/// bound on open streams: the proxy answers it 503 at once, before any
-/// other work.
+/// bound on open streams, or with a large head past the bound on large
+/// heads held: the proxy answers it 503 at once, before any other work.
 #[derive(Clone, Copy, Debug)]
 pub struct Crowded;
 

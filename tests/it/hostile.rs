@@ -158,6 +158,7 @@ async fn stalled_h1_uploads(listen: &str, n: usize, len: usize) -> Vec<tokio::ne
 /// process stays small, whatever the sizes and counts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_uploads_are_held_within_the_body_memory() {
+    let _heavy = heavy().await;
     let up = held_upstream("ok").await;
     let toml = format!(
         "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
@@ -228,6 +229,7 @@ async fn h2_flood(listen: &str, streams: u32) -> tokio::net::TcpStream {
 /// listener's bound are answered 503 at once, and the process stays small.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_http2_streams_is_bounded_per_listener() {
+    let _heavy = heavy().await;
     let up = held_upstream("ok").await;
     raise_open_files();
     let hg = Binary::start_with("", &one_route(&up.upstream.url())).await;
@@ -483,6 +485,7 @@ async fn probe(addr: &str, path: &str) -> bool {
 /// full main listener keep being answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_heads_cost_only_themselves() {
+    let _heavy = heavy().await;
     raise_open_files();
     let up = ok_upstream("ok").await;
     for (attackers, pace) in [
@@ -744,6 +747,7 @@ async fn an_upstream_closing_idle_connections_loses_no_request() {
 /// still open the route's breaker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_failing_path_is_refused_alone() {
+    let _heavy = heavy().await;
     let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
         let status = match req.uri().path().starts_with("/fail") {
             true => http::StatusCode::INTERNAL_SERVER_ERROR,
@@ -830,6 +834,7 @@ async fn reqwest_like_get(addr: &str, path: &str) -> String {
 /// cannot hold hundreds of MiB; requests still come through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unfinished_heads_are_bounded_in_number() {
+    let _heavy = heavy().await;
     raise_open_files();
     let up = ok_upstream("ok").await;
     let hg = Binary::start(&one_route(&up.url())).await;
@@ -855,11 +860,99 @@ async fn unfinished_heads_are_bounded_in_number() {
     }
 }
 
+/// Hundreds of callers each sending one whole request with a head of
+/// 60 KB (within the 64 KiB a head may have) to a frozen upstream: the
+/// large heads held at once are bounded in bytes; past that they are
+/// answered 503 at once, and the process stays small.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_heads_waiting_for_a_slot_are_bounded_in_bytes() {
+    let _heavy = heavy().await;
+    raise_open_files();
+    let up = held_upstream("ok").await;
+    let hg = Binary::start(&one_route(&up.upstream.url())).await;
+    let pad = "x".repeat(60_000);
+    let head = format!("GET / HTTP/1.1\r\nHost: a\r\nX-Pad: {pad}\r\n\r\n");
+    let mut held = Vec::new();
+    for _ in 0..600 {
+        let Ok(mut s) = tokio::net::TcpStream::connect(&hg.listen).await else {
+            continue;
+        };
+        if s.write_all(head.as_bytes()).await.is_ok() {
+            held.push(s);
+        }
+    }
+    eventually(
+        Duration::from_secs(20),
+        "large heads past the bound answered 503",
+        || async { hg.metric(CROWDED).await >= 100.0 },
+    )
+    .await;
+    let peak_mib = hg.peak_rss_kib() / 1024;
+    eprintln!("600 heads of 60 KB waiting: peak RSS {peak_mib} MiB");
+    assert!(peak_mib <= 64, "peak RSS {peak_mib} MiB");
+    drop(held);
+    up.release.notify_waiters();
+}
+
+/// A SIGHUP sent while the config file is being rewritten in place (not
+/// swapped whole): the reload waits for the file to settle, and loads it
+/// whole, not the routes written so far.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sighup_during_a_rewrite_loads_the_whole_file() {
+    use std::io::Write as _;
+    let up = ok_upstream("ok").await;
+    let hg = Binary::start(&one_route(&up.url())).await;
+    let mut text =
+        String::from("[listen]\naddress = \"127.0.0.1:0\"\n[admin]\naddress = \"127.0.0.1:0\"\n");
+    text.push_str(&format!("[upstreams.u]\nendpoints = [\"{}\"]\n", up.url()));
+    for i in 0..200 {
+        text.push_str(&format!(
+            "[[routes]]\nname = \"r{i}\"\nupstream = \"u\"\nmatch = {{ path_prefix = \"/r{i}/\" }}\n"
+        ));
+    }
+    let first = &text[..text.len() / 2];
+    let first = &first[..first.rfind("[[routes]]").unwrap()];
+    let rest = &text[first.len()..];
+    let mut file = std::fs::File::create(hg.config_path()).unwrap();
+    file.write_all(first.as_bytes()).unwrap();
+    file.flush().unwrap();
+    let sent = std::process::Command::new("kill")
+        .args(["-HUP", &hg.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    // The writer is slow: the rest comes a moment later.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    file.write_all(rest.as_bytes()).unwrap();
+    drop(file);
+    eventually(Duration::from_secs(10), "the whole file loaded", || async {
+        get_path(&hg.listen, "/r199/x").await
+    })
+    .await;
+    assert_eq!(
+        hg.metric(r#"herdguard_config_reloads_total{result="error"}"#)
+            .await,
+        0.0
+    );
+    // No reload ever ran with the routes written so far.
+    let reloads: Vec<String> = hg
+        .terminate()
+        .await
+        .into_iter()
+        .filter(|l| l.contains("config reloaded"))
+        .collect();
+    assert!(!reloads.is_empty());
+    for line in &reloads {
+        assert!(line.contains("\"routes\":200"), "{line}");
+    }
+}
+
 /// Every slot held by keep-alive connections idle between requests: a new
 /// caller takes the slot of the oldest idle one (closed for it), rather
 /// than waiting in the kernel's queue until they leave.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_keep_alive_connections_give_way_to_new_callers() {
+    let _heavy = heavy().await;
     let up = ok_upstream("ok").await;
     let hg = Binary::start_with("max_connections = 50", &one_route(&up.url())).await;
     let mut idle = Vec::new();
@@ -884,10 +977,12 @@ async fn idle_keep_alive_connections_give_way_to_new_callers() {
 /// heads, none is cut, since none is slow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_new_connections_is_served_whole() {
+    let _heavy = heavy().await;
     raise_open_files();
     let up = ok_upstream("ok").await;
     let hg = Binary::start(&one_route(&up.url())).await;
-    let n = 1000;
+    // Past the 256 unfinished heads a listener lets be.
+    let n = 600;
     let mut conns = Vec::with_capacity(n);
     for _ in 0..n {
         conns.push(tokio::net::TcpStream::connect(&hg.listen).await.unwrap());

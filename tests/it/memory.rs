@@ -60,6 +60,7 @@ async fn read_head(s: &mut tokio::net::TcpStream) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_memory_comes_back_once_they_close() {
+    let _heavy = common::heavy().await;
     let n = connections_allowed(3000);
     let (_up, hg) = proxy_with_room().await;
     let start = hg.rss_kib();
@@ -135,6 +136,7 @@ async fn idle_connections_memory_comes_back_once_they_close() {
 /// 2-3 with them given back at once; 9 and 2 in the release build).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_answered_one_after_another_each_hold_little() {
+    let _heavy = common::heavy().await;
     let n = connections_allowed(2000);
     let (_up, hg) = proxy_with_room().await;
     let start = hg.rss_kib();

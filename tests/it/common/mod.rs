@@ -368,3 +368,12 @@ pub fn raise_open_files() -> u64 {
         Err(_) => limit.current.unwrap_or(u64::MAX),
     }
 }
+
+/// Taken by the tests that flood the proxy with thousands of connections
+/// (and those that measure what others' floods would blur): one at a
+/// time, so that neither runs the test process out of descriptors nor the
+/// machine out of CPU for the other.
+pub async fn heavy() -> tokio::sync::MutexGuard<'static, ()> {
+    static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    HEAVY.lock().await
+}

@@ -345,10 +345,11 @@ fn detach_head<B>(req: &mut Request<B>) -> usize {
 const BIG_HEAD: usize = 8 * 1024;
 /// Bytes of large request heads (over [`BIG_HEAD`]) being answered at
 /// once, all connections together: each also keeps its connection's read
-/// buffer grown to its size. Past it, a large head is answered 503 at once:
-/// 3,400 callers each sending a 60 KiB head to a frozen upstream held 177
-/// MiB while they waited for a slot.
-const BIG_HEADS: usize = 16 << 20;
+/// buffer grown to its size, and the upstream connection it went out on
+/// (about three times the head in all). Past it, a large head is answered
+/// 503 at once: 3,400 callers each sending a 60 KiB head to a frozen
+/// upstream held 177 MiB while they waited for a slot.
+const BIG_HEADS: usize = 8 << 20;
 static BIG_HEADS_HELD: AtomicUsize = AtomicUsize::new(0);
 
 /// A large head's bytes, counted held until dropped.

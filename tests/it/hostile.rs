@@ -869,7 +869,16 @@ async fn large_heads_waiting_for_a_slot_are_bounded_in_bytes() {
     let _heavy = heavy().await;
     raise_open_files();
     let up = held_upstream("ok").await;
-    let hg = Binary::start(&one_route(&up.upstream.url())).await;
+    // Every request goes upstream and is held there (no limit to shed it
+    // first, no timeout), its head with it, however slowly the heads come.
+    let hg = Binary::start(&format!(
+        "[upstreams.u]\nendpoints = [\"{}\"]\nmax_in_flight = 2000\n\
+         adaptive_concurrency = {{ enabled = false }}\n\
+         [[routes]]\nname = \"r\"\nupstream = \"u\"\n\
+         retry = {{ timeout = \"60s\", per_try_timeout = \"60s\" }}\n",
+        up.upstream.url()
+    ))
+    .await;
     let pad = "x".repeat(60_000);
     let head = format!("GET / HTTP/1.1\r\nHost: a\r\nX-Pad: {pad}\r\n\r\n");
     let mut held = Vec::new();

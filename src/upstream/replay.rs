@@ -599,6 +599,37 @@ mod tests {
         assert_eq!(collect(source.replay()).await.unwrap(), "abcd");
     }
 
+    /// A body sent a byte per chunk, each chunk a slice of a read buffer
+    /// of its own: the copy holds the bytes together, not the buffers.
+    #[tokio::test]
+    async fn small_chunks_are_kept_together_not_as_their_buffers() {
+        let frames: VecDeque<_> = (0..1000)
+            .map(|_| Ok(Bytes::from(vec![b'x'; 8192]).slice(..1)))
+            .collect();
+        let source = ReplayBody::new(
+            Script {
+                frames,
+                stall: false,
+            },
+            4096,
+            &roomy(),
+        );
+        assert_eq!(collect(source.replay()).await.unwrap().len(), 1000);
+        let mut again = source.replay();
+        let mut pieces = 0;
+        let mut bytes = 0;
+        while let Some(frame) = again.frame().await {
+            let data = frame.unwrap().into_data().unwrap();
+            bytes += data.len();
+            pieces += 1;
+        }
+        assert_eq!(bytes, 1000);
+        assert_eq!(
+            pieces, 1,
+            "one piece, not a thousand slices of 8 KiB buffers"
+        );
+    }
+
     #[tokio::test]
     async fn a_body_over_the_limit_is_not_replayable_once_read() {
         let source = ReplayBody::new(script(&["abcd", "efgh"], None), 6, &roomy());

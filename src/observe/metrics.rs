@@ -289,6 +289,10 @@ fn help(name: &str) -> Option<&'static str> {
             "Time from request received to response headers sent, retries included."
         }
         BACKOFF_SECONDS => "Delay waited before each retry.",
+        HEDGES_TOTAL => {
+            "Hedged attempts sent, by result (won: its answer went to the caller; lost: the attempt it raced answered first)."
+        }
+        HEDGES_SKIPPED => "Hedges that were due and not sent, by reason.",
         _ => return None,
     })
 }

@@ -105,6 +105,15 @@ async fn a_hedge_cuts_the_slow_tail_for_a_tenth_more_requests() {
     assert_eq!(won as usize, sent - 100, "one hedge per extra request");
     assert_eq!(superseded, won, "each won hedge cancelled a slow attempt");
     assert!(won >= 9.0, "{won} hedges for 10 slow answers");
+    // Every family in the exposition, the hedges' included, says what it is.
+    let text = hg.metrics().await;
+    for family in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
+        let name = family.split_whitespace().next().unwrap();
+        assert!(
+            text.contains(&format!("# HELP {name} ")),
+            "{name} has no HELP line"
+        );
+    }
     hg.terminate().await;
 }
 

@@ -150,16 +150,7 @@ fn check_deployment(name: &str, native: bool) {
         Path::new(file).parent().unwrap(),
         Path::new(mount["mountPath"].as_str().unwrap())
     );
-    let volume = spec["volumes"]
-        .as_vec()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"] == mount["name"])
-        .unwrap();
-    assert_eq!(
-        volume["configMap"]["name"].as_str(),
-        Some("herdguard-config")
-    );
+    assert_eq!(mounted_config_map(spec, &mount), Some("herdguard-config"));
     assert!(file.ends_with("herdguard.toml"));
 
     // The app uses the sidecar as its HTTP proxy and calls each dependency
@@ -251,16 +242,16 @@ fn check_capture(name: &str, spec: &Yaml, herdguard: &Yaml, config: &Config) {
     let mount = &capture["volumeMounts"].as_vec().unwrap()[0];
     let script = str_of(&capture["command"].as_vec().unwrap()[1], "script");
     assert!(script.starts_with(mount["mountPath"].as_str().unwrap()));
+    assert_eq!(mounted_config_map(spec, mount), Some("herdguard-capture"));
+}
+
+/// The ConfigMap behind the pod's volume that `mount` mounts.
+fn mounted_config_map<'a>(spec: &'a Yaml, mount: &Yaml) -> Option<&'a str> {
     let volume = spec["volumes"]
-        .as_vec()
-        .unwrap()
+        .as_vec()?
         .iter()
-        .find(|v| v["name"] == mount["name"])
-        .unwrap();
-    assert_eq!(
-        volume["configMap"]["name"].as_str(),
-        Some("herdguard-capture")
-    );
+        .find(|v| v["name"] == mount["name"])?;
+    volume["configMap"]["name"].as_str()
 }
 
 /// The capture init container's name.

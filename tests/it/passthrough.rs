@@ -100,8 +100,11 @@ async fn passthrough_sends_unrouted_requests_once_and_tunnels_connect() {
         other.last().headers.get("via").is_none(),
         "a tunnel's bytes are not read"
     );
-    let tunnels = r#"herdguard_requests_total{route="passthrough",code="200",source="proxy"}"#;
-    assert_eq!(hg.metric(tunnels).await, 0.0, "a tunnel opened is no error");
+    // The tunnel is counted with the passed-through request, not as the
+    // proxy's own answer.
+    assert_eq!(hg.metric(passed).await, 2.0, "the tunnel counted");
+    let own = r#"herdguard_requests_total{route="passthrough",code="200",source="proxy"}"#;
+    assert_eq!(hg.metric(own).await, 0.0, "a tunnel opened is no error");
 
     // A request naming the proxy itself would loop: refused.
     let answer = raw_exchange(

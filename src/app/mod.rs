@@ -79,7 +79,7 @@ impl Server {
 
     /// Builds the runtime from `config`, binds both listeners and starts serving.
     pub async fn start_validated(config: Validated) -> Result<Server, StartError> {
-        let metrics = Metrics::new();
+        let metrics = Metrics::with_buckets(&config.config().metrics.latency_buckets);
         let runtime = Runtime::build(config, &metrics)?;
         let config = runtime.config.clone();
         let proxy = Arc::new(Proxy::new(runtime, metrics));
@@ -264,6 +264,7 @@ fn serve_callers(
         idle_timeout: config.listen.idle_timeout,
         drain_timeout: config.listen.drain_timeout,
         transparent: config.listen.transparent,
+        traffic: counted(&proxy, "listen"),
     };
     accept_loop(
         "listen",
@@ -296,6 +297,13 @@ fn serve_callers(
     )
 }
 
+/// The connections and bytes of listener `name`, counted in the metrics.
+fn counted(proxy: &Proxy, name: &'static str) -> Arc<crate::observe::metrics::Traffic> {
+    let traffic = Arc::default();
+    proxy.metrics().listener(name, Arc::clone(&traffic));
+    traffic
+}
+
 /// The admin listener. Probes and scrapes send their few bytes at once: a
 /// short header time and room for many makes starving them (slowloris) cost
 /// an attacker about 85 new connections a second.
@@ -313,6 +321,7 @@ fn serve_admin(
         idle_timeout: Duration::from_secs(10),
         drain_timeout: Duration::from_secs(1),
         transparent: false,
+        traffic: counted(&shared.proxy, "admin"),
     };
     accept_loop("admin", listener, limits, stop, move |peer, _, conduct| {
         let shared = shared.clone();

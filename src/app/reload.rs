@@ -121,6 +121,12 @@ fn warn_of_kept_listeners(running: &Config, new: &Config) {
             warn!(key = what, running = %old, configured = %new, "a new listen address needs a restart; keeping the running one");
         }
     }
+    if new.metrics != running.metrics {
+        warn!(
+            key = "metrics",
+            "a change to [metrics] needs a restart; keeping the running histogram buckets"
+        );
+    }
     if new.listen.tls != running.listen.tls {
         warn!(
             key = "listen.tls",

@@ -356,6 +356,11 @@ impl<'i> Loader<'_, 'i> {
                         config.dns = v;
                     }
                 }
+                "metrics" => {
+                    if let Some(v) = self.section(value, &path) {
+                        config.metrics = v;
+                    }
+                }
                 "upstreams" => match value.get_ref() {
                     DeValue::Table(table) => {
                         for (name, upstream) in table.iter() {
@@ -388,7 +393,7 @@ impl<'i> Loader<'_, 'i> {
                     path,
                     Some(value.span()),
                     format!(
-                        "unknown key {other:?} (expected listen, admin, access_log, dns, upstreams, defaults or routes)"
+                        "unknown key {other:?} (expected listen, admin, access_log, metrics, dns, upstreams, defaults or routes)"
                     ),
                 ),
             }

@@ -38,6 +38,18 @@ pub struct Config {
     /// The DNS servers upstreams with `discovery = "dns"` ask.
     #[serde(default)]
     pub dns: DnsConfig,
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+}
+
+/// How the metrics are kept.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// The latency histograms' bucket bounds, in seconds, ascending; empty:
+    /// the built-in ones. Read at start (a reload that changes it says so).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub latency_buckets: Vec<f64>,
 }
 
 /// Where names of upstreams with `discovery = "dns"` are resolved.

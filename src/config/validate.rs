@@ -111,6 +111,8 @@ pub(super) fn validate(
         }
     }
 
+    buckets(report, &root, &config.metrics.latency_buckets);
+
     let defaults = root.key("defaults");
     retry(report, &defaults.key("retry"), &config.defaults.retry);
     breaker(report, &defaults.key("breaker"), &config.defaults.breaker);
@@ -174,6 +176,39 @@ pub const MAX_DNS_ENDPOINTS: usize = 128;
 
 /// The config has no more routes, upstreams, or endpoints per upstream
 /// than the proxy takes; the first one past a bound is named.
+/// The most bucket bounds a latency histogram may have: each is a series
+/// of every route's histograms.
+const MAX_BUCKETS: usize = 50;
+
+fn buckets(report: &mut Report<'_>, root: &KeyPath, bounds: &[f64]) {
+    let key = root.key("metrics").key("latency_buckets");
+    if bounds.len() > MAX_BUCKETS {
+        report(
+            key.index(MAX_BUCKETS),
+            format!("at most {MAX_BUCKETS} bucket bounds: each is a series of every histogram"),
+        );
+    }
+    for (i, pair) in bounds.windows(2).enumerate() {
+        if pair[1] <= pair[0] {
+            report(
+                key.index(i + 1),
+                format!(
+                    "bounds must rise: {} comes after {} (seconds, ascending)",
+                    pair[1], pair[0]
+                ),
+            );
+        }
+    }
+    for (i, bound) in bounds.iter().enumerate() {
+        if !bound.is_finite() || *bound <= 0.0 {
+            report(
+                key.index(i),
+                format!("{bound} is not a time in seconds above 0"),
+            );
+        }
+    }
+}
+
 fn counts(config: &Config, report: &mut Report<'_>) {
     let root = KeyPath::root();
     if config.routes.len() > MAX_ROUTES {

@@ -161,6 +161,7 @@ pub(crate) type Open =
 
 impl Drop for Conduct {
     fn drop(&mut self) {
+        self.written.traffic.closed();
         if let Some((open, id)) = &self.listed {
             open.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
         }
@@ -176,8 +177,14 @@ impl Conduct {
         self.last.last().elapsed()
     }
 
-    pub fn new(idle_timeout: Duration, write_timeout: Duration) -> Self {
-        let written = Arc::<crate::listen::stall::Writes>::default();
+    /// A connection's conduct, counted open in `traffic` until dropped.
+    pub fn new(
+        idle_timeout: Duration,
+        write_timeout: Duration,
+        traffic: Arc<crate::observe::metrics::Traffic>,
+    ) -> Self {
+        traffic.accepted();
+        let written = Arc::new(crate::listen::stall::Writes::new(traffic));
         Self {
             abandoned: Default::default(),
             answered: Default::default(),
@@ -482,6 +489,7 @@ mod tests {
                 &Arc::new(Conduct::new(
                     std::time::Duration::from_secs(3600),
                     std::time::Duration::from_secs(3600),
+                    Arc::default(),
                 )),
             )),
             theirs,

@@ -170,8 +170,12 @@ impl Silent {
     /// unheard ones.
     fn open(&self, limits: &Limits) -> Arc<Conduct> {
         let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let conduct =
-            Conduct::new(limits.idle_timeout, limits.write_timeout).listed_in(&self.every, id);
+        let conduct = Conduct::new(
+            limits.idle_timeout,
+            limits.write_timeout,
+            limits.traffic.clone(),
+        )
+        .listed_in(&self.every, id);
         self.push(limits.max_connections, &conduct);
         conduct
     }
@@ -583,6 +587,8 @@ pub(crate) struct Limits {
     pub(crate) drain_timeout: Duration,
     /// Read each connection's original destination (`SO_ORIGINAL_DST`).
     pub(crate) transparent: bool,
+    /// Where the listener's connections and bytes are counted.
+    pub(crate) traffic: Arc<crate::observe::metrics::Traffic>,
 }
 
 /// Where a connection redirected by iptables (`REDIRECT`) was going, read
@@ -819,6 +825,7 @@ mod tests {
         Arc::new(Conduct::new(
             Duration::from_secs(60),
             Duration::from_secs(30),
+            Arc::default(),
         ))
     }
 

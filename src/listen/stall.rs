@@ -19,6 +19,7 @@ use pin_project_lite::pin_project;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
+use crate::observe::metrics::Traffic;
 use crate::wire::stamp::Stamp;
 
 /// What the connection's owner can read of its writes.
@@ -32,9 +33,18 @@ pub struct Writes {
     /// Bytes came in since the owner last cleared this: on an HTTP/1.1
     /// connection, the start of a request still under way.
     heard: AtomicBool,
+    /// The listener's counts of bytes in and out.
+    pub traffic: Arc<Traffic>,
 }
 
 impl Writes {
+    pub fn new(traffic: Arc<Traffic>) -> Self {
+        Self {
+            traffic,
+            ..Self::default()
+        }
+    }
+
     pub fn last(&self) -> Instant {
         self.last.last()
     }
@@ -126,8 +136,10 @@ impl<T: AsyncRead> AsyncRead for WriteStall<T> {
         let this = self.project();
         let before = buf.filled().len();
         let polled = this.inner.poll_read(cx, buf);
-        if buf.filled().len() > before {
+        let read = buf.filled().len().saturating_sub(before);
+        if read > 0 {
             this.writes.heard.store(true, Ordering::Release);
+            this.writes.traffic.received(read);
         }
         polled
     }
@@ -141,8 +153,9 @@ impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
     ) -> Poll<io::Result<usize>> {
         let this = self.project();
         let polled = this.inner.poll_write(cx, buf);
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+        if let Poll::Ready(Ok(n @ 1..)) = polled {
             this.writes.last.touch();
+            this.writes.traffic.sent(n);
         }
         watch(
             polled,
@@ -161,8 +174,9 @@ impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
     ) -> Poll<io::Result<usize>> {
         let this = self.project();
         let polled = this.inner.poll_write_vectored(cx, bufs);
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+        if let Poll::Ready(Ok(n @ 1..)) = polled {
             this.writes.last.touch();
+            this.writes.traffic.sent(n);
         }
         watch(
             polled,

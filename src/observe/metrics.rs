@@ -7,7 +7,7 @@
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -43,9 +43,20 @@ pub const ATTEMPT_DURATION: &str = "herdguard_upstream_attempt_duration_seconds"
 pub const BUILD_INFO: &str = "herdguard_build_info";
 pub const HEDGES_TOTAL: &str = "herdguard_hedges_total";
 pub const HEDGES_SKIPPED: &str = "herdguard_hedges_skipped_total";
+pub const RETRIED_REQUESTS: &str = "herdguard_retried_requests_total";
+pub const RETRY_BUDGET_CAPACITY: &str = "herdguard_retry_budget_capacity";
+pub const CONNECTIONS_ACCEPTED: &str = "herdguard_connections_accepted_total";
+pub const CONNECTIONS_OPEN: &str = "herdguard_connections_open";
+pub const RECEIVED_BYTES: &str = "herdguard_received_bytes_total";
+pub const SENT_BYTES: &str = "herdguard_sent_bytes_total";
 
-const LATENCY_BUCKETS: &[f64] = &[
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+/// The latency histograms' bucket bounds, in seconds, unless
+/// `[metrics] latency_buckets` says otherwise: fine below 100 ms, and
+/// between 1 s and 5 s every second or so, so that a quantile of requests
+/// that take seconds is read within half a second of the truth.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0,
+    4.0, 5.0, 7.5, 10.0, 15.0, 30.0,
 ];
 
 static METADATA: Metadata<'static> =
@@ -60,6 +71,42 @@ pub struct Metrics {
     scopes: Mutex<BTreeMap<ScopeName, Weak<Scope>>>,
     /// Woken when a thread has recorded [`FOLD_AT`] histogram samples.
     fold: Arc<Notify>,
+    /// The latency histograms' bucket bounds (`[metrics] latency_buckets`).
+    buckets: Arc<[f64]>,
+    /// The process's own series (`process_*`), read when scraped.
+    process: metrics_process::Collector,
+    /// The listeners' connection and byte counts, by listener name.
+    listeners: Mutex<Vec<(&'static str, Arc<Traffic>)>>,
+}
+
+/// What one listener has seen: connections and bytes. Kept in plain
+/// atomics by the listener and turned into series when scraped.
+#[derive(Debug, Default)]
+pub struct Traffic {
+    accepted: AtomicU64,
+    open: AtomicU64,
+    received: AtomicU64,
+    sent: AtomicU64,
+}
+
+impl Traffic {
+    /// A connection was accepted (and is open until [`Traffic::closed`]).
+    pub fn accepted(&self) {
+        self.accepted.fetch_add(1, Ordering::Relaxed);
+        self.open.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn closed(&self) {
+        self.open.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    pub fn received(&self, bytes: usize) {
+        self.received.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    pub fn sent(&self, bytes: usize) {
+        self.sent.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
 }
 
 /// Histogram samples a thread records before it asks the upkeep to fold
@@ -97,12 +144,16 @@ pub struct Scope {
 }
 
 impl Scope {
-    fn new(fold: Arc<Notify>) -> Self {
+    fn new(fold: Arc<Notify>, buckets: &[f64]) -> Self {
         let builder = PrometheusBuilder::new();
+        let buckets = match buckets.is_empty() {
+            true => LATENCY_BUCKETS,
+            false => buckets,
+        };
         let builder = [REQUEST_DURATION, BACKOFF_SECONDS, ATTEMPT_DURATION]
             .into_iter()
             .fold(builder, |b, name| {
-                b.set_buckets_for_metric(Matcher::Full(name.to_owned()), LATENCY_BUCKETS)
+                b.set_buckets_for_metric(Matcher::Full(name.to_owned()), buckets)
                     .expect("bucket list is not empty")
             });
         let recorder = builder.build_recorder();
@@ -150,11 +201,20 @@ impl Scope {
 
 impl Metrics {
     pub fn new() -> Arc<Self> {
+        Self::with_buckets(LATENCY_BUCKETS)
+    }
+
+    /// A registry whose latency histograms have these bucket bounds
+    /// (seconds, ascending; checked by the config).
+    pub fn with_buckets(buckets: &[f64]) -> Arc<Self> {
         let fold = Arc::new(Notify::new());
         let m = Self {
-            base: Scope::new(fold.clone()),
+            base: Scope::new(fold.clone(), buckets),
             scopes: Mutex::new(BTreeMap::new()),
             fold,
+            buckets: buckets.into(),
+            process: metrics_process::Collector::default(),
+            listeners: Mutex::new(Vec::new()),
         };
         for result in ["ok", "error"] {
             m.counter(CONFIG_RELOADS, &[("result", result)])
@@ -173,7 +233,7 @@ impl Metrics {
         if let Some(live) = scopes.get(&key).and_then(Weak::upgrade) {
             return live;
         }
-        let scope = Arc::new(Scope::new(self.fold.clone()));
+        let scope = Arc::new(Scope::new(self.fold.clone(), &self.buckets));
         scopes.insert(key, Arc::downgrade(&scope));
         scope
     }
@@ -189,9 +249,33 @@ impl Metrics {
     /// and the series of each metric gathered under one `# HELP` and
     /// `# TYPE`, as the format asks.
     pub fn render(&self) -> String {
+        metrics::with_local_recorder(&self.base.recorder, || self.process.collect());
+        self.traffic();
         let mut texts = vec![self.base.handle.render()];
         texts.extend(self.live().iter().map(|s| s.handle.render()));
         merge(&texts)
+    }
+
+    /// Counts `traffic` as listener `name`'s, in the series from now on.
+    pub fn listener(&self, name: &'static str, traffic: Arc<Traffic>) {
+        let mut listeners = self.listeners.lock().unwrap_or_else(|e| e.into_inner());
+        listeners.push((name, traffic));
+    }
+
+    /// Sets the listeners' series from their counts.
+    fn traffic(&self) {
+        let listeners = self.listeners.lock().unwrap_or_else(|e| e.into_inner());
+        for (name, t) in listeners.iter() {
+            let labels = [("listener", *name)];
+            let read = |a: &AtomicU64| a.load(Ordering::Relaxed);
+            self.counter(CONNECTIONS_ACCEPTED, &labels)
+                .absolute(read(&t.accepted));
+            self.gauge(CONNECTIONS_OPEN, &labels)
+                .set(read(&t.open) as f64);
+            self.counter(RECEIVED_BYTES, &labels)
+                .absolute(read(&t.received));
+            self.counter(SENT_BYTES, &labels).absolute(read(&t.sent));
+        }
     }
 
     /// Counts a config reload, by result.
@@ -251,7 +335,7 @@ fn help(name: &str) -> Option<&'static str> {
             "Requests answered, by route, status code and source (upstream: its answer; proxy: herdguard's own)."
         }
         ATTEMPT_DURATION => {
-            "Time from an attempt sent to its response headers (or its failure), per attempt."
+            "Time from an attempt sent to its response headers (or its failure), per attempt, by outcome."
         }
         BUILD_INFO => "1, labelled with the running version.",
         crate::observe::access_log::DROPPED => {
@@ -293,6 +377,24 @@ fn help(name: &str) -> Option<&'static str> {
             "Hedged attempts sent, by result (won: its answer went to the caller; lost: the attempt it raced answered first)."
         }
         HEDGES_SKIPPED => "Hedges that were due and not sent, by reason.",
+        RETRIED_REQUESTS => {
+            "Requests that took more than one attempt (retries and hedges), by result (succeeded: the last attempt was not a failure of the upstream; failed: it was)."
+        }
+        RETRY_BUDGET_CAPACITY => {
+            "Retries the budget allowed over its window (its floor and its share of the requests), spent or not: available / capacity is the share left."
+        }
+        CONNECTIONS_ACCEPTED => "Connections accepted, by listener (listen: callers; admin).",
+        CONNECTIONS_OPEN => "Connections open now, by listener.",
+        RECEIVED_BYTES => "Bytes read from callers' connections, by listener (TLS records as received).",
+        SENT_BYTES => "Bytes written to callers' connections, by listener (TLS records as sent).",
+        "process_cpu_seconds_total" => "CPU time the process used, user and system, in whole seconds.",
+        "process_open_fds" => "File descriptors the process has open.",
+        "process_max_fds" => "The most file descriptors the process may open.",
+        "process_virtual_memory_bytes" => "Virtual memory size of the process.",
+        "process_virtual_memory_max_bytes" => "The most virtual memory the process may have.",
+        "process_resident_memory_bytes" => "Resident memory of the process (RSS).",
+        "process_start_time_seconds" => "When the process started, in seconds since the Unix epoch.",
+        "process_threads" => "Threads of the process.",
         _ => return None,
     })
 }
@@ -411,7 +513,13 @@ pub struct RouteMetrics {
     /// `herdguard_requests_total` by [`Source`].
     requests: [ByStatus; 2],
     duration: Histogram,
-    attempt_duration: Histogram,
+    /// `herdguard_upstream_attempt_duration_seconds` by [`Outcome::sent_index`],
+    /// registered on first use.
+    attempt_duration: [OnceLock<Histogram>; Outcome::SENT.len()],
+    upstream: Arc<str>,
+    /// `herdguard_retried_requests_total`: succeeded, failed.
+    retried: [Counter; 2],
+    pub budget_capacity: Gauge,
     /// By [`Outcome::sent_index`].
     attempts: [Counter; Outcome::SENT.len()],
     /// `herdguard_retries_total` for the upstream's failures that are not a status.
@@ -467,10 +575,12 @@ impl RouteMetrics {
                 )
             }),
             duration: registry.histogram(REQUEST_DURATION, &[("route", route)]),
-            attempt_duration: registry.histogram(
-                ATTEMPT_DURATION,
-                &[("route", route), ("upstream", upstream)],
-            ),
+            attempt_duration: Default::default(),
+            upstream: upstream.into(),
+            retried: ["succeeded", "failed"].map(|result| {
+                registry.counter(RETRIED_REQUESTS, &[("route", route), ("result", result)])
+            }),
+            budget_capacity: registry.gauge(RETRY_BUDGET_CAPACITY, &[("route", route)]),
             attempts,
             retries,
             retries_by_status: ByStatus::new(registry, RETRIES_TOTAL, &name, "reason", None),
@@ -519,11 +629,27 @@ impl RouteMetrics {
     pub fn attempt(&self, outcome: Outcome, elapsed: Option<Duration>) {
         if let Some(i) = outcome.sent_index() {
             self.attempts[i].increment(1);
-            if let Some(elapsed) = elapsed {
-                self.attempt_duration.record(elapsed.as_secs_f64());
+            if let (Some(elapsed), Some(cell)) = (elapsed, self.attempt_duration.get(i)) {
+                let register = || {
+                    self._scope.histogram(
+                        ATTEMPT_DURATION,
+                        &[
+                            ("route", &self.route),
+                            ("upstream", &self.upstream),
+                            ("outcome", outcome.label()),
+                        ],
+                    )
+                };
+                cell.get_or_init(register).record(elapsed.as_secs_f64());
                 self._scope.sampled();
             }
         }
+    }
+
+    /// Counts a request that was retried, by whether its answer was a
+    /// success in the end.
+    pub fn retried(&self, succeeded: bool) {
+        self.retried[usize::from(!succeeded)].increment(1);
     }
 
     /// Counts a retry about to be made after `cause`, and its delay. Only

@@ -116,6 +116,12 @@ impl Budget {
 
     /// Retries the budget would allow now.
     pub fn available(&self, now: Instant) -> f64 {
+        self.levels(now).0
+    }
+
+    /// Retries the budget would allow now, and all it allowed over its
+    /// window (its floor and its share of the requests), spent or not.
+    pub fn levels(&self, now: Instant) -> (f64, f64) {
         let current = self.index(now);
         let (mut deposits, mut withdrawals, mut refunds) = (0u64, 0u64, 0u64);
         for slot in &self.slots {
@@ -127,7 +133,8 @@ impl Budget {
             }
         }
         let spent = withdrawals.saturating_sub(refunds);
-        (self.floor + self.ratio * deposits as f64 - spent as f64).max(0.0)
+        let capacity = self.floor + self.ratio * deposits as f64;
+        ((capacity - spent as f64).max(0.0), capacity)
     }
 
     fn index(&self, now: Instant) -> u64 {

@@ -163,10 +163,9 @@ impl Runtime {
         let now = Instant::now();
         for route in &self.routes {
             let guards = &route.guards;
-            guards
-                .metrics
-                .budget_available
-                .set(guards.budget.available(now));
+            let (available, capacity) = guards.budget.levels(now);
+            guards.metrics.budget_available.set(available);
+            guards.metrics.budget_capacity.set(capacity);
             route.upstream.refresh_gauges();
         }
     }
@@ -406,6 +405,7 @@ impl Proxy {
             .uri()
             .scheme_str()
             .is_some_and(|s| s.eq_ignore_ascii_case("https"));
+        let gone = PassedGone(Some(&self.metrics));
         let resp = match authority {
             Some(authority) if !https => {
                 let write_timeout = self.runtime.load().config.listen.write_timeout;
@@ -419,6 +419,7 @@ impl Proxy {
             None => LocalError::BadRequest
                 .response("no host to pass the request through to (absolute form or Host)"),
         };
+        gone.disarm();
         passed_through(&self.metrics, entry, &resp);
         resp
     }
@@ -586,6 +587,10 @@ impl Proxy {
         if let Some(entry) = entry.as_mut() {
             entry.route = Some(route.name.clone());
         }
+        let counted = Counted {
+            route: Some(&route.guards.metrics),
+            start: &start,
+        };
         let resp = forward(
             &route,
             req,
@@ -605,11 +610,57 @@ impl Proxy {
             true => metrics::Source::Proxy,
             false => metrics::Source::Upstream,
         };
+        counted.disarm();
         route
             .guards
             .metrics
             .request(resp.status(), source, start.elapsed());
         resp
+    }
+}
+
+/// The status of a request whose caller left before its answer (nginx's
+/// "client closed request"), as the access log has it.
+fn gone() -> StatusCode {
+    StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST)
+}
+
+/// A routed request taken in hand: counted as 499 should it be dropped
+/// unanswered. Two references: every request in flight keeps it.
+struct Counted<'a> {
+    route: Option<&'a metrics::RouteMetrics>,
+    start: &'a Instant,
+}
+
+impl Counted<'_> {
+    fn disarm(mut self) {
+        self.route = None;
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        if let Some(route) = self.route {
+            route.request(gone(), metrics::Source::Proxy, self.start.elapsed());
+        }
+    }
+}
+
+/// A request being passed through: counted as 499 should it be dropped
+/// unanswered.
+struct PassedGone<'a>(Option<&'a Metrics>);
+
+impl PassedGone<'_> {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for PassedGone<'_> {
+    fn drop(&mut self) {
+        if let Some(registry) = self.0 {
+            metrics::passthrough(registry, gone(), true);
+        }
     }
 }
 
@@ -1094,6 +1145,6 @@ mod tests {
         let size =
             size_of_future(|| proxy.handle(unreachable!("only its type is needed"), &caller));
         eprintln!("a request's future: {size} bytes");
-        assert!(size <= 4_256, "a request's future grew to {size} bytes");
+        assert!(size <= 4_272, "a request's future grew to {size} bytes");
     }
 }

@@ -455,6 +455,11 @@ fn stopped<T: Attempts>(
     if !deferred {
         books.settle(outcome);
     }
+    if n > 1 {
+        guards
+            .metrics
+            .retried(BreakerOutcome::of(outcome) == BreakerOutcome::Success);
+    }
     let mut sent = done(n, end(attempt), books.trace);
     sent.settle_on_body = deferred;
     if let Stop::Skip(reason) = stop {
@@ -733,6 +738,9 @@ fn refuse<A>(
         _ => SkipReason::BreakerOpen,
     };
     skip(guards, n - 1, reason);
+    if n > 2 {
+        guards.metrics.retried(false);
+    }
     let mut trace = trace;
     note(&mut trace, format_args!("skip={}", reason.as_str()));
     let mut sent = done(n - 1, previous, trace);

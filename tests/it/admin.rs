@@ -61,13 +61,13 @@ async fn admin_endpoints() {
     assert_eq!(
         metric(
             &text,
-            "herdguard_upstream_attempt_duration_seconds_count{route=\"all\",upstream=\"u\"}"
+            "herdguard_upstream_attempt_duration_seconds_count{route=\"all\",upstream=\"u\",outcome=\"ok\"}"
         ),
         Some(4.0),
         "{text}"
     );
     assert!(text.contains(
-        "herdguard_upstream_attempt_duration_seconds_bucket{route=\"all\",upstream=\"u\",le=\"0.005\"}"
+        "herdguard_upstream_attempt_duration_seconds_bucket{route=\"all\",upstream=\"u\",outcome=\"ok\",le=\"0.005\"}"
     ));
     let build = format!(
         "herdguard_build_info{{version=\"{}\"}}",

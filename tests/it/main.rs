@@ -29,6 +29,7 @@ mod keepalive;
 mod layout;
 mod memory;
 mod metrics_reload;
+mod observability;
 mod outlier;
 mod passthrough;
 mod pool;

@@ -14,12 +14,8 @@ use crate::common::process::BIN;
 
 #[test]
 fn an_unmodified_app_is_captured_retried_and_passed_through() {
+    crate::common::test_tools();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let tools = Command::new("bash")
-        .arg(root.join(".ci/test-tools"))
-        .status()
-        .expect("bash runs");
-    assert!(tools.success(), "iptables is needed: .ci/test-tools");
     assert!(
         rustix::process::geteuid().is_root(),
         "the capture test makes a network namespace and iptables rules: run as root"

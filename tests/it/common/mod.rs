@@ -377,3 +377,20 @@ pub async fn heavy() -> tokio::sync::MutexGuard<'static, ()> {
     static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     HEAVY.lock().await
 }
+
+/// Installs what tests need beyond cargo (iptables, promtool) when it is
+/// missing, once per test process: `.ci/test-tools`.
+pub fn test_tools() {
+    static DONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let ok = *DONE.get_or_init(|| {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        std::process::Command::new("bash")
+            .arg(root.join(".ci/test-tools"))
+            .status()
+            .is_ok_and(|s| s.success())
+    });
+    assert!(
+        ok,
+        "the test tools could not be installed: bash .ci/test-tools"
+    );
+}

@@ -46,8 +46,13 @@ async fn every_retry_and_skipped_retry_is_logged_with_its_reason() {
     ])
     .await;
     let server = proxy_with(&[up.upstream.url()], "attempts = 2").await;
-    call(&server, Request::get("/"), empty()).await; // retried once, then attempts exhausted
-    call(&server, Request::post("/"), full("x")).await; // non-idempotent
+    // Retried once, then attempts exhausted: its lines name its id and trace.
+    let first = Request::get("/")
+        .header("x-request-id", "first-call")
+        .header("traceparent", format!("00-{TRACE}-00f067aa0ba902b7-01"));
+    call(&server, first, empty()).await;
+    // Non-idempotent: an id is made for it.
+    let (_, _, _) = call(&server, Request::post("/"), full("x")).await;
     call(&server, Request::get("/"), empty()).await; // Retry-After too long
 
     let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
@@ -55,6 +60,8 @@ async fn every_retry_and_skipped_retry_is_logged_with_its_reason() {
     let has = |needle: &[&str]| lines.iter().any(|l| needle.iter().all(|n| l.contains(n)));
     assert!(
         has(&[
+            "request{request_id=\"first-call\" trace_id=",
+            TRACE,
             "retrying",
             "route=r",
             "retry.attempt=2",
@@ -73,4 +80,14 @@ async fn every_retry_and_skipped_retry_is_logged_with_its_reason() {
             "{reason} not logged:\n{text}"
         );
     }
+    // Every line about a request names it: the POST's id was made here.
+    let post = lines.iter().find(|l| l.contains("non_idempotent")).unwrap();
+    let made = post
+        .split("request_id=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_else(|| panic!("no request id in {post}"));
+    assert_eq!(made.len(), 36, "a UUID: {post}");
 }
+
+const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";

@@ -361,6 +361,11 @@ impl<'i> Loader<'_, 'i> {
                         config.metrics = v;
                     }
                 }
+                "request_id" => {
+                    if let Some(v) = self.section(value, &path) {
+                        config.request_id = v;
+                    }
+                }
                 "upstreams" => match value.get_ref() {
                     DeValue::Table(table) => {
                         for (name, upstream) in table.iter() {
@@ -393,7 +398,7 @@ impl<'i> Loader<'_, 'i> {
                     path,
                     Some(value.span()),
                     format!(
-                        "unknown key {other:?} (expected listen, admin, access_log, metrics, dns, upstreams, defaults or routes)"
+                        "unknown key {other:?} (expected listen, admin, access_log, metrics, request_id, dns, upstreams, defaults or routes)"
                     ),
                 ),
             }

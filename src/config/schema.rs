@@ -40,6 +40,28 @@ pub struct Config {
     pub dns: DnsConfig,
     #[serde(default)]
     pub metrics: MetricsConfig,
+    #[serde(default)]
+    pub request_id: RequestIdConfig,
+}
+
+/// `[request_id]`: every request carries an id, the caller's or one made
+/// here, sent upstream on every attempt and written in the access log and
+/// in every log line about the request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RequestIdConfig {
+    pub enabled: bool,
+    /// The header that carries it.
+    pub header: String,
+}
+
+impl Default for RequestIdConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            header: "x-request-id".into(),
+        }
+    }
 }
 
 /// How the metrics are kept.

@@ -112,6 +112,7 @@ pub(super) fn validate(
     }
 
     buckets(report, &root, &config.metrics.latency_buckets);
+    request_id(report, &root, &config.request_id);
 
     let defaults = root.key("defaults");
     retry(report, &defaults.key("retry"), &config.defaults.retry);
@@ -176,6 +177,41 @@ pub const MAX_DNS_ENDPOINTS: usize = 128;
 
 /// The config has no more routes, upstreams, or endpoints per upstream
 /// than the proxy takes; the first one past a bound is named.
+/// Fields a request id may not be carried in: they frame the message, route
+/// it, or are the proxy's own.
+const NOT_AN_ID: &[&str] = &[
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "te",
+    "trailer",
+    "upgrade",
+    "keep-alive",
+    "proxy-connection",
+    "traceparent",
+    "tracestate",
+];
+
+fn request_id(report: &mut Report<'_>, root: &KeyPath, c: &crate::config::RequestIdConfig) {
+    let key = root.key("request_id").key("header");
+    match http::HeaderName::from_bytes(c.header.as_bytes()) {
+        Err(_) => report(key, format!("{:?} is not a header name", c.header)),
+        Ok(name)
+            if NOT_AN_ID.contains(&name.as_str()) || name.as_str().starts_with("x-herdguard-") =>
+        {
+            report(
+                key,
+                format!(
+                    "{:?} frames, routes or traces the request, or is herdguard's own: name another header",
+                    c.header
+                ),
+            )
+        }
+        Ok(_) => {}
+    }
+}
+
 /// The most bucket bounds a latency histogram may have: each is a series
 /// of every route's histograms.
 const MAX_BUCKETS: usize = 50;

@@ -86,6 +86,8 @@ impl AccessLog {
             error: None,
             skip: None,
             bytes: 0,
+            request_id: None,
+            trace_id: None,
         })
     }
 }
@@ -200,6 +202,10 @@ pub struct Entry {
     pub skip: Option<&'static str>,
     /// Response body bytes sent.
     bytes: u64,
+    /// The request's id (`[request_id]`).
+    pub request_id: Option<HeaderValue>,
+    /// The trace it belongs to: 32 hex digits.
+    pub trace_id: Option<u128>,
 }
 
 impl Entry {
@@ -208,6 +214,8 @@ impl Entry {
         let duration_ms = self.start.elapsed().as_secs_f64() * 1000.0;
         let duration_ms = (duration_ms * 1000.0).round() / 1000.0;
         let error = self.error.as_ref().and_then(|e| e.to_str().ok());
+        let request_id = self.request_id.as_ref().and_then(|e| e.to_str().ok());
+        let trace_id = self.trace_id.map(|t| format!("{t:032x}"));
         let mut out = Vec::with_capacity(256);
         match self.log.format {
             AccessLogFormat::Json => {
@@ -223,6 +231,8 @@ impl Entry {
                     "endpoint": self.endpoint.as_deref(),
                     "error": error,
                     "skip": self.skip,
+                    "request_id": request_id,
+                    "trace_id": trace_id,
                 });
                 let _ = serde_json::to_writer(&mut out, &line);
             }
@@ -244,6 +254,8 @@ impl Entry {
                     ("endpoint", self.endpoint.as_deref()),
                     ("error", error),
                     ("skip", self.skip),
+                    ("request_id", request_id),
+                    ("trace_id", trace_id.as_deref()),
                 ] {
                     field(&mut out, key, value);
                 }

@@ -45,7 +45,9 @@ pub fn init(format: LogFormat) {
                 fmt.with_writer(std::io::stderr)
                     .json()
                     .flatten_event(true)
-                    .with_current_span(false),
+                    // The request's id and trace (`"span":{"request_id":…}`).
+                    .with_current_span(true)
+                    .with_span_list(false),
             )
             .init(),
     }

@@ -8,6 +8,7 @@ mod response;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use crate::wire::identity;
 use crate::wire::{CallerBody, CallerUpgrade};
 use arc_swap::ArcSwap;
 use http::header::HOST;
@@ -53,6 +54,8 @@ pub struct Runtime {
     pub routes: Vec<Arc<Route>>,
     /// `[access_log]`, when on.
     access_log: Option<Arc<AccessLog>>,
+    /// The header of requests' ids (`[request_id]`), when on.
+    request_id: Option<http::HeaderName>,
     /// For upstreams with `discovery = "dns"`, when there are any.
     resolver: Option<Arc<hickory_resolver::TokioResolver>>,
     /// The effective config as TOML, made once (for `/config`).
@@ -127,10 +130,16 @@ impl Runtime {
         for (shared, fresh) in adopt {
             shared.with(|b| b.adopt(&fresh, now));
         }
+        let request_id = config
+            .request_id
+            .enabled
+            .then(|| http::HeaderName::from_bytes(config.request_id.header.as_bytes()).ok())
+            .flatten();
         Ok(Self {
             config,
             routes,
             access_log,
+            request_id,
             resolver,
             toml: std::sync::OnceLock::new(),
         })
@@ -476,18 +485,51 @@ impl Proxy {
     /// budget is a test below).
     pub async fn handle(
         &self,
-        req: Box<Request<CallerBody>>,
+        mut req: Box<Request<CallerBody>>,
         caller: &Caller,
     ) -> Response<Logged<ResponseBody>> {
         let start = Instant::now();
-        let log = self.runtime.load().access_log.clone();
-        // Filled in as the request goes: should its caller leave before
-        // the answer (this future dropped), the line says how far it got.
-        let mut entry = log.map(|log| log.entry(req.method(), req.uri().path(), start));
         let grpc = headers::is_grpc(req.headers());
-        let mut resp = self.answer(req, caller, start, &mut entry).await;
+        // Made in a block of its own, so that what is only needed before
+        // the answer takes no room in the future while the answer is awaited.
+        let (mut entry, explain_id, span) = {
+            let runtime = self.runtime.load();
+            let id = runtime
+                .request_id
+                .as_ref()
+                .map(|name| identity::keep_or_make(name, req.headers_mut()));
+            // Filled in as the request goes: should its caller leave before
+            // the answer (this future dropped), the line says how far it got.
+            let entry = runtime.access_log.as_ref().map(|log| {
+                let mut entry = log.entry(req.method(), req.uri().path(), start);
+                entry.request_id = id.clone();
+                entry.trace_id = identity::trace_id(req.headers()).map(|t| t.0);
+                entry
+            });
+            // Kept for the explain header when asked for, on the heap.
+            let explain_id = match req.headers().contains_key(&headers::X_HERDGUARD_EXPLAIN) {
+                true => id.clone().map(Box::new),
+                false => None,
+            };
+            (entry, explain_id, request_span(id.as_ref(), &req))
+        };
+        let mut resp = match span {
+            // Every log line about the request names it.
+            Some(span) => {
+                use tracing::Instrument as _;
+                Box::pin(self.answer(req, caller, start, &mut entry).instrument(span)).await
+            }
+            None => {
+                // Moved out: the future keeps no room for it.
+                drop(span);
+                self.answer(req, caller, start, &mut entry).await
+            }
+        };
         if grpc {
             resp = error::grpc_shaped(resp);
+        }
+        if let Some(id) = explain_id {
+            explained(&mut resp, &id);
         }
         if let Some(entry) = entry.as_mut() {
             entry.status = resp.status().as_u16();
@@ -661,6 +703,34 @@ impl Drop for PassedGone<'_> {
         if let Some(registry) = self.0 {
             metrics::passthrough(registry, gone(), true);
         }
+    }
+}
+
+/// The span of a request's log lines, naming its id and trace; only while
+/// debug lines are logged (no line about a request is logged above debug).
+fn request_span(id: Option<&HeaderValue>, req: &Request<CallerBody>) -> Option<tracing::Span> {
+    if tracing::level_filters::LevelFilter::current() < tracing::level_filters::LevelFilter::DEBUG {
+        return None;
+    }
+    let trace = identity::trace_id(req.headers());
+    Some(tracing::info_span!(
+        "request",
+        request_id = id.and_then(|v| v.to_str().ok()),
+        trace_id = trace.map(tracing::field::display),
+    ))
+}
+
+/// Names the request's id in its explain trace (`…;request_id=ID`).
+fn explained(resp: &mut Response<ResponseBody>, id: &HeaderValue) {
+    let h = resp.headers_mut();
+    let Some(trace) = h.get(&headers::X_HERDGUARD_EXPLAIN) else {
+        return;
+    };
+    let mut value = trace.as_bytes().to_vec();
+    value.extend_from_slice(b";request_id=");
+    value.extend_from_slice(id.as_bytes());
+    if let Ok(value) = HeaderValue::from_bytes(&value) {
+        h.insert(&headers::X_HERDGUARD_EXPLAIN, value);
     }
 }
 
@@ -1145,6 +1215,6 @@ mod tests {
         let size =
             size_of_future(|| proxy.handle(unreachable!("only its type is needed"), &caller));
         eprintln!("a request's future: {size} bytes");
-        assert!(size <= 4_272, "a request's future grew to {size} bytes");
+        assert!(size <= 4_288, "a request's future grew to {size} bytes");
     }
 }

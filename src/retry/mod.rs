@@ -727,6 +727,9 @@ fn refuse<A>(
     trace: Option<String>,
 ) -> Sent<A> {
     let Some((previous, _, _)) = kept else {
+        if let End::Failed { outcome, .. } = &refused {
+            debug!(route = %guards.route, outcome = outcome.label(), "request refused before an attempt");
+        }
         return done(n - 1, refused, trace);
     };
     guards.budget.refund(Instant::now());

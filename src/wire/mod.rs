@@ -4,6 +4,7 @@
 
 pub(crate) mod caller;
 pub mod headers;
+pub mod identity;
 pub(crate) mod stamp;
 
 pub use caller::{BodyEnd, CallerBody, CallerUpgrade, Io, Upgraded};

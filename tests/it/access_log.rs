@@ -25,11 +25,16 @@ struct Logged {
 
 impl Logged {
     async fn start(toml: &str) -> Logged {
+        Self::start_with("", toml).await
+    }
+
+    /// [`Logged::start`], with `listen` added to `[listen]`.
+    async fn start_with(listen: &str, toml: &str) -> Logged {
         use std::io::Write as _;
         let mut config = tempfile::NamedTempFile::new().unwrap();
         write!(
             config,
-            "[listen]\naddress = \"127.0.0.1:0\"\n[admin]\naddress = \"127.0.0.1:0\"\n{toml}"
+            "[listen]\naddress = \"127.0.0.1:0\"\n{listen}\n[admin]\naddress = \"127.0.0.1:0\"\n{toml}"
         )
         .unwrap();
         let mut cmd = Command::new(BIN);
@@ -347,4 +352,88 @@ async fn a_hedged_requests_line_names_the_endpoint_that_answered() {
     assert_eq!(line["attempts"], 2, "{line}");
     assert_eq!(line["endpoint"], first.url(), "{line}");
     assert_eq!(second.hits(), 1, "the hedge went to the second");
+}
+
+/// Every request carries an id: the caller's `x-request-id`, or one made
+/// here. It goes upstream on every attempt, the same each time, and is
+/// written in the access log line (with the trace of a `traceparent`) and
+/// the explain header. `[request_id] header` names another field;
+/// `enabled = false` leaves requests as they came.
+#[tokio::test]
+async fn the_request_id_is_kept_or_made_and_sent_on_every_attempt() {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let up = {
+        let seen = seen.clone();
+        upstream(move |req: Request<hyper::body::Incoming>| {
+            let seen = seen.clone();
+            async move {
+                let id = req.headers().get("x-request-id").cloned();
+                let corr = req.headers().get("x-correlation-id").cloned();
+                seen.lock().unwrap().push((id, corr));
+                Response::builder().status(503).body(full("down")).unwrap()
+            }
+        })
+        .await
+    };
+    let log = Logged::start_with(
+        "explain = true",
+        &format!(
+            "[access_log]\nenabled = true\nformat = \"json\"\n{}",
+            routes(&up.url())
+        ),
+    )
+    .await;
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let req = Request::get(log.url("/x"))
+        .header("host", "app")
+        .header("x-request-id", "caller-7")
+        .header("x-herdguard-explain", "1")
+        .header("traceparent", format!("00-{trace}-00f067aa0ba902b7-01"))
+        .body(empty())
+        .unwrap();
+    let (status, headers, _) = send(&client(), req).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    let explain = headers["x-herdguard-explain"].to_str().unwrap();
+    assert!(explain.ends_with(";request_id=caller-7"), "{explain}");
+    let line = log.next_json();
+    assert_eq!(line["request_id"], "caller-7");
+    assert_eq!(line["trace_id"], trace);
+    let ids: Vec<_> = seen.lock().unwrap().drain(..).map(|(id, _)| id).collect();
+    assert_eq!(ids.len(), 2, "retried once");
+    assert!(ids.iter().all(|id| id.as_ref().unwrap() == "caller-7"));
+
+    // No id sent: one is made, the same on both attempts, and logged.
+    assert_eq!(
+        log.send(get(&log, "/y")).await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let line = log.next_json();
+    assert!(line["trace_id"].is_null(), "no traceparent: {line}");
+    let made = line["request_id"].as_str().unwrap().to_owned();
+    assert_eq!(made.len(), 36, "{made}");
+    let ids: Vec<_> = seen.lock().unwrap().drain(..).map(|(id, _)| id).collect();
+    assert_eq!(ids.len(), 2);
+    assert!(ids.iter().all(|id| id.as_ref().unwrap() == made.as_str()));
+    drop(log);
+
+    // Another header, or none at all.
+    for (section, corr, plain) in [
+        ("[request_id]\nheader = \"x-correlation-id\"", true, false),
+        ("[request_id]\nenabled = false", false, false),
+    ] {
+        let log = Logged::start(&format!(
+            "[access_log]\nenabled = true\nformat = \"json\"\n{section}\n{}",
+            routes(&up.url())
+        ))
+        .await;
+        log.send(get(&log, "/z")).await;
+        let line = log.next_json();
+        let seen: Vec<_> = seen.lock().unwrap().drain(..).collect();
+        assert_eq!(seen.len(), 2);
+        for (id, correlation) in &seen {
+            assert!(id.is_none() || plain, "{section}: no x-request-id is made");
+            assert_eq!(correlation.is_some(), corr, "{section}");
+        }
+        assert_eq!(line["request_id"].is_string(), corr, "{section}: {line}");
+    }
 }

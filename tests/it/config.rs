@@ -444,3 +444,20 @@ breaker = { failure_rate = 2.0, consecutive_failures = 0, min_requests = 0 }
     assert_reported(&errs, &expect);
     assert_eq!(errs.len(), 6, "{errs:#?}");
 }
+
+#[test]
+fn a_request_id_header_must_be_a_free_header_name() {
+    for (header, why) in [
+        ("bad header", "is not a header name"),
+        ("Host", "frames, routes or traces the request"),
+        ("traceparent", "frames, routes or traces the request"),
+        ("x-herdguard-attempt", "or is herdguard's own"),
+    ] {
+        let errs = errors(&format!("[request_id]\nheader = \"{header}\"\n"));
+        assert!(
+            errs.iter()
+                .any(|e| e.starts_with("request_id.header (line 2):") && e.contains(why)),
+            "{header}: {errs:?}"
+        );
+    }
+}

@@ -1,0 +1,144 @@
+//! A request's identity: its id (`x-request-id`, kept from the caller or
+//! made here) and the trace it belongs to (W3C `traceparent`), for the
+//! access log and the log lines about it.
+
+use http::{HeaderMap, HeaderName, HeaderValue};
+use rand::Rng as _;
+
+/// The longest id kept from a caller; a longer one is replaced.
+pub const MAX_ID: usize = 200;
+
+/// The request's id in `name`: the caller's, if it sent one that is
+/// printable and at most [`MAX_ID`] bytes, else one made here (a random
+/// UUID), set in `headers` so that every attempt carries it upstream.
+pub fn keep_or_make(name: &HeaderName, headers: &mut HeaderMap) -> HeaderValue {
+    if let Some(id) = headers.get(name).filter(|v| usable(v.as_bytes())) {
+        return id.clone();
+    }
+    let id = made();
+    // One field, never a list of ids (a second one was sent, or an unusable one).
+    headers.insert(name.clone(), id.clone());
+    id
+}
+
+fn usable(id: &[u8]) -> bool {
+    !id.is_empty() && id.len() <= MAX_ID && id.iter().all(|b| b.is_ascii_graphic())
+}
+
+/// A random (version 4) UUID, as Envoy makes them.
+fn made() -> HeaderValue {
+    let mut bits: u128 = rand::rng().random();
+    // Version 4, variant 1 (RFC 9562).
+    bits = (bits & !(0xF << 76)) | (0x4 << 76);
+    bits = (bits & !(0x3 << 62)) | (0x2 << 62);
+    let hex = format!("{bits:032x}");
+    let mut id = String::with_capacity(36);
+    for (i, part) in [0..8, 8..12, 12..16, 16..20, 20..32]
+        .into_iter()
+        .enumerate()
+    {
+        if i > 0 {
+            id.push('-');
+        }
+        id.push_str(&hex[part]);
+    }
+    HeaderValue::from_str(&id).unwrap_or(HeaderValue::from_static("-"))
+}
+
+/// The trace id of a W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`),
+/// when the field is one and the id is not all zeros.
+pub fn trace_id(headers: &HeaderMap) -> Option<TraceId> {
+    let field = headers.get("traceparent")?.as_bytes();
+    let mut parts = field.split(|b| *b == b'-');
+    let (version, id, parent, flags) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |p: &[u8], n: usize| {
+        p.len() == n
+            && p.iter()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b))
+    };
+    let well_formed = hex(version, 2)
+        && version != b"ff"
+        && hex(id, 32)
+        && hex(parent, 16)
+        && hex(flags, 2)
+        && (version != b"00" || parts.next().is_none());
+    let id = u128::from_str_radix(std::str::from_utf8(id).ok()?, 16).ok()?;
+    (well_formed && id != 0).then_some(TraceId(id))
+}
+
+/// A trace id (128 bits), written as 32 lowercase hex digits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TraceId(pub u128);
+
+impl std::fmt::Display for TraceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_usable_id_is_kept_and_any_other_replaced() {
+        let name = HeaderName::from_static("x-request-id");
+        let mut h = HeaderMap::new();
+        h.insert(&name, HeaderValue::from_static("abc-123"));
+        assert_eq!(keep_or_make(&name, &mut h), "abc-123");
+        for bad in ["", "has space", &"x".repeat(MAX_ID + 1)] {
+            let mut h = HeaderMap::new();
+            h.insert(&name, HeaderValue::from_str(bad).unwrap());
+            let id = keep_or_make(&name, &mut h);
+            assert_ne!(id, bad);
+            assert_eq!(h.get_all(&name).iter().count(), 1);
+            assert_eq!(h.get(&name), Some(&id));
+        }
+    }
+
+    #[test]
+    fn made_ids_are_version_4_uuids_and_differ() {
+        let name = HeaderName::from_static("x-request-id");
+        let ids: std::collections::HashSet<String> = (0..1000)
+            .map(|_| {
+                let id = keep_or_make(&name, &mut HeaderMap::new());
+                id.to_str().unwrap().to_owned()
+            })
+            .collect();
+        assert_eq!(ids.len(), 1000);
+        for id in ids.iter().take(20) {
+            let b = id.as_bytes();
+            assert_eq!(b.len(), 36, "{id}");
+            assert_eq!([b[8], b[13], b[18], b[23]], [b'-'; 4], "{id}");
+            assert_eq!(b[14], b'4', "version 4: {id}");
+            assert!(b"89ab".contains(&b[19]), "variant 1: {id}");
+        }
+    }
+
+    #[test]
+    fn trace_ids_are_read_from_well_formed_traceparents_only() {
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert("traceparent", HeaderValue::from_str(v).unwrap());
+            trace_id(&h)
+        };
+        let id = "4bf92f3577b34da6a3ce929d0e0e4736";
+        assert_eq!(
+            with(&format!("00-{id}-00f067aa0ba902b7-01")).map(|t| t.to_string()),
+            Some(id.to_owned())
+        );
+        for bad in [
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736",
+            "garbage",
+        ] {
+            assert_eq!(with(bad), None, "{bad}");
+        }
+        // A later version may add fields.
+        assert!(with(&format!("01-{id}-00f067aa0ba902b7-01-later")).is_some());
+    }
+}

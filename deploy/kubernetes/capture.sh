@@ -1,6 +1,6 @@
 #!/bin/sh
 # Sends the pod's outbound TCP on the chosen ports to herdguard's listener
-# (iptables REDIRECT, IPv4 and, where the pod has it, IPv6), so that an app
+# (iptables REDIRECT; IPv4, and IPv6 when asked), so that an app
 # that knows nothing of herdguard goes through it. herdguard's own
 # connections (by its user id, as Istio excludes uid 1337) and the excluded
 # destinations are left alone. Run once per pod by an init container that
@@ -15,6 +15,11 @@
 #   CAPTURE_EXCLUDE  destination CIDRs never captured, space separated
 #                    (127.0.0.1/32: the pod talking to itself)
 #   CAPTURE_CHAIN    the chain's name (HERDGUARD_OUTPUT)
+#   CAPTURE_IPV6     1: capture IPv6 too (0). A redirected IPv6 connection
+#                    arrives at [::1]: only a listener on [::] takes it,
+#                    and that one is reachable from outside the pod too
+#                    (keep unrouted = "refuse" or a NetworkPolicy there).
+#                    Left at 0, IPv6 calls go out directly, uncaptured.
 set -eu
 
 port="${HERDGUARD_PORT:-15001}"
@@ -22,6 +27,7 @@ uid="${HERDGUARD_UID:-1337}"
 ports="${CAPTURE_PORTS:-80 8080}"
 exclude="${CAPTURE_EXCLUDE:-127.0.0.1/32}"
 chain="${CAPTURE_CHAIN:-HERDGUARD_OUTPUT}"
+ipv6="${CAPTURE_IPV6:-0}"
 
 rules() {
     tables="$1"
@@ -44,7 +50,7 @@ rules() {
 }
 
 rules iptables 4
-if command -v ip6tables >/dev/null 2>&1 && ip6tables -t nat -L OUTPUT >/dev/null 2>&1; then
+if [ "$ipv6" = 1 ]; then
     rules ip6tables 6
 fi
 echo "herdguard capture: tcp ports $ports -> :$port (uid $uid and $exclude excluded)"

@@ -97,7 +97,7 @@ impl Server {
         let admin_listener = bind("admin", config.admin.address).await?;
         let proxy_addr = local_addr(&listener);
         let admin_addr = local_addr(&admin_listener);
-        proxy.listening_on(proxy_addr);
+        proxy.listening_on(proxy_addr, admin_addr);
 
         let shared = Arc::new(Shared {
             proxy,

@@ -350,7 +350,8 @@ pub struct Proxy {
     pub swapped: tokio::sync::Notify,
     /// For `listen.unrouted = "passthrough"`.
     passthrough: std::sync::OnceLock<passthrough::Passthrough>,
-    listen: std::sync::OnceLock<SocketAddr>,
+    /// The addresses the callers' and the admin listener are bound to.
+    listen: std::sync::OnceLock<[SocketAddr; 2]>,
 }
 
 impl Proxy {
@@ -393,8 +394,8 @@ impl Proxy {
 
     /// The address callers reach the proxy at, once bound: a request
     /// passed through to it would loop.
-    pub fn listening_on(&self, addr: SocketAddr) {
-        let _ = self.listen.set(addr);
+    pub fn listening_on(&self, addr: SocketAddr, admin: SocketAddr) {
+        let _ = self.listen.set([addr, admin]);
     }
 
     /// A request no route takes, passed through: to where its connection
@@ -459,10 +460,11 @@ impl Proxy {
     /// What passes unrouted requests through, made when first needed.
     fn passthrough(&self) -> &passthrough::Passthrough {
         self.passthrough.get_or_init(|| {
-            let listen = self.listen.get().copied();
-            passthrough::Passthrough::new(
-                listen.unwrap_or(self.runtime.load().config.listen.address),
-            )
+            let own = self.listen.get().copied().unwrap_or_else(|| {
+                let config = &self.runtime.load().config;
+                [config.listen.address, config.admin.address]
+            });
+            passthrough::Passthrough::new(own)
         })
     }
 

@@ -42,6 +42,29 @@ fn looped(h: &http::HeaderMap) -> bool {
         .is_some()
 }
 
+/// A captured connection that leads back to the proxy: its own requests
+/// are being redirected to it, which is a setup mistake, said at most once
+/// a minute.
+fn captured_loop() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let last = LAST.load(Ordering::Relaxed);
+    if now >= last + 60
+        && LAST
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
+        tracing::warn!(
+            "a redirected connection leads back to herdguard: its own outbound traffic is being captured. \
+             The capture rules must exclude the user id herdguard runs as (HERDGUARD_UID for capture.sh, \
+             runAsUser of the herdguard container)"
+        );
+    }
+}
+
 /// Hops through herdguard a passed-through request may have made.
 const MAX_HOPS: usize = 8;
 
@@ -49,12 +72,14 @@ const MAX_HOPS: usize = 8;
 pub struct Passthrough {
     client: Client<HttpConnector, RequestBody>,
     pub tunnels: Arc<Tunnels>,
-    /// The proxy's own listener: a request for it would loop.
-    listen: SocketAddr,
+    /// The proxy's own listeners (callers', admin): a request for the
+    /// first would loop, and one for the admin listener would reach it
+    /// from loopback, with the rights of a local operator.
+    own: [SocketAddr; 2],
 }
 
 impl Passthrough {
-    pub fn new(listen: SocketAddr) -> Self {
+    pub fn new(own: [SocketAddr; 2]) -> Self {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
         http.set_connect_timeout(Some(CONNECT_TIMEOUT));
@@ -70,19 +95,21 @@ impl Passthrough {
         Self {
             client,
             tunnels: Tunnels::new(MAX_TUNNELS, TUNNEL_IDLE),
-            listen,
+            own,
         }
     }
 
-    /// Whether `authority` names the proxy's own listener (a loop).
+    /// Whether `authority` names one of the proxy's own listeners.
     fn is_self(&self, authority: &Authority) -> bool {
         let port = authority.port_u16().unwrap_or(80);
         let host = authority.host().trim_matches(['[', ']']);
-        port == self.listen.port()
-            && (host.eq_ignore_ascii_case("localhost")
-                || host
-                    .parse::<std::net::IpAddr>()
-                    .is_ok_and(|ip| ip == self.listen.ip() || ip.is_loopback()))
+        self.own.iter().any(|own| {
+            port == own.port()
+                && (host.eq_ignore_ascii_case("localhost")
+                    || host
+                        .parse::<std::net::IpAddr>()
+                        .is_ok_and(|ip| ip == own.ip() || ip.is_loopback()))
+        })
     }
 
     /// Sends `req` once to `authority` and streams its answer back.
@@ -94,6 +121,9 @@ impl Passthrough {
         write_timeout: Duration,
     ) -> Response<ResponseBody> {
         if self.is_self(&authority) || looped(req.headers()) {
+            if caller.original.is_some() {
+                captured_loop();
+            }
             return LocalError::BadRequest.response(&format!(
                 "{authority} is this proxy, or leads back to it: passing the request through would loop"
             ));

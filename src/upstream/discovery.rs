@@ -50,8 +50,7 @@ pub fn resolver(config: &DnsConfig) -> Result<TokioResolver, String> {
     options.ip_strategy = LookupIpStrategy::Ipv4AndIpv6;
     options.timeout = Duration::from_secs(2);
     options.attempts = 2;
-    // Answers are kept no longer than asked for: a refresh sees what the
-    // server says now, up to `dns_refresh`.
+    // Cleared at each refresh (see `resolve`).
     options.cache_size = 64;
     Ok(builder.build())
 }
@@ -280,6 +279,10 @@ async fn resolve(resolver: &TokioResolver, targets: &[Target]) -> Found {
     let mut addresses = Vec::new();
     let mut expires = Instant::now() + Duration::from_secs(3600);
     let mut gone = false;
+    // Asked afresh at each refresh: `dns_refresh` bounds how stale the
+    // endpoints may be, whatever the records' TTL (which only brings the
+    // next refresh sooner). The cache serves the names the targets share.
+    resolver.clear_cache();
     for (i, target) in targets.iter().enumerate() {
         if let Ok(ip) = target.name.parse::<IpAddr>() {
             addresses.push((i, ip));

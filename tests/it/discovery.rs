@@ -210,3 +210,38 @@ async fn every_address_of_a_name_is_an_endpoint_of_its_own() {
     assert_eq!(hg.metric(endpoints).await, 3.0);
     assert_eq!(gets(&hg, 15).await, 15);
 }
+
+/// `dns_refresh` bounds how stale the endpoints may be: a record with a
+/// long TTL is asked again at each refresh, not served from a cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_ttl_does_not_keep_endpoints_past_the_refresh() {
+    let dns = Dns::start().await;
+    dns.set_ttl(300);
+    let first = pod(ip(1), 0).await;
+    let port = first.upstream.addr.port();
+    let second = pod(ip(2), port).await;
+    dns.set("pods.test", &[ip(1)]);
+    let toml = format!(
+        "[dns]\nservers = [\"{}\"]\n\
+         [upstreams.u]\nendpoints = [\"http://pods.test:{port}\"]\ndiscovery = \"dns\"\ndns_refresh = \"1s\"\n\
+         [[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+        dns.addr
+    );
+    let hg = Binary::start(&toml).await;
+    assert_eq!(gets(&hg, 10).await, 10);
+    assert_eq!(first.upstream.hits(), 10);
+    dns.set("pods.test", &[ip(2)]);
+    let ejected = format!(
+        "herdguard_endpoint_ejected{{upstream=\"u\",endpoint=\"http://127.0.0.2:{port}\"}}"
+    );
+    let (hg_ref, series) = (&hg, ejected.as_str());
+    eventually(
+        Duration::from_secs(10),
+        "the new address within a few refreshes, though its TTL is 5 min",
+        move || async move { hg_ref.metrics().await.contains(series) },
+    )
+    .await;
+    assert_eq!(gets(&hg, 10).await, 10);
+    assert_eq!(second.upstream.hits(), 10, "all to the new address");
+    hg.terminate().await;
+}

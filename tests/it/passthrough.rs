@@ -117,6 +117,24 @@ async fn passthrough_sends_unrouted_requests_once_and_tunnels_connect() {
     )
     .await;
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    // Nor does it reach the admin listener from loopback (a local
+    // operator's rights, past `admin.token`): not as a request, nor as a tunnel.
+    let admin = raw_exchange(
+        &hg.listen,
+        format!(
+            "POST http://{0}/breakers/r/open HTTP/1.1\r\nHost: {0}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            hg.admin
+        )
+        .as_bytes(),
+    )
+    .await;
+    assert!(admin.starts_with("HTTP/1.1 400"), "{admin}");
+    let tunnel = raw_exchange(
+        &hg.listen,
+        format!("CONNECT {0} HTTP/1.1\r\nHost: {0}\r\n\r\n", hg.admin).as_bytes(),
+    )
+    .await;
+    assert!(!tunnel.starts_with("HTTP/1.1 200"), "{tunnel}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,5 +1,5 @@
 //! A DNS server on loopback for the discovery tests: answers A queries for
-//! the names it is given, with the addresses set now (TTL 1 s); AAAA with
+//! the names it is given, with the addresses set now (TTL 1 s unless set); AAAA with
 //! no record; any other name NXDOMAIN. Never the machine's resolver.
 
 use std::collections::HashMap;
@@ -13,6 +13,7 @@ pub struct Dns {
     pub addr: SocketAddr,
     records: Arc<Mutex<HashMap<String, Vec<Ipv4Addr>>>>,
     pub queries: Arc<std::sync::atomic::AtomicUsize>,
+    ttl: Arc<std::sync::atomic::AtomicU32>,
 }
 
 impl Dns {
@@ -21,7 +22,8 @@ impl Dns {
         let addr = socket.local_addr().unwrap();
         let records: Arc<Mutex<HashMap<String, Vec<Ipv4Addr>>>> = Arc::default();
         let queries = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let (r, q) = (records.clone(), queries.clone());
+        let ttl = Arc::new(std::sync::atomic::AtomicU32::new(1));
+        let (r, q, t) = (records.clone(), queries.clone(), ttl.clone());
         tokio::spawn(async move {
             let mut buf = [0u8; 512];
             loop {
@@ -31,7 +33,11 @@ impl Dns {
                 q.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 let answer = {
                     let records = r.lock().unwrap();
-                    answer(&buf[..n], &records)
+                    answer(
+                        &buf[..n],
+                        &records,
+                        t.load(std::sync::atomic::Ordering::SeqCst),
+                    )
                 };
                 if let Some(answer) = answer {
                     let _ = socket.send_to(&answer, from).await;
@@ -42,7 +48,13 @@ impl Dns {
             addr,
             records,
             queries,
+            ttl,
         }
+    }
+
+    /// Records are answered with this TTL from now on.
+    pub fn set_ttl(&self, seconds: u32) {
+        self.ttl.store(seconds, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// `name` (without the final dot) answers `addresses` from now on.
@@ -55,7 +67,7 @@ impl Dns {
 }
 
 /// The answer to one query, or `None` if it cannot be read.
-fn answer(query: &[u8], records: &HashMap<String, Vec<Ipv4Addr>>) -> Option<Vec<u8>> {
+fn answer(query: &[u8], records: &HashMap<String, Vec<Ipv4Addr>>, ttl: u32) -> Option<Vec<u8>> {
     if query.len() < 12 {
         return None;
     }
@@ -90,7 +102,7 @@ fn answer(query: &[u8], records: &HashMap<String, Vec<Ipv4Addr>>) -> Option<Vec<
     for ip in addresses {
         out.extend_from_slice(&[0xc0, 12]); // the question's name
         out.extend_from_slice(&[0, 1, 0, 1]); // A, IN
-        out.extend_from_slice(&1u32.to_be_bytes()); // TTL 1 s
+        out.extend_from_slice(&ttl.to_be_bytes());
         out.extend_from_slice(&[0, 4]);
         out.extend_from_slice(&ip.octets());
     }

@@ -55,18 +55,23 @@ pub async fn serve<B>(
         // read slowly (or many at once) share one page rather than hold one
         // each (with a thousand routes, a page is 6 MB). Once no one holds
         // it, the next scrape renders afresh.
+        //
+        // And at most two pages are held at once: while the last two are
+        // both still being sent, a scrape gets the newer, however old.
         let mut turn = shared.rendering.clone().lock_owned().await;
-        let reused = turn
-            .as_ref()
-            .filter(|(at, _)| at.elapsed() < REUSE_PAGE)
-            .and_then(|(_, page)| page.upgrade());
+        let reused = turn.as_ref().and_then(|(at, newest, older)| {
+            let young = at.elapsed() < REUSE_PAGE;
+            let page = newest.upgrade()?;
+            (young || older.strong_count() > 0).then_some(page)
+        });
         let rendered = match reused {
             Some(page) => Ok(Bytes::from_owner(SharedPage(page))),
             None => {
                 super::on_own_thread("herdguard-metrics", move || {
                     proxy.runtime().refresh_gauges();
                     let page = Arc::new(Page(proxy.metrics().render()));
-                    *turn = Some((std::time::Instant::now(), Arc::downgrade(&page)));
+                    let older = turn.take().map(|(_, newest, _)| newest).unwrap_or_default();
+                    *turn = Some((std::time::Instant::now(), Arc::downgrade(&page), older));
                     drop(turn);
                     Bytes::from_owner(SharedPage(page))
                 })

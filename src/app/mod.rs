@@ -58,7 +58,9 @@ pub struct Shared {
     reloading: std::sync::Mutex<()>,
     /// Held while `/metrics` is rendered: one scrape at a time.
     /// One `/metrics` render at a time, and the last page rendered.
-    pub(crate) rendering: Arc<tokio::sync::Mutex<Option<(std::time::Instant, admin::PageRef)>>>,
+    /// When the newest was rendered, the newest and the one before.
+    pub(crate) rendering:
+        Arc<tokio::sync::Mutex<Option<(std::time::Instant, admin::PageRef, admin::PageRef)>>>,
 }
 
 /// A running proxy.

@@ -123,3 +123,48 @@ async fn abandoned_scrapes_do_not_render_side_by_side() {
     assert!(hg.metrics().await.contains("route=\"r999\""));
     hg.terminate().await;
 }
+
+/// Slow scrapers each spaced past the second a page is shared for hold at
+/// most two pages between them: once the last two are both still being
+/// sent, a new scrape gets the newer. A page of 1,000 routes is megabytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_scrapers_hold_at_most_two_pages() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let up = ok_upstream("fine").await;
+    let hg = Binary::start(&routes(&up.url(), 1_000)).await;
+    // The admin connections counted when each page was rendered: one
+    // more for each page rendered afresh.
+    let mut seen = Vec::new();
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        // A small receive window: the page cannot all go into the kernel.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(16 * 1024).unwrap();
+        let mut conn = socket.connect(hg.admin.parse().unwrap()).await.unwrap();
+        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            .await
+            .unwrap();
+        // The first 64 KiB, then nothing more read: the rest waits unsent.
+        let mut head = vec![0u8; 64 * 1024];
+        let mut got = 0;
+        while got < head.len() {
+            let n = conn.read(&mut head[got..]).await.unwrap();
+            assert!(n > 0, "the page is longer");
+            got += n;
+        }
+        let text = String::from_utf8_lossy(&head);
+        let accepted = metric(
+            &text,
+            r#"herdguard_connections_accepted_total{listener="admin"}"#,
+        )
+        .expect("the listeners' series come first");
+        seen.push(accepted);
+        held.push(conn);
+        // Past the second a page is shared for regardless.
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+    }
+    assert_eq!(seen[0] + 1.0, seen[1], "a second page, rendered afresh");
+    assert_eq!(&seen[2..], &[seen[1], seen[1]], "then the newer is shared");
+    drop(held);
+    hg.terminate().await;
+}

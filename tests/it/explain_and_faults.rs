@@ -32,7 +32,7 @@ async fn explain_trace_on_opt_in() {
         .unwrap();
     let (status, headers, _) = send(&client(), req).await;
     assert_eq!(status, StatusCode::OK);
-    let trace = headers["x-herdguard-explain"].to_str().unwrap();
+    let trace = &explained(&headers);
     let steps: Vec<&str> = trace.split(';').collect();
     assert_eq!(steps.len(), 3, "{trace}");
     assert!(
@@ -78,7 +78,7 @@ async fn explain_shows_a_skipped_retry() {
         .unwrap();
     let (status, headers, _) = send(&client(), req).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    let trace = headers["x-herdguard-explain"].to_str().unwrap();
+    let trace = &explained(&headers);
     assert!(
         trace.starts_with("1=503@") && trace.ends_with(";skip=non_idempotent"),
         "{trace}"

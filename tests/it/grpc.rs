@@ -196,10 +196,7 @@ async fn grpc_calls_are_judged_by_their_grpc_status() {
     assert_eq!(calls.of("/safe.Svc/NoPushback"), 1);
     let a = call(&hg, "/safe.Svc/Pushback", &[("x-herdguard-explain", "1")]).await;
     assert_eq!(calls.of("/safe.Svc/Pushback"), 3);
-    let trace = a.headers["x-herdguard-explain"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let trace = explained(&a.headers);
     // Each wait at least the pushback (jitter may add to it, never take).
     let waits: Vec<u64> = trace
         .split(';')

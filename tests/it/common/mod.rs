@@ -394,3 +394,14 @@ pub fn test_tools() {
         "the test tools could not be installed: bash .ci/test-tools"
     );
 }
+
+/// The explain trace of a response, without the request id it ends with
+/// (`…;request_id=ID`, checked present).
+pub fn explained(headers: &http::HeaderMap) -> String {
+    let trace = headers["x-herdguard-explain"].to_str().unwrap();
+    let (steps, id) = trace
+        .rsplit_once(";request_id=")
+        .unwrap_or_else(|| panic!("no request id in {trace}"));
+    assert!(!id.is_empty(), "{trace}");
+    steps.to_owned()
+}

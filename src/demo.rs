@@ -460,7 +460,7 @@ pub async fn run(
     for c in callers {
         let _ = c.await;
     }
-    server.proxy().runtime().refresh_gauges();
+    server.proxy().refresh_gauges();
     let metrics = parse_metrics(&server.proxy().metrics().render());
     server.shutdown();
     server.wait().await;

@@ -68,7 +68,7 @@ pub async fn serve<B>(
             Some(page) => Ok(Bytes::from_owner(SharedPage(page))),
             None => {
                 super::on_own_thread("herdguard-metrics", move || {
-                    proxy.runtime().refresh_gauges();
+                    proxy.refresh_gauges();
                     let page = Arc::new(Page(proxy.metrics().render()));
                     let older = turn.take().map(|(_, newest, _)| newest).unwrap_or_default();
                     *turn = Some((std::time::Instant::now(), Arc::downgrade(&page), older));

@@ -569,7 +569,7 @@ fn matcher(report: &mut Report<'_>, path: &KeyPath, m: &MatchConfig) -> Option<M
     };
     let at = match &e {
         InvalidMatch::Path(key, _) => path.key(*key),
-        InvalidMatch::Host(_) => path.key("host"),
+        InvalidMatch::Host(_) | InvalidMatch::Wildcard(_) => path.key("host"),
         InvalidMatch::HeaderName(name) | InvalidMatch::HeaderValue { name, .. } => {
             path.key("headers").key(name.clone())
         }
@@ -629,12 +629,16 @@ pub(super) fn warnings(config: &Config, report: &mut Report<'_>) {
         );
     }
     if config.routes.is_empty() {
+        let what = match config.listen.unrouted {
+            super::Unrouted::Refuse => "every request is answered 404 no-route",
+            super::Unrouted::Passthrough => "every request is passed through, never retried",
+        };
         report(
             root.key("routes"),
-            "none: every request is answered 404 no-route (a hot reload to this file is refused)"
-                .into(),
+            format!("none: {what} (a hot reload to this file is refused)"),
         );
     }
+    sidecar_warnings(config, report);
     retry_warnings(
         report,
         &root.key("defaults").key("retry"),
@@ -669,6 +673,106 @@ pub(super) fn warnings(config: &Config, report: &mut Report<'_>) {
             );
         }
     }
+}
+
+/// What a sidecar's setup may say but not mean: an open proxy, DNS
+/// settings that do nothing, hosts written twice or never reached.
+fn sidecar_warnings(config: &Config, report: &mut Report<'_>) {
+    let root = KeyPath::root();
+    let listen = &config.listen;
+    if listen.unrouted == super::Unrouted::Passthrough && !listen.address.ip().is_loopback() {
+        report(
+            root.key("listen").key("unrouted"),
+            format!(
+                "\"passthrough\" on {}: anyone who reaches the listener can send requests and \
+                 tunnels anywhere through it (an open proxy); listen on loopback, or keep \"refuse\"",
+                listen.address
+            ),
+        );
+    }
+    let dns_upstreams = config
+        .upstreams
+        .values()
+        .any(|u| u.discovery == super::Discovery::Dns);
+    if !config.dns.servers.is_empty() && !dns_upstreams {
+        report(
+            root.key("dns").key("servers"),
+            "no upstream has discovery = \"dns\": these servers are never asked".into(),
+        );
+    }
+    for (name, u) in &config.upstreams {
+        if u.discovery != super::Discovery::Dns {
+            continue;
+        }
+        for (i, endpoint) in u.endpoints.iter().enumerate() {
+            let literal = endpoint
+                .parse::<http::Uri>()
+                .ok()
+                .and_then(|uri| uri.host().map(|h| h.trim_matches(['[', ']']).to_owned()))
+                .is_some_and(|host| host.parse::<std::net::IpAddr>().is_ok());
+            if literal {
+                report(
+                    root.key("upstreams").key(name.as_str()).key("endpoints").index(i),
+                    format!("{endpoint:?} is an address: there is no name to resolve, it is one endpoint"),
+                );
+            }
+        }
+    }
+    for (i, route) in config.routes.iter().enumerate() {
+        let Some(hosts) = &route.matcher.host else {
+            continue;
+        };
+        let mut seen = HashSet::new();
+        for (j, host) in hosts.0.iter().enumerate() {
+            if !seen.insert(host.to_ascii_lowercase()) {
+                report(
+                    root.key("routes")
+                        .index(i)
+                        .key("match")
+                        .key("host")
+                        .index(j),
+                    format!("{host:?} is in the list twice"),
+                );
+            }
+        }
+        if let Some(earlier) = shadowed_by(config, i) {
+            report(
+                root.key("routes").index(i).key("match").key("host"),
+                format!(
+                    "route {:?} comes first and takes every request for these hosts: this route is never reached",
+                    config.routes[earlier].name
+                ),
+            );
+        }
+    }
+}
+
+/// An earlier route that takes every request route `i` would (it looks at
+/// the host alone, and each of route `i`'s hosts is one of its hosts or
+/// under one of its wildcards).
+fn shadowed_by(config: &Config, i: usize) -> Option<usize> {
+    let hosts = config.routes[i].matcher.host.as_ref()?;
+    let covers = |pattern: &str, host: &str| {
+        let (p, h) = (pattern.to_ascii_lowercase(), host.to_ascii_lowercase());
+        match p.strip_prefix('*') {
+            Some(suffix) => h.ends_with(suffix) && h.len() > suffix.len() && !h.starts_with('*'),
+            None => p == h,
+        }
+    };
+    config.routes[..i].iter().position(|earlier| {
+        let m = &earlier.matcher;
+        let host_only = m.methods.is_none()
+            && m.path.is_none()
+            && m.path_prefix.is_none()
+            && m.headers.is_empty();
+        host_only
+            && m.host.as_ref().is_some_and(|theirs| {
+                hosts
+                    .0
+                    .iter()
+                    .all(|h| theirs.0.iter().any(|p| covers(p, h)))
+            })
+    })
 }
 
 /// Counts above this are warned of: more than any sidecar holds or sends.

@@ -364,7 +364,9 @@ fn help(name: &str) -> Option<&'static str> {
             "1 while the endpoint is out of rotation (ejected or being probed), else 0."
         }
         CONCURRENCY_LIMIT => "Requests the upstream may have in flight now (adaptive limit).",
-        TUNNELS_OPEN => "Upgraded connections (WebSockets) open to the upstream.",
+        TUNNELS_OPEN => {
+            "Upgraded connections (WebSockets) open to the upstream; for upstream=\"passthrough\", CONNECT tunnels passed through."
+        }
         DNS_RESOLUTIONS => {
             "Resolutions of a discovery = \"dns\" upstream's names, by result (ok; error: the last good endpoints kept; gone: the name does not exist)."
         }

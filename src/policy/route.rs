@@ -34,6 +34,8 @@ pub enum InvalidMatch {
     Path(&'static str, String),
     #[error("{0:?} is not a host name")]
     Host(String),
+    #[error("{0:?}: a wildcard is a leading \"*.\" before a domain (\"*.example.com\"), and nowhere else")]
+    Wildcard(String),
     #[error("{0:?} is not a header name")]
     HeaderName(String),
     #[error("{value:?} is not a header value")]
@@ -123,13 +125,20 @@ impl Matcher {
 }
 
 /// One host of `match.host`, compiled.
-fn host_match(h: &str) -> Result<HostMatch, InvalidMatch> {
-    if h.is_empty() || h.parse::<http::uri::Authority>().is_err() {
-        return Err(InvalidMatch::Host(h.to_owned()));
+fn host_match(written: &str) -> Result<HostMatch, InvalidMatch> {
+    // A name the request's host is compared with once its trailing dot is
+    // gone (`inventory.` is `inventory`); userinfo is never in a `Host`.
+    let h = without_root_dot(written);
+    if h.is_empty() || h.contains('@') || h.parse::<http::uri::Authority>().is_err() {
+        return Err(InvalidMatch::Host(written.to_owned()));
     }
     let h = h.to_ascii_lowercase();
-    Ok(if let Some(rest) = h.strip_prefix('*') {
-        HostMatch::Suffix(rest.to_owned())
+    let wildcard = h.strip_prefix("*.").map(|domain| format!(".{domain}"));
+    if wildcard.as_deref().unwrap_or(&h).contains('*') || wildcard.as_deref() == Some(".") {
+        return Err(InvalidMatch::Wildcard(written.to_owned()));
+    }
+    Ok(if let Some(suffix) = wildcard {
+        HostMatch::Suffix(suffix)
     } else if h.contains(':') && !h.ends_with(']') {
         HostMatch::Authority(h)
     } else {
@@ -315,6 +324,27 @@ mod tests {
         assert!(host("*.example.com").matches(&info(Some("a.b.example.com"), &get, "/", &h)));
         assert!(!host("*.example.com").matches(&info(Some("example.com"), &get, "/", &h)));
         assert!(host("[::1]").matches(&info(Some("[::1]:80"), &get, "/", &h)));
+        // A trailing dot is the same name.
+        assert!(host("A.COM.").matches(&info(Some("a.com"), &get, "/", &h)));
+        assert!(host("a.com").matches(&info(Some("a.com."), &get, "/", &h)));
+    }
+
+    #[test]
+    fn hosts_that_could_never_match_are_refused() {
+        for bad in [
+            "user@host",
+            "x.*",
+            "*.*.com",
+            "*example.com",
+            "*.",
+            "a*.com",
+        ] {
+            let m = MatchConfig {
+                host: Some(bad.into()),
+                ..Default::default()
+            };
+            assert!(Matcher::try_new(&m).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -448,6 +448,13 @@ impl Proxy {
             }
             None => LocalError::BadRequest.response("CONNECT needs host:port"),
         };
+        let mut resp = resp;
+        if !resp.status().is_success() {
+            // What the caller sends next may be the tunnel's first bytes
+            // (a TLS hello), never a request.
+            resp.headers_mut()
+                .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        }
         passed_through(&self.metrics, entry, &resp);
         resp
     }
@@ -470,6 +477,17 @@ impl Proxy {
 
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
+    }
+
+    /// Sets the gauges that are cheaper to compute when scraped: the
+    /// runtime's, and the passthrough tunnels open (once any was made).
+    pub fn refresh_gauges(&self) {
+        self.runtime.load().refresh_gauges();
+        if let Some(passthrough) = self.passthrough.get() {
+            self.metrics
+                .gauge(metrics::TUNNELS_OPEN, &[("upstream", metrics::PASSTHROUGH)])
+                .set(passthrough.tunnels.open() as f64);
+        }
     }
 
     /// Upgraded connections (WebSockets) open now, under any config.
@@ -776,6 +794,7 @@ fn passed_through(
     metrics::passthrough(registry, resp.status(), own);
     if let Some(entry) = entry.as_mut() {
         entry.route = Some(Arc::from(metrics::PASSTHROUGH));
+        entry.attempts = u32::from(resp.headers().contains_key(&headers::X_HERDGUARD_ATTEMPTS));
     }
 }
 

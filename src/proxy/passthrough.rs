@@ -143,6 +143,12 @@ impl Passthrough {
         if let Some(host) = original_host {
             h.insert(http::header::HOST, host);
         }
+        // Sent once: a mesh's proxy beside herdguard (Envoy) must not
+        // repeat it either, whatever the caller asked.
+        h.insert(
+            http::HeaderName::from_static("x-envoy-max-retries"),
+            http::HeaderValue::from_static("0"),
+        );
         let path = parts
             .uri
             .path_and_query()
@@ -163,7 +169,7 @@ impl Passthrough {
         *out.version_mut() = Version::HTTP_11;
         *out.headers_mut() = parts.headers;
         let sent = tokio::time::timeout(HEADERS_TIMEOUT, self.client.request(out)).await;
-        match sent {
+        let mut resp = match sent {
             Ok(Ok(resp)) => {
                 let (mut parts, body) = resp.into_parts();
                 headers::strip_hop_by_hop(&mut parts.headers, false);
@@ -182,7 +188,13 @@ impl Passthrough {
             Err(_) => LocalError::Timeout.response(&format!(
                 "{authority} (passthrough) sent no response headers within {HEADERS_TIMEOUT:?}"
             )),
-        }
+        };
+        // One attempt, whatever came of it.
+        resp.headers_mut().insert(
+            &headers::X_HERDGUARD_ATTEMPTS,
+            http::HeaderValue::from_static("1"),
+        );
+        resp
     }
 
     /// Answers a `CONNECT authority` with 200 once a connection to it is

@@ -109,6 +109,10 @@ pub(crate) struct Names {
     /// When the names are to be asked again.
     due: Mutex<Instant>,
     resolving: AtomicBool,
+    /// The last resolution found the name gone: a second in a row puts
+    /// the endpoints as written in place (one NXDOMAIN may be a server's
+    /// passing mistake, and would drop every endpoint known good).
+    gone_once: AtomicBool,
 }
 
 impl Names {
@@ -128,6 +132,7 @@ impl Names {
             registry,
             due: Mutex::new(Instant::now()),
             resolving: AtomicBool::new(false),
+            gone_once: AtomicBool::new(false),
         }
     }
 }
@@ -169,6 +174,7 @@ impl Upstream {
         let dns = self.metrics.dns.as_ref();
         match found {
             Found::Addresses(addresses, expires) => {
+                names.gone_once.store(false, Ordering::Relaxed);
                 next = next.min(expires.max(Instant::now() + MIN_REFRESH));
                 if let Some(m) = dns {
                     m.ok.increment(1);
@@ -179,8 +185,13 @@ impl Upstream {
                 if let Some(m) = dns {
                     m.gone.increment(1);
                 }
-                tracing::warn!(upstream = %self.name, "no DNS name of the upstream exists; its endpoints are the names as written");
-                self.replace_members(names, &[]);
+                if names.gone_once.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(upstream = %self.name, "no DNS name of the upstream exists; its endpoints are the names as written");
+                    self.replace_members(names, &[]);
+                } else {
+                    tracing::warn!(upstream = %self.name, "no DNS name of the upstream exists; the last endpoints found stay until the next resolution says so too");
+                    next = Instant::now() + refresh.min(MIN_REFRESH * 5);
+                }
             }
             Found::Failed(why) => {
                 if let Some(m) = dns {

@@ -461,3 +461,77 @@ fn a_request_id_header_must_be_a_free_header_name() {
         );
     }
 }
+
+/// What a sidecar's config may say but not mean: `check` warns of it,
+/// naming key and line, and still accepts the file.
+#[test]
+fn check_warns_of_sidecar_settings_that_do_not_do_what_they_say() {
+    let warnings = |toml: &str| {
+        Config::check_str(toml)
+            .unwrap()
+            .warnings
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+    };
+    let open = warnings("[listen]\naddress = \"0.0.0.0:8080\"\nunrouted = \"passthrough\"\n");
+    assert_reported(
+        &open,
+        &[
+            "listen.unrouted (line 3): \"passthrough\" on 0.0.0.0:8080: anyone who reaches",
+            "routes: none: every request is passed through",
+        ],
+    );
+    let dns = warnings(
+        "[dns]\nservers = [\"127.0.0.1:53\"]\n\
+         [upstreams.a]\nendpoints = [\"http://10.0.0.1:80\"]\ndiscovery = \"dns\"\n",
+    );
+    assert_reported(
+        &dns,
+        &["upstreams.a.endpoints[0] (line 4): \"http://10.0.0.1:80\" is an address"],
+    );
+    let unused = warnings(
+        "[dns]\nservers = [\"127.0.0.1:53\"]\n[upstreams.a]\nendpoints = [\"http://a:80\"]\n",
+    );
+    assert_reported(
+        &unused,
+        &["dns.servers (line 2): no upstream has discovery"],
+    );
+    let hosts = warnings(
+        "[upstreams.u]\nendpoints = [\"http://127.0.0.1:3000\"]\n\
+         [[routes]]\nname = \"all\"\nupstream = \"u\"\nmatch = { host = \"*.example.com\" }\n\
+         [[routes]]\nname = \"api\"\nupstream = \"u\"\nmatch = { host = [\"api.example.com\", \"API.example.com\"] }\n",
+    );
+    assert_reported(
+        &hosts,
+        &[
+            "routes[1].match.host[1] (line 10): \"API.example.com\" is in the list twice",
+            "routes[1].match.host (line 10): route \"all\" comes first",
+        ],
+    );
+    // A narrower earlier route shadows nothing.
+    let narrow = warnings(
+        "[upstreams.u]\nendpoints = [\"http://127.0.0.1:3000\"]\n\
+         [[routes]]\nname = \"all\"\nupstream = \"u\"\nmatch = { host = \"*.example.com\", path_prefix = \"/v1/\" }\n\
+         [[routes]]\nname = \"api\"\nupstream = \"u\"\nmatch = { host = \"api.example.com\" }\n",
+    );
+    assert!(
+        !narrow.iter().any(|w| w.contains("never reached")),
+        "{narrow:?}"
+    );
+}
+
+#[test]
+fn hosts_that_could_never_match_are_errors() {
+    for bad in ["user@host", "x.*", "*.*.com", "*example.com"] {
+        let errs = errors(&format!(
+            "[upstreams.u]\nendpoints = [\"http://127.0.0.1:3000\"]\n\
+             [[routes]]\nname = \"r\"\nupstream = \"u\"\nmatch = {{ host = \"{bad}\" }}\n"
+        ));
+        assert!(
+            errs.iter()
+                .any(|e| e.starts_with("routes[0].match.host (line 6)")),
+            "{bad}: {errs:?}"
+        );
+    }
+}

@@ -245,3 +245,51 @@ async fn a_long_ttl_does_not_keep_endpoints_past_the_refresh() {
     assert_eq!(second.upstream.hits(), 10, "all to the new address");
     hg.terminate().await;
 }
+
+/// One NXDOMAIN is not taken at its word: the endpoints known good stay
+/// until a second resolution in a row says the name is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_nxdomain_keeps_the_endpoints_known_good() {
+    let dns = Dns::start().await;
+    let only = pod(ip(1), 0).await;
+    let port = only.upstream.addr.port();
+    dns.set("pods.test", &[ip(1)]);
+    let toml = format!(
+        "[dns]\nservers = [\"{}\"]\n\
+         [upstreams.u]\nendpoints = [\"http://pods.test:{port}\"]\ndiscovery = \"dns\"\ndns_refresh = \"1s\"\n\
+         [[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+        dns.addr
+    );
+    let hg = Binary::start(&toml).await;
+    assert_eq!(gets(&hg, 5).await, 5);
+    dns.remove("pods.test");
+    let gone = r#"herdguard_dns_resolutions_total{upstream="u",result="gone"}"#;
+    let hg_ref = &hg;
+    eventually(Duration::from_secs(10), "an NXDOMAIN", move || async move {
+        hg_ref.metric(gone).await >= 1.0
+    })
+    .await;
+    dns.set("pods.test", &[ip(1)]);
+    assert_eq!(gets(&hg, 5).await, 5, "still served by the pod");
+    let ok = r#"herdguard_dns_resolutions_total{upstream="u",result="ok"}"#;
+    let before = hg.metric(ok).await;
+    eventually(
+        Duration::from_secs(10),
+        "a good answer again",
+        move || async move { hg_ref.metric(ok).await > before },
+    )
+    .await;
+    assert_eq!(hg.metric(gone).await, 1.0);
+    assert_eq!(gets(&hg, 5).await, 5);
+    let logged = hg.terminate().await;
+    assert!(
+        logged
+            .iter()
+            .any(|l| l.contains("the last endpoints found stay")),
+        "{logged:#?}"
+    );
+    assert!(
+        !logged.iter().any(|l| l.contains("names as written")),
+        "the pod's endpoint was never dropped: {logged:#?}"
+    );
+}

@@ -5,6 +5,8 @@
 
 use crate::common;
 
+use std::time::Duration;
+
 use http::{Response, StatusCode};
 
 use common::process::Binary;
@@ -60,6 +62,10 @@ async fn passthrough_sends_unrouted_requests_once_and_tunnels_connect() {
     let seen = other.last();
     assert_eq!(seen.uri.path_and_query().unwrap().as_str(), "/p?q=1");
     assert!(seen.headers.get("via").is_some(), "passed through this hop");
+    assert_eq!(
+        seen.headers["x-envoy-max-retries"], "0",
+        "a mesh beside herdguard is told not to repeat it either"
+    );
 
     // Once, never retried, even a GET answered 503.
     let target = down.addr;
@@ -70,6 +76,12 @@ async fn passthrough_sends_unrouted_requests_once_and_tunnels_connect() {
     )
     .await;
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(
+        answer
+            .to_ascii_lowercase()
+            .contains("x-herdguard-attempts: 1\r\n"),
+        "{answer}"
+    );
     assert_eq!(down.hits(), 1, "a passed-through request is sent once");
     let passed = r#"herdguard_requests_total{route="passthrough",code="200",source="upstream"}"#;
     assert_eq!(hg.metric(passed).await, 1.0);
@@ -103,6 +115,16 @@ async fn passthrough_sends_unrouted_requests_once_and_tunnels_connect() {
     // The tunnel is counted with the passed-through request, not as the
     // proxy's own answer.
     assert_eq!(hg.metric(passed).await, 2.0, "the tunnel counted");
+    let open = r#"herdguard_tunnels_open{upstream="passthrough"}"#;
+    assert_eq!(hg.metric(open).await, 1.0, "the tunnel is open");
+    drop(tunnel);
+    let hg_ref = &hg;
+    eventually(
+        Duration::from_secs(5),
+        "the tunnel closed",
+        move || async move { hg_ref.metric(open).await == 0.0 },
+    )
+    .await;
     let own = r#"herdguard_requests_total{route="passthrough",code="200",source="proxy"}"#;
     assert_eq!(hg.metric(own).await, 0.0, "a tunnel opened is no error");
 

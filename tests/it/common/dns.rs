@@ -57,6 +57,14 @@ impl Dns {
         self.ttl.store(seconds, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// `name` is answered NXDOMAIN from now on.
+    pub fn remove(&self, name: &str) {
+        self.records
+            .lock()
+            .unwrap()
+            .remove(&name.to_ascii_lowercase());
+    }
+
     /// `name` (without the final dot) answers `addresses` from now on.
     pub fn set(&self, name: &str, addresses: &[Ipv4Addr]) {
         self.records

@@ -200,3 +200,117 @@ fn bad_latency_buckets_name_the_key_and_line() {
         assert!(errs.contains(expect), "{expect:?} in {errs}");
     }
 }
+
+/// The metric names an expression queries: `herdguard_*` and `process_*`,
+/// a histogram's `_bucket`, `_sum` and `_count` read as its family.
+fn metric_names(expr: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = expr;
+    while let Some(at) = ["herdguard_", "process_"]
+        .iter()
+        .filter_map(|p| rest.find(p))
+        .min()
+    {
+        let tail = &rest[at..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        let name = &tail[..end];
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(name);
+        names.push(family.to_owned());
+        rest = &tail[end..];
+    }
+    names
+}
+
+/// Every expression of the shipped Grafana dashboard and alerting rules.
+fn shipped_queries() -> Vec<String> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("deploy/grafana/herdguard-dashboard.json")).unwrap(),
+    )
+    .unwrap();
+    let mut exprs: Vec<String> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["targets"].as_array().unwrap().iter())
+        .map(|t| t["expr"].as_str().unwrap().to_owned())
+        .collect();
+    let rules =
+        std::fs::read_to_string(root.join("deploy/prometheus/herdguard-alerts.yaml")).unwrap();
+    let rules = &yaml_rust2::YamlLoader::load_from_str(&rules).unwrap()[0];
+    for group in rules["groups"].as_vec().unwrap() {
+        for rule in group["rules"].as_vec().unwrap() {
+            exprs.push(rule["expr"].as_str().unwrap().to_owned());
+        }
+    }
+    exprs
+}
+
+#[test]
+fn metric_names_are_read_from_expressions() {
+    assert_eq!(
+        metric_names(
+            "histogram_quantile(0.9, sum by (le) (rate(herdguard_backoff_seconds_bucket[5m]))) / process_open_fds"
+        ),
+        ["herdguard_backoff_seconds", "process_open_fds"]
+    );
+}
+
+/// The dashboard and the alerting rules query only metrics a live proxy
+/// exposes, and promtool accepts the rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_and_alerts_query_metrics_that_exist() {
+    test_tools();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let checked = std::process::Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(root.join("deploy/prometheus/herdguard-alerts.yaml"))
+        .output()
+        .unwrap();
+    assert!(
+        checked.status.success(),
+        "promtool check rules: {}{}",
+        String::from_utf8_lossy(&checked.stdout),
+        String::from_utf8_lossy(&checked.stderr)
+    );
+
+    // A proxy whose one route retries over two endpoints, with the access
+    // log on, after a retried request: every family a panel reads is there.
+    let a = flaky_upstream().await;
+    let b = flaky_upstream().await;
+    let toml = format!(
+        "[access_log]\nenabled = true\n\
+         [upstreams.api]\nendpoints = [\"{}\", \"{}\"]\n\
+         [[routes]]\nname = \"api\"\nupstream = \"api\"\n\
+         retry = {{ attempts = 3, backoff = {{ base = \"5ms\", cap = \"10ms\" }} }}\n",
+        a.url(),
+        b.url()
+    );
+    let hg = Binary::start_adjusted("", &toml, |cmd| {
+        cmd.stdout(std::process::Stdio::null());
+    })
+    .await;
+    for path in ["/flaky", "/flaky", "/a"] {
+        call(&hg, path).await;
+    }
+    let text = hg.metrics().await;
+    let queries = shipped_queries();
+    assert!(queries.len() >= 20, "{} queries", queries.len());
+    let mut missing = std::collections::BTreeSet::new();
+    for expr in &queries {
+        let names = metric_names(expr);
+        assert!(!names.is_empty(), "no metric in {expr}");
+        for name in names {
+            if !text.contains(&format!("# TYPE {name} ")) {
+                missing.insert(name);
+            }
+        }
+    }
+    assert!(missing.is_empty(), "queried, not exposed: {missing:?}");
+    hg.terminate().await;
+}

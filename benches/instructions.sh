@@ -15,6 +15,8 @@
 #   PROXIES=herdguard benches/instructions.sh   # only herdguard, while iterating
 #   PROXIES="herdguard herdguard-access-log" benches/instructions.sh   # the access log's cost
 #   PROXIES="herdguard herdguard-hedge" benches/instructions.sh   # hedging on, never triggered
+#   PROXIES="herdguard herdguard-no-id herdguard-tracing" benches/instructions.sh
+#       # the request id's cost (on by default), and tracing on at 100% sampling
 #
 # Installs valgrind, nginx and HAProxy from Debian, and oha with cargo, when missing.
 set -euo pipefail
@@ -55,6 +57,11 @@ herdguard_conf herdguard $HG_PORT $HG_ADMIN $UP_PORT 3
 # so no hedge is sent; what is measured is the timer each attempt arms.
 sed 's/^retry = { attempts = 3 }$/retry = { attempts = 3, hedge_after = "50ms" }/' "$WORK/herdguard.toml" > "$WORK/herdguard-hedge.toml"
 grep -q hedge_after "$WORK/herdguard-hedge.toml"
+# Without the request id (on by default).
+{ cat "$WORK/herdguard.toml"; printf '[request_id]\nenabled = false\n'; } > "$WORK/herdguard-no-id.toml"
+# Tracing on, every request sampled, spans exported to the upstream nginx
+# (which answers the export 404 or 405: the export's whole work is done).
+{ cat "$WORK/herdguard.toml"; printf '[tracing]\notlp_endpoint = "http://127.0.0.1:%s"\nsample_ratio = 1.0\n' $UP_PORT; } > "$WORK/herdguard-tracing.toml"
 
 wait_port $UP_PORT
 
@@ -79,8 +86,8 @@ export RUST_LOG=warn
         haproxy) echo "haproxy $n $(count haproxy $HAPROXY_PORT TERM "$n" haproxy -db -f "$WORK/haproxy.cfg")" ;;
         herdguard) echo "herdguard $n $(count herdguard $HG_PORT INT "$n" "${HERDGUARD:-./target/release/herdguard}" --config "$WORK/herdguard.toml" --threads 1)" ;;
         herdguard-access-log) echo "herdguard-access-log $n $(count herdguard-access-log $HG_PORT INT "$n" "${HERDGUARD:-./target/release/herdguard}" --config "$WORK/herdguard-access-log.toml" --threads 1)" ;;
-        herdguard-hedge) echo "herdguard-hedge $n $(count herdguard-hedge $HG_PORT INT "$n" "${HERDGUARD:-./target/release/herdguard}" --config "$WORK/herdguard-hedge.toml" --threads 1)" ;;
-        *) echo "unknown proxy $proxy (nginx, haproxy, herdguard, herdguard-access-log, herdguard-hedge)" >&2; exit 2 ;;
+        herdguard-hedge|herdguard-no-id|herdguard-tracing) echo "$proxy $n $(count "$proxy" $HG_PORT INT "$n" "${HERDGUARD:-./target/release/herdguard}" --config "$WORK/$proxy.toml" --threads 1)" ;;
+        *) echo "unknown proxy $proxy (nginx, haproxy, herdguard, herdguard-access-log, herdguard-hedge, herdguard-no-id, herdguard-tracing)" >&2; exit 2 ;;
       esac
     done
   done

@@ -46,6 +46,8 @@ pub enum StartError {
     Build(#[from] BuildError),
     #[error("listen.tls: {0}")]
     Tls(#[from] crate::config::tls::TlsError),
+    #[error("{0}")]
+    Tracing(String),
 }
 
 /// State shared by the proxy and admin listeners.
@@ -82,9 +84,11 @@ impl Server {
     /// Builds the runtime from `config`, binds both listeners and starts serving.
     pub async fn start_validated(config: Validated) -> Result<Server, StartError> {
         let metrics = Metrics::with_buckets(&config.config().metrics.latency_buckets);
+        let tracing = crate::observe::trace::Tracing::start(&config.config().tracing)
+            .map_err(StartError::Tracing)?;
         let runtime = Runtime::build(config, &metrics)?;
         let config = runtime.config.clone();
-        let proxy = Arc::new(Proxy::new(runtime, metrics));
+        let proxy = Arc::new(Proxy::new(runtime, metrics).traced(tracing));
 
         let bind = |what, addr| async move {
             TcpListener::bind(addr)
@@ -437,6 +441,11 @@ async fn run(
     let _ = admin_stop.send(true);
     let _ = admin.await;
     let _ = upkeep.await;
+    // The last spans are sent before the process ends; the export they
+    // wait on runs on this runtime.
+    if let Some(tracing) = shared.proxy.tracing().cloned() {
+        let _ = tokio::task::spawn_blocking(move || tracing.shutdown()).await;
+    }
 }
 
 /// Runs `work` on a thread that ends with it, and waits for it without

@@ -121,6 +121,12 @@ fn warn_of_kept_listeners(running: &Config, new: &Config) {
             warn!(key = what, running = %old, configured = %new, "a new listen address needs a restart; keeping the running one");
         }
     }
+    if new.tracing != running.tracing {
+        warn!(
+            key = "tracing",
+            "a change to [tracing] needs a restart; keeping the running exporter"
+        );
+    }
     if new.metrics != running.metrics {
         warn!(
             key = "metrics",

@@ -366,6 +366,11 @@ impl<'i> Loader<'_, 'i> {
                         config.request_id = v;
                     }
                 }
+                "tracing" => {
+                    if let Some(v) = self.section(value, &path) {
+                        config.tracing = v;
+                    }
+                }
                 "upstreams" => match value.get_ref() {
                     DeValue::Table(table) => {
                         for (name, upstream) in table.iter() {
@@ -398,7 +403,7 @@ impl<'i> Loader<'_, 'i> {
                     path,
                     Some(value.span()),
                     format!(
-                        "unknown key {other:?} (expected listen, admin, access_log, metrics, request_id, dns, upstreams, defaults or routes)"
+                        "unknown key {other:?} (expected listen, admin, access_log, metrics, request_id, tracing, dns, upstreams, defaults or routes)"
                     ),
                 ),
             }

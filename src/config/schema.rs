@@ -42,6 +42,37 @@ pub struct Config {
     pub metrics: MetricsConfig,
     #[serde(default)]
     pub request_id: RequestIdConfig,
+    #[serde(default)]
+    pub tracing: TracingConfig,
+}
+
+/// `[tracing]`: spans exported with OpenTelemetry over OTLP/HTTP. Off
+/// unless an endpoint is set here or in `OTEL_EXPORTER_OTLP_ENDPOINT`.
+/// Read at start (a reload that changes it says so).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TracingConfig {
+    /// The collector's OTLP/HTTP address (`http://HOST:4318`); spans go
+    /// to its `/v1/traces`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub otlp_endpoint: Option<String>,
+    /// The share of new traces kept (0.0–1.0); a caller's sampled flag is
+    /// followed.
+    pub sample_ratio: f64,
+    /// The `service.name` of the spans; empty: `OTEL_SERVICE_NAME`, else
+    /// `herdguard`.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub service_name: String,
+}
+
+impl Default for TracingConfig {
+    fn default() -> Self {
+        Self {
+            otlp_endpoint: None,
+            sample_ratio: 1.0,
+            service_name: String::new(),
+        }
+    }
 }
 
 /// `[request_id]`: every request carries an id, the caller's or one made

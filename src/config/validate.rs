@@ -113,6 +113,7 @@ pub(super) fn validate(
 
     buckets(report, &root, &config.metrics.latency_buckets);
     request_id(report, &root, &config.request_id);
+    tracing_config(report, &root, &config.tracing);
 
     let defaults = root.key("defaults");
     retry(report, &defaults.key("retry"), &config.defaults.retry);
@@ -177,6 +178,28 @@ pub const MAX_DNS_ENDPOINTS: usize = 128;
 
 /// The config has no more routes, upstreams, or endpoints per upstream
 /// than the proxy takes; the first one past a bound is named.
+fn tracing_config(report: &mut Report<'_>, root: &KeyPath, c: &crate::config::TracingConfig) {
+    let key = root.key("tracing");
+    if let Some(endpoint) = &c.otlp_endpoint {
+        let uri = endpoint.parse::<Uri>().ok();
+        let fine = uri.as_ref().is_some_and(|u| {
+            matches!(u.scheme_str(), Some("http" | "https")) && u.authority().is_some()
+        });
+        if !fine {
+            report(
+                key.key("otlp_endpoint"),
+                format!("{endpoint:?} is not an http:// or https:// URL, such as \"http://otel-collector:4318\""),
+            );
+        }
+    }
+    if !(0.0..=1.0).contains(&c.sample_ratio) {
+        report(
+            key.key("sample_ratio"),
+            format!("{} is out of range 0.0..=1.0", c.sample_ratio),
+        );
+    }
+}
+
 /// Fields a request id may not be carried in: they frame the message, route
 /// it, or are the proxy's own.
 const NOT_AN_ID: &[&str] = &[

@@ -322,12 +322,24 @@ pin_project_lite::pin_project! {
         #[pin]
         body: B,
         entry: Option<Box<Entry>>,
+        // The request's span (tracing on): ended when this is dropped.
+        trace: Option<Box<crate::observe::trace::RequestTrace>>,
     }
 }
 
 impl<B> Logged<B> {
     pub fn new(body: B, entry: Option<Box<Entry>>) -> Self {
-        Self { body, entry }
+        Self {
+            body,
+            entry,
+            trace: None,
+        }
+    }
+
+    /// Keeps the request's span until the response is over.
+    pub fn traced(mut self, trace: Option<Box<crate::observe::trace::RequestTrace>>) -> Self {
+        self.trace = trace;
+        self
     }
 }
 

@@ -1,5 +1,6 @@
-//! What operators see: Prometheus metrics, the access log, logging.
+//! What operators see: Prometheus metrics, the access log, logging, traces.
 
 pub mod access_log;
 pub(crate) mod metrics;
 pub mod telemetry;
+pub mod trace;

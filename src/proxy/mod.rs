@@ -8,6 +8,7 @@ mod response;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use crate::observe::trace::{RequestTrace, Tracing};
 use crate::wire::identity;
 use crate::wire::{CallerBody, CallerUpgrade};
 use arc_swap::ArcSwap;
@@ -352,9 +353,22 @@ pub struct Proxy {
     passthrough: std::sync::OnceLock<passthrough::Passthrough>,
     /// The addresses the callers' and the admin listener are bound to.
     listen: std::sync::OnceLock<[SocketAddr; 2]>,
+    /// `[tracing]`, when on.
+    tracing: Option<Arc<Tracing>>,
 }
 
 impl Proxy {
+    /// Traces its requests with `tracing` (OpenTelemetry), when on.
+    pub fn traced(mut self, tracing: Option<Arc<Tracing>>) -> Self {
+        self.tracing = tracing;
+        self
+    }
+
+    /// The tracer, when tracing is on.
+    pub fn tracing(&self) -> Option<&Arc<Tracing>> {
+        self.tracing.as_ref()
+    }
+
     pub fn new(runtime: Runtime, metrics: Arc<Metrics>) -> Self {
         let body_memory = Arc::new(BodyMemory::new(
             runtime.config.listen.max_body_memory,
@@ -369,6 +383,7 @@ impl Proxy {
             swapped: tokio::sync::Notify::new(),
             passthrough: std::sync::OnceLock::new(),
             listen: std::sync::OnceLock::new(),
+            tracing: None,
         }
     }
 
@@ -512,18 +527,25 @@ impl Proxy {
         let grpc = headers::is_grpc(req.headers());
         // Made in a block of its own, so that what is only needed before
         // the answer takes no room in the future while the answer is awaited.
-        let (mut entry, explain_id, span) = {
+        let (mut entry, explain_id, span, trace) = {
             let runtime = self.runtime.load();
             let id = runtime
                 .request_id
                 .as_ref()
                 .map(|name| identity::keep_or_make(name, req.headers_mut()));
+            let trace = self
+                .tracing
+                .as_ref()
+                .map(|t| t.request(req.method(), req.headers()));
             // Filled in as the request goes: should its caller leave before
             // the answer (this future dropped), the line says how far it got.
             let entry = runtime.access_log.as_ref().map(|log| {
                 let mut entry = log.entry(req.method(), req.uri().path(), start);
                 entry.request_id = id.clone();
-                entry.trace_id = identity::trace_id(req.headers()).map(|t| t.0);
+                entry.trace_id = match &trace {
+                    Some(trace) => Some(trace.trace_id()),
+                    None => identity::trace_id(req.headers()).map(|t| t.0),
+                };
                 entry
             });
             // Kept for the explain header when asked for, on the heap.
@@ -531,18 +553,21 @@ impl Proxy {
                 true => id.clone().map(Box::new),
                 false => None,
             };
-            (entry, explain_id, request_span(id.as_ref(), &req))
+            let span = request_span(id.as_ref(), trace.as_deref(), &req);
+            (entry, explain_id, span, trace)
         };
         let mut resp = match span {
             // Every log line about the request names it.
             Some(span) => {
                 use tracing::Instrument as _;
-                Box::pin(self.answer(req, caller, start, &mut entry).instrument(span)).await
+                let answer = self.answer(req, caller, start, &mut entry, trace.as_deref());
+                Box::pin(answer.instrument(span)).await
             }
             None => {
                 // Moved out: the future keeps no room for it.
                 drop(span);
-                self.answer(req, caller, start, &mut entry).await
+                self.answer(req, caller, start, &mut entry, trace.as_deref())
+                    .await
             }
         };
         if grpc {
@@ -555,8 +580,11 @@ impl Proxy {
             entry.status = resp.status().as_u16();
             entry.error = resp.headers().get(&headers::X_HERDGUARD_ERROR).cloned();
         }
+        if let Some(trace) = &trace {
+            traced_answer(trace, &resp);
+        }
         let (parts, body) = resp.into_parts();
-        Response::from_parts(parts, Logged::new(body, entry))
+        Response::from_parts(parts, Logged::new(body, entry).traced(trace))
     }
 
     async fn answer(
@@ -565,6 +593,7 @@ impl Proxy {
         caller: &Caller,
         start: Instant,
         entry: &mut Option<Box<Entry>>,
+        trace: Option<&RequestTrace>,
     ) -> Response<ResponseBody> {
         if req.method() == Method::CONNECT && self.passes_through() {
             // Boxed: the request's future keeps no room for it.
@@ -661,6 +690,7 @@ impl Proxy {
             entry.as_deref_mut(),
             &self.tunnels,
             &self.body_memory,
+            trace,
         )
         .await;
         // The upstream's own x-herdguard-error was dropped: one left is ours.
@@ -728,16 +758,35 @@ impl Drop for PassedGone<'_> {
 
 /// The span of a request's log lines, naming its id and trace; only while
 /// debug lines are logged (no line about a request is logged above debug).
-fn request_span(id: Option<&HeaderValue>, req: &Request<CallerBody>) -> Option<tracing::Span> {
+fn request_span(
+    id: Option<&HeaderValue>,
+    trace: Option<&RequestTrace>,
+    req: &Request<CallerBody>,
+) -> Option<tracing::Span> {
     if tracing::level_filters::LevelFilter::current() < tracing::level_filters::LevelFilter::DEBUG {
         return None;
     }
-    let trace = identity::trace_id(req.headers());
+    let trace = match trace {
+        Some(trace) => Some(identity::TraceId(trace.trace_id())),
+        None => identity::trace_id(req.headers()),
+    };
     Some(tracing::info_span!(
         "request",
         request_id = id.and_then(|v| v.to_str().ok()),
         trace_id = trace.map(tracing::field::display),
     ))
+}
+
+/// Tells the request's span how it was answered.
+fn traced_answer(trace: &RequestTrace, resp: &Response<ResponseBody>) {
+    let h = resp.headers();
+    let attempts = h
+        .get(&headers::X_HERDGUARD_ATTEMPTS)
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let error = h
+        .get(&headers::X_HERDGUARD_ERROR)
+        .and_then(|v| v.to_str().ok());
+    trace.answered(resp.status().as_u16(), attempts, error);
 }
 
 /// Names the request's id in its explain trace (`…;request_id=ID`).
@@ -798,6 +847,7 @@ fn passed_through(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn forward(
     route: &Arc<Route>,
     mut req: Box<Request<CallerBody>>,
@@ -806,6 +856,7 @@ async fn forward(
     mut log: Option<&mut Entry>,
     tunnels: &Arc<crate::upstream::tunnel::OpenTunnels>,
     body_memory: &Arc<BodyMemory>,
+    trace: Option<&RequestTrace>,
 ) -> Response<ResponseBody> {
     // Only a connection that can hand its caller's side over is upgraded.
     let upgrade = headers::requested_upgrade(req.version(), req.headers())
@@ -866,6 +917,7 @@ async fn forward(
     });
     attempts.host_rewrite(route.host_rewrite.clone());
     attempts.log_into(log.as_deref_mut());
+    attempts.trace_into(trace);
     attempts.grpc(grpc, grpc_timeout.and_then(|t| start.checked_add(t)));
     // A gRPC caller's own deadline, when sooner than the route's.
     let deadline = match grpc_timeout {
@@ -888,6 +940,9 @@ async fn forward(
     )
     .await;
     drop(attempts);
+    if let (Some(trace), Some(skipped)) = (trace, sent.skipped) {
+        trace.skipped(skipped.as_str());
+    }
     // A path its breaker tracks is named for `/breakers`.
     route.guards.paths.name(facts.path, parts.uri.path());
     let answer = Answer {
@@ -1236,6 +1291,6 @@ mod tests {
         let size =
             size_of_future(|| proxy.handle(unreachable!("only its type is needed"), &caller));
         eprintln!("a request's future: {size} bytes");
-        assert!(size <= 4_288, "a request's future grew to {size} bytes");
+        assert!(size <= 4_352, "a request's future grew to {size} bytes");
     }
 }

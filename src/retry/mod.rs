@@ -110,6 +110,9 @@ pub trait Attempts {
     /// winner): whatever was told of the attempts may say so.
     fn ended_with(&mut self, _n: u32) {}
 
+    /// The next attempt is a retry, sent after `delay`.
+    fn backing_off(&mut self, _delay: Duration) {}
+
     /// Whether the request body can be sent whole again. May wait, until
     /// `deadline` at most, for an earlier attempt to let go of it.
     fn replayable(&mut self, deadline: Instant) -> impl Future<Output = bool>;
@@ -293,6 +296,7 @@ pub async fn run_until<T: Attempts>(
             Decision::Stop(stop) => return stopped(attempts, stop, attempt, n, books),
         };
         kept = Some(retrying(attempts, &mut books, attempt, n, delay));
+        attempts.backing_off(delay);
         // Should the caller go away during the wait, the token goes back.
         token = Some(Token::new(&guards.budget));
         tokio::time::sleep(delay).await;

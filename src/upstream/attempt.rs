@@ -20,6 +20,7 @@ use crate::wire::CallerBody;
 use tokio::time::Instant;
 
 use crate::observe::access_log::Entry;
+use crate::observe::trace::{AttemptTrace, RequestTrace};
 use crate::policy::outlier::Verdict;
 use crate::policy::retry::retry_after;
 use crate::policy::{CallerFault, Outcome};
@@ -42,6 +43,7 @@ type Ready<'a> = (
     Picked<'a>,
     Request<RequestBody>,
     Option<Arc<Progress>>,
+    Option<Box<AttemptTrace>>,
 );
 
 /// What the request path hands the upstream side: the request, as this
@@ -97,6 +99,11 @@ pub struct Forward<'a> {
     host: Option<HeaderValue>,
     /// The access log line, when the log is on.
     log: Option<&'a mut Entry>,
+    /// The request's span, when tracing is on: each attempt is a child.
+    trace: Option<&'a RequestTrace>,
+    /// The wait before the next attempt (a retry's backoff), for its span,
+    /// in milliseconds (0: none).
+    backoff_ms: u32,
     /// A gRPC call: judged by its `grpc-status`.
     grpc: bool,
     /// The gRPC caller's own deadline (its `grpc-timeout`): each attempt
@@ -152,6 +159,8 @@ impl<'a> Forward<'a> {
             upgrade,
             host: None,
             log: None,
+            trace: None,
+            backoff_ms: 0,
             grpc: false,
             grpc_deadline: None,
         }
@@ -171,6 +180,12 @@ impl<'a> Forward<'a> {
     /// and its endpoint as they are made.
     pub fn log_into(&mut self, entry: Option<&'a mut Entry>) {
         self.log = entry;
+    }
+
+    /// Makes each attempt a span under `trace` (tracing on), its context
+    /// sent upstream.
+    pub fn trace_into(&mut self, trace: Option<&'a RequestTrace>) {
+        self.trace = trace;
     }
 
     /// Sends `host` as every attempt's `Host`, whatever the endpoint.
@@ -234,8 +249,14 @@ impl<'a> Forward<'a> {
         let grpc_left = self
             .grpc_deadline
             .map(|d| d.saturating_duration_since(Instant::now()));
-        let (req, progress) = self.request(n, &picked.endpoint().host, grpc_left);
-        (slot, picked, req, progress)
+        let (mut req, progress) = self.request(n, &picked.endpoint().host, grpc_left);
+        let traced = self.trace.map(|trace| {
+            let label = &picked.endpoint().label;
+            let backoff = std::mem::take(&mut self.backoff_ms);
+            let backoff = (backoff > 0).then(|| Duration::from_millis(u64::from(backoff)));
+            trace.attempt(n, label, backoff, req.headers_mut())
+        });
+        (slot, picked, req, progress, traced)
     }
 
     /// The request of attempt `n`, with the progress of its body if it has one.
@@ -345,7 +366,7 @@ impl<'a> retry::Attempts for Forward<'a> {
         probe: bool,
     ) -> impl Future<Output = Attempt<Answer>> + use<'a> {
         let upstream: &'a Arc<Upstream> = self.upstream;
-        let (slot, picked, req, progress) = self.prepare(n, probe);
+        let (slot, picked, req, progress, traced) = self.prepare(n, probe);
         // No slot yet: the wait for one, boxed, so that only a request that
         // waits pays for its room.
         let slot = slot.ok_or_else(|| Box::pin(upstream.wait_for_slot(deadline)));
@@ -436,6 +457,10 @@ impl<'a> retry::Attempts for Forward<'a> {
             if answer.is_none() {
                 tracing::debug!(upstream = %name, outcome = outcome.label(), error = %detail, "upstream attempt failed");
             }
+            if let Some(traced) = traced {
+                let status = answer.as_ref().map(|(resp, _)| resp.status().as_u16());
+                traced.ended(outcome.label(), status);
+            }
             let retry_after = answer
                 .as_ref()
                 .and_then(|(resp, _)| match judge.judge.grpc {
@@ -451,6 +476,10 @@ impl<'a> retry::Attempts for Forward<'a> {
                 note,
             }
         }
+    }
+
+    fn backing_off(&mut self, delay: Duration) {
+        self.backoff_ms = u32::try_from(delay.as_millis()).unwrap_or(u32::MAX).max(1);
     }
 
     fn ended_with(&mut self, n: u32) {

@@ -30,6 +30,7 @@ mod layout;
 mod memory;
 mod metrics_reload;
 mod observability;
+mod otel;
 mod outlier;
 mod passthrough;
 mod pool;

@@ -12,37 +12,44 @@ pub const MAX_ID: usize = 200;
 /// printable and at most [`MAX_ID`] bytes, else one made here (a random
 /// UUID), set in `headers` so that every attempt carries it upstream.
 pub fn keep_or_make(name: &HeaderName, headers: &mut HeaderMap) -> HeaderValue {
-    if let Some(id) = headers.get(name).filter(|v| usable(v.as_bytes())) {
-        return id.clone();
+    use http::header::Entry;
+    match headers.entry(name) {
+        Entry::Occupied(field) if usable(field.get().as_bytes()) => field.get().clone(),
+        // One field, never a list of ids (a second one was sent, or an
+        // unusable one).
+        Entry::Occupied(mut field) => {
+            let id = made();
+            field.insert(id.clone());
+            id
+        }
+        Entry::Vacant(field) => field.insert(made()).clone(),
     }
-    let id = made();
-    // One field, never a list of ids (a second one was sent, or an unusable one).
-    headers.insert(name.clone(), id.clone());
-    id
 }
 
 fn usable(id: &[u8]) -> bool {
     !id.is_empty() && id.len() <= MAX_ID && id.iter().all(|b| b.is_ascii_graphic())
 }
 
-/// A random (version 4) UUID, as Envoy makes them.
+/// A random (version 4) UUID, as Envoy makes them: 128 bits from the
+/// thread's generator, written out digit by digit (no formatting
+/// machinery: this is made for every request).
 fn made() -> HeaderValue {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut bits: u128 = rand::rng().random();
     // Version 4, variant 1 (RFC 9562).
     bits = (bits & !(0xF << 76)) | (0x4 << 76);
     bits = (bits & !(0x3 << 62)) | (0x2 << 62);
-    let hex = format!("{bits:032x}");
-    let mut id = String::with_capacity(36);
-    for (i, part) in [0..8, 8..12, 12..16, 16..20, 20..32]
-        .into_iter()
-        .enumerate()
-    {
-        if i > 0 {
-            id.push('-');
+    let mut text = [b'-'; 36];
+    let mut digit = 0;
+    for (i, byte) in text.iter_mut().enumerate() {
+        if matches!(i, 8 | 13 | 18 | 23) {
+            continue;
         }
-        id.push_str(&hex[part]);
+        let nibble = (bits >> (124 - 4 * digit)) & 0xF;
+        *byte = HEX[nibble as usize];
+        digit += 1;
     }
-    HeaderValue::from_str(&id).unwrap_or(HeaderValue::from_static("-"))
+    HeaderValue::from_bytes(&text).unwrap_or(HeaderValue::from_static("-"))
 }
 
 /// The trace id of a W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`),

@@ -529,10 +529,17 @@ impl Proxy {
         // the answer takes no room in the future while the answer is awaited.
         let (mut entry, explain_id, span, trace) = {
             let runtime = self.runtime.load();
-            let id = runtime
-                .request_id
-                .as_ref()
-                .map(|name| identity::keep_or_make(name, req.headers_mut()));
+            if let Some(name) = &runtime.request_id {
+                identity::keep_or_make(name, req.headers_mut());
+            }
+            // Read back only when something writes it down: a copy costs
+            // an allocation.
+            let explain = req.headers().contains_key(&headers::X_HERDGUARD_EXPLAIN);
+            let wanted = explain || runtime.access_log.is_some() || logs_requests();
+            let id = match (&runtime.request_id, wanted) {
+                (Some(name), true) => req.headers().get(name).cloned(),
+                _ => None,
+            };
             let trace = self
                 .tracing
                 .as_ref()
@@ -549,7 +556,7 @@ impl Proxy {
                 entry
             });
             // Kept for the explain header when asked for, on the heap.
-            let explain_id = match req.headers().contains_key(&headers::X_HERDGUARD_EXPLAIN) {
+            let explain_id = match explain {
                 true => id.clone().map(Box::new),
                 false => None,
             };
@@ -756,6 +763,11 @@ impl Drop for PassedGone<'_> {
     }
 }
 
+/// Whether lines about single requests are logged (debug and finer).
+fn logs_requests() -> bool {
+    tracing::level_filters::LevelFilter::current() >= tracing::level_filters::LevelFilter::DEBUG
+}
+
 /// The span of a request's log lines, naming its id and trace; only while
 /// debug lines are logged (no line about a request is logged above debug).
 fn request_span(
@@ -763,7 +775,7 @@ fn request_span(
     trace: Option<&RequestTrace>,
     req: &Request<CallerBody>,
 ) -> Option<tracing::Span> {
-    if tracing::level_filters::LevelFilter::current() < tracing::level_filters::LevelFilter::DEBUG {
+    if !logs_requests() {
         return None;
     }
     let trace = match trace {

@@ -8,21 +8,21 @@ use rand::Rng as _;
 /// The longest id kept from a caller; a longer one is replaced.
 pub const MAX_ID: usize = 200;
 
-/// The request's id in `name`: the caller's, if it sent one that is
-/// printable and at most [`MAX_ID`] bytes, else one made here (a random
+/// Gives the request an id in `name`: the caller's, if it sent one that
+/// is printable and at most [`MAX_ID`] bytes, else one made here (a random
 /// UUID), set in `headers` so that every attempt carries it upstream.
-pub fn keep_or_make(name: &HeaderName, headers: &mut HeaderMap) -> HeaderValue {
+pub fn keep_or_make(name: &HeaderName, headers: &mut HeaderMap) {
     use http::header::Entry;
     match headers.entry(name) {
-        Entry::Occupied(field) if usable(field.get().as_bytes()) => field.get().clone(),
+        Entry::Occupied(field) if usable(field.get().as_bytes()) => {}
         // One field, never a list of ids (a second one was sent, or an
         // unusable one).
         Entry::Occupied(mut field) => {
-            let id = made();
-            field.insert(id.clone());
-            id
+            field.insert(made());
         }
-        Entry::Vacant(field) => field.insert(made()).clone(),
+        Entry::Vacant(field) => {
+            field.insert(made());
+        }
     }
 }
 
@@ -31,23 +31,29 @@ fn usable(id: &[u8]) -> bool {
 }
 
 /// A random (version 4) UUID, as Envoy makes them: 128 bits from the
-/// thread's generator, written out digit by digit (no formatting
-/// machinery: this is made for every request).
+/// thread's own small generator (seeded from the system's; ids must be
+/// unique, not unguessable), written two digits a byte. Made for every
+/// request: no formatting machinery, no shared state.
 fn made() -> HeaderValue {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut bits: u128 = rand::rng().random();
+    use rand::SeedableRng as _;
+    thread_local! {
+        static IDS: std::cell::RefCell<rand::rngs::SmallRng> =
+            std::cell::RefCell::new(rand::rngs::SmallRng::from_rng(&mut rand::rng()));
+    }
+    let mut bytes: [u8; 16] = IDS.with(|rng| rng.borrow_mut().random());
     // Version 4, variant 1 (RFC 9562).
-    bits = (bits & !(0xF << 76)) | (0x4 << 76);
-    bits = (bits & !(0x3 << 62)) | (0x2 << 62);
+    bytes[6] = (bytes[6] & 0x0F) | 0x40;
+    bytes[8] = (bytes[8] & 0x3F) | 0x80;
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut text = [b'-'; 36];
-    let mut digit = 0;
-    for (i, byte) in text.iter_mut().enumerate() {
-        if matches!(i, 8 | 13 | 18 | 23) {
-            continue;
+    let mut at = 0;
+    for (i, byte) in bytes.iter().enumerate() {
+        if matches!(i, 4 | 6 | 8 | 10) {
+            at += 1;
         }
-        let nibble = (bits >> (124 - 4 * digit)) & 0xF;
-        *byte = HEX[nibble as usize];
-        digit += 1;
+        text[at] = HEX[usize::from(byte >> 4)];
+        text[at + 1] = HEX[usize::from(byte & 0xF)];
+        at += 2;
     }
     HeaderValue::from_bytes(&text).unwrap_or(HeaderValue::from_static("-"))
 }
@@ -92,14 +98,14 @@ mod tests {
         let name = HeaderName::from_static("x-request-id");
         let mut h = HeaderMap::new();
         h.insert(&name, HeaderValue::from_static("abc-123"));
-        assert_eq!(keep_or_make(&name, &mut h), "abc-123");
+        keep_or_make(&name, &mut h);
+        assert_eq!(h[&name], "abc-123");
         for bad in ["", "has space", &"x".repeat(MAX_ID + 1)] {
             let mut h = HeaderMap::new();
             h.insert(&name, HeaderValue::from_str(bad).unwrap());
-            let id = keep_or_make(&name, &mut h);
-            assert_ne!(id, bad);
+            keep_or_make(&name, &mut h);
+            assert_ne!(h[&name], bad);
             assert_eq!(h.get_all(&name).iter().count(), 1);
-            assert_eq!(h.get(&name), Some(&id));
         }
     }
 
@@ -108,8 +114,9 @@ mod tests {
         let name = HeaderName::from_static("x-request-id");
         let ids: std::collections::HashSet<String> = (0..1000)
             .map(|_| {
-                let id = keep_or_make(&name, &mut HeaderMap::new());
-                id.to_str().unwrap().to_owned()
+                let mut h = HeaderMap::new();
+                keep_or_make(&name, &mut h);
+                h[&name].to_str().unwrap().to_owned()
             })
             .collect();
         assert_eq!(ids.len(), 1000);

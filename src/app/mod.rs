@@ -46,8 +46,6 @@ pub enum StartError {
     Build(#[from] BuildError),
     #[error("listen.tls: {0}")]
     Tls(#[from] crate::config::tls::TlsError),
-    #[error("{0}")]
-    Tracing(String),
 }
 
 /// State shared by the proxy and admin listeners.
@@ -84,8 +82,14 @@ impl Server {
     /// Builds the runtime from `config`, binds both listeners and starts serving.
     pub async fn start_validated(config: Validated) -> Result<Server, StartError> {
         let metrics = Metrics::with_buckets(&config.config().metrics.latency_buckets);
+        // Telemetry never takes the proxy down: an exporter that cannot
+        // start (a malformed OTEL_EXPORTER_OTLP_ENDPOINT) is said, and the
+        // proxy serves without it.
         let tracing = crate::observe::trace::Tracing::start(&config.config().tracing)
-            .map_err(StartError::Tracing)?;
+            .unwrap_or_else(|e| {
+                tracing::error!(error = %e, "tracing is off: its exporter could not start");
+                None
+            });
         let runtime = Runtime::build(config, &metrics)?;
         let config = runtime.config.clone();
         let proxy = Arc::new(Proxy::new(runtime, metrics).traced(tracing));

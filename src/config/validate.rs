@@ -112,7 +112,7 @@ pub(super) fn validate(
     }
 
     buckets(report, &root, &config.metrics.latency_buckets);
-    request_id(report, &root, &config.request_id);
+    request_id(report, config);
     tracing_config(report, &root, &config.tracing);
 
     let defaults = root.key("defaults");
@@ -216,10 +216,35 @@ const NOT_AN_ID: &[&str] = &[
     "tracestate",
 ];
 
-fn request_id(report: &mut Report<'_>, root: &KeyPath, c: &crate::config::RequestIdConfig) {
-    let key = root.key("request_id").key("header");
+fn request_id(report: &mut Report<'_>, config: &Config) {
+    let c = &config.request_id;
+    let key = KeyPath::root().key("request_id").key("header");
+    // A key that makes a POST repeatable is no id to make up.
+    let idempotency = std::iter::once(&config.defaults.retry)
+        .chain(config.routes.iter().map(|r| &r.retry))
+        .any(|r| {
+            r.idempotency_header
+                .0
+                .as_str()
+                .eq_ignore_ascii_case(&c.header)
+        });
     match http::HeaderName::from_bytes(c.header.as_bytes()) {
         Err(_) => report(key, format!("{:?} is not a header name", c.header)),
+        Ok(_) if idempotency => report(
+            key,
+            format!(
+                "{:?} is an idempotency header: an id made for every request would make every POST repeatable",
+                c.header
+            ),
+        ),
+        Ok(name) if !name.as_str().ends_with("-id") => report(
+            key,
+            format!(
+                "{:?} does not name an id: a field whose name ends in \"-id\" (x-request-id, x-correlation-id), \
+                 so that no field with a meaning of its own (authorization, cookie, x-forwarded-for) is overwritten",
+                c.header
+            ),
+        ),
         Ok(name)
             if NOT_AN_ID.contains(&name.as_str()) || name.as_str().starts_with("x-herdguard-") =>
         {

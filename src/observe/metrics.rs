@@ -33,6 +33,7 @@ pub const PATH_BREAKER_OPENS: &str = "herdguard_path_breaker_opens_total";
 pub const IN_FLIGHT: &str = "herdguard_in_flight";
 pub const SHED_TOTAL: &str = "herdguard_shed_total";
 pub const CONFIG_RELOADS: &str = "herdguard_config_reloads_total";
+pub const LAST_RELOAD_OK: &str = "herdguard_config_last_reload_successful";
 pub const CONCURRENCY_LIMIT: &str = "herdguard_concurrency_limit";
 pub const ENDPOINT_EJECTIONS: &str = "herdguard_endpoint_ejections_total";
 pub const ENDPOINT_EJECTED: &str = "herdguard_endpoint_ejected";
@@ -222,6 +223,7 @@ impl Metrics {
         }
         m.gauge(BUILD_INFO, &[("version", env!("CARGO_PKG_VERSION"))])
             .set(1.0);
+        m.gauge(LAST_RELOAD_OK, &[]).set(1.0);
         Arc::new(m)
     }
 
@@ -283,6 +285,8 @@ impl Metrics {
         let result = if ok { "ok" } else { "error" };
         self.counter(CONFIG_RELOADS, &[("result", result)])
             .increment(1);
+        self.gauge(LAST_RELOAD_OK, &[])
+            .set(if ok { 1.0 } else { 0.0 });
     }
 
     /// Ready once a thread has recorded `FOLD_AT` histogram samples since
@@ -356,6 +360,9 @@ fn help(name: &str) -> Option<&'static str> {
         }
         SHED_TOTAL => "Requests refused at once because the upstream was at its in-flight limit.",
         CONFIG_RELOADS => "Config reloads, by result.",
+        LAST_RELOAD_OK => {
+            "1 if the last config reload succeeded (or none was tried), 0 while the file last read is refused."
+        }
         ENDPOINT_EJECTIONS => "Endpoints taken out of rotation for failing (outlier ejection).",
         RETRY_BUDGET_AVAILABLE => "Retries the budget would allow now.",
         BREAKER_STATE => "Circuit breaker state: 0 closed, 1 half-open, 2 open.",

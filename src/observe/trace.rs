@@ -36,6 +36,26 @@ const BATCH_DELAY: Duration = Duration::from_millis(500);
 /// How long one export may take before it is given up.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The longest `tracestate` joined; a longer one is dropped.
+const MAX_TRACESTATE: usize = 512;
+
+/// The method's name, if HTTP registers it, else `_OTHER`.
+fn known_method(method: &http::Method) -> &'static str {
+    use http::Method as M;
+    match *method {
+        M::GET => "GET",
+        M::HEAD => "HEAD",
+        M::POST => "POST",
+        M::PUT => "PUT",
+        M::DELETE => "DELETE",
+        M::CONNECT => "CONNECT",
+        M::OPTIONS => "OPTIONS",
+        M::TRACE => "TRACE",
+        M::PATCH => "PATCH",
+        _ => "_OTHER",
+    }
+}
+
 /// The tracer of one running proxy, when tracing is on.
 pub struct Tracing {
     provider: SdkTracerProvider,
@@ -130,14 +150,32 @@ impl Tracing {
         method: &http::Method,
         headers: &HeaderMap,
     ) -> Box<RequestTrace> {
-        let parent = self.propagator.extract(&HeaderExtractor(headers));
+        // A tracestate longer than W3C asks vendors to pass on (512) is
+        // dropped: a caller's 16 KB of it would be copied into every span.
+        let parent = match headers
+            .get("tracestate")
+            .is_some_and(|v| v.len() > MAX_TRACESTATE)
+        {
+            false => self.propagator.extract(&HeaderExtractor(headers)),
+            true => {
+                let mut trimmed = HeaderMap::new();
+                if let Some(parent) = headers.get("traceparent") {
+                    trimmed.insert("traceparent", parent.clone());
+                }
+                self.propagator.extract(&HeaderExtractor(&trimmed))
+            }
+        };
+        // A method no one registered is `_OTHER`, as OpenTelemetry's
+        // conventions say: a caller's 60 KB method would be in every span.
+        let method = known_method(method);
         let span = self
             .tracer
-            .span_builder(format!("{method}"))
+            .span_builder(method)
             .with_kind(SpanKind::Server)
-            .with_attributes([KeyValue::new("http.request.method", method.to_string())])
+            .with_attributes([KeyValue::new("http.request.method", method)])
             .start_with_context(&self.tracer, &parent);
         Box::new(RequestTrace {
+            answered: std::sync::atomic::AtomicBool::new(false),
             cx: parent.with_span(span),
             tracing: self.clone(),
             skip: OnceLock::new(),
@@ -156,6 +194,8 @@ impl Tracing {
 /// gone, whole or not).
 pub struct RequestTrace {
     cx: Context,
+    /// Told how the request was answered: else its caller left first.
+    answered: std::sync::atomic::AtomicBool,
     /// The tracer that made it, for its attempts' spans.
     tracing: Arc<Tracing>,
     /// Why a retry was not made, when one was not.
@@ -199,7 +239,7 @@ impl RequestTrace {
         tracing
             .propagator
             .inject_context(&cx, &mut HeaderInjector(headers));
-        Box::new(AttemptTrace { span })
+        Box::new(AttemptTrace { span, ended: false })
     }
 
     /// Notes why a retry was not made.
@@ -210,6 +250,8 @@ impl RequestTrace {
     /// Notes how the request was answered: its status, the attempts sent,
     /// and the proxy's own error, if it made the answer.
     pub fn answered(&self, status: u16, attempts: Option<u32>, error: Option<&str>) {
+        self.answered
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let span = self.cx.span();
         span.set_attribute(KeyValue::new(
             "http.response.status_code",
@@ -232,6 +274,12 @@ impl RequestTrace {
 
 impl Drop for RequestTrace {
     fn drop(&mut self) {
+        if !self.answered.load(std::sync::atomic::Ordering::Relaxed) {
+            // The caller left before its answer: 499, as the access log has it.
+            let span = self.cx.span();
+            span.set_attribute(KeyValue::new("http.response.status_code", 499));
+            span.set_status(Status::error("the caller left before its answer"));
+        }
         self.cx.span().end();
     }
 }
@@ -239,6 +287,18 @@ impl Drop for RequestTrace {
 /// One attempt's span, ended with its outcome.
 pub struct AttemptTrace {
     span: opentelemetry_sdk::trace::Span,
+    ended: bool,
+}
+
+impl Drop for AttemptTrace {
+    fn drop(&mut self) {
+        if !self.ended {
+            // Dropped before it ended: a hedge race's loser, or its caller left.
+            self.span
+                .set_attribute(KeyValue::new("herdguard.outcome", "cancelled"));
+            self.span.end();
+        }
+    }
 }
 
 impl AttemptTrace {
@@ -256,6 +316,7 @@ impl AttemptTrace {
         if outcome != "ok" {
             self.span.set_status(Status::error(outcome));
         }
+        self.ended = true;
         self.span.end();
     }
 }

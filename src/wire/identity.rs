@@ -14,7 +14,13 @@ pub const MAX_ID: usize = 200;
 pub fn keep_or_make(name: &HeaderName, headers: &mut HeaderMap) {
     use http::header::Entry;
     match headers.entry(name) {
-        Entry::Occupied(field) if usable(field.get().as_bytes()) => {}
+        // One field: the one logged is the one sent.
+        Entry::Occupied(mut field) if usable(field.get().as_bytes()) => {
+            if field.iter().nth(1).is_some() {
+                let first = field.get().clone();
+                field.insert(first);
+            }
+        }
         // One field, never a list of ids (a second one was sent, or an
         // unusable one).
         Entry::Occupied(mut field) => {
@@ -26,8 +32,14 @@ pub fn keep_or_make(name: &HeaderName, headers: &mut HeaderMap) {
     }
 }
 
+/// Printable, at most [`MAX_ID`] bytes, and no list or explain-trace
+/// separator (`,` `;`): one id, that reads as one.
 fn usable(id: &[u8]) -> bool {
-    !id.is_empty() && id.len() <= MAX_ID && id.iter().all(|b| b.is_ascii_graphic())
+    !id.is_empty()
+        && id.len() <= MAX_ID
+        && id
+            .iter()
+            .all(|b| b.is_ascii_graphic() && *b != b',' && *b != b';')
 }
 
 /// A random (version 4) UUID, as Envoy makes them: 128 bits from the
@@ -100,13 +112,30 @@ mod tests {
         h.insert(&name, HeaderValue::from_static("abc-123"));
         keep_or_make(&name, &mut h);
         assert_eq!(h[&name], "abc-123");
-        for bad in ["", "has space", &"x".repeat(MAX_ID + 1)] {
+        for bad in [
+            "",
+            "has space",
+            "a;request_id=evil",
+            "a,b",
+            &"x".repeat(MAX_ID + 1),
+        ] {
             let mut h = HeaderMap::new();
             h.insert(&name, HeaderValue::from_str(bad).unwrap());
             keep_or_make(&name, &mut h);
             assert_ne!(h[&name], bad);
             assert_eq!(h.get_all(&name).iter().count(), 1);
         }
+    }
+
+    #[test]
+    fn of_several_ids_the_first_usable_one_alone_goes_on() {
+        let name = HeaderName::from_static("x-request-id");
+        let mut h = HeaderMap::new();
+        h.append(&name, HeaderValue::from_static("one"));
+        h.append(&name, HeaderValue::from_static("two"));
+        keep_or_make(&name, &mut h);
+        let ids: Vec<_> = h.get_all(&name).iter().collect();
+        assert_eq!(ids, ["one"]);
     }
 
     #[test]

@@ -449,9 +449,11 @@ breaker = { failure_rate = 2.0, consecutive_failures = 0, min_requests = 0 }
 fn a_request_id_header_must_be_a_free_header_name() {
     for (header, why) in [
         ("bad header", "is not a header name"),
-        ("Host", "frames, routes or traces the request"),
-        ("traceparent", "frames, routes or traces the request"),
-        ("x-herdguard-attempt", "or is herdguard's own"),
+        ("Host", "does not name an id"),
+        ("authorization", "does not name an id"),
+        ("x-forwarded-for", "does not name an id"),
+        ("idempotency-key", "is an idempotency header"),
+        ("x-herdguard-id", "or is herdguard's own"),
     ] {
         let errs = errors(&format!("[request_id]\nheader = \"{header}\"\n"));
         assert!(

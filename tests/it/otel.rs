@@ -269,3 +269,46 @@ async fn a_dead_collector_slows_nothing() {
     drop(silent);
     hg.terminate().await;
 }
+
+/// What a caller sends cannot make spans large: a method no one registered
+/// is `_OTHER`, and a `tracestate` past 512 bytes is not carried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_huge_method_or_tracestate_stays_out_of_spans() {
+    let (collector, spans) = receiver().await;
+    let up = echo_upstream().await;
+    let hg = Binary::start(&format!(
+        "[tracing]\notlp_endpoint = \"{}\"\n\
+         [upstreams.api]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"api\"\nupstream = \"api\"\n",
+        collector.url(),
+        up.url()
+    ))
+    .await;
+    let method = "M".repeat(20_000);
+    let state = format!("k={}", "v".repeat(2_000));
+    let req = Request::builder()
+        .method(method.as_str())
+        .uri(format!("http://{}/", hg.listen))
+        .header("traceparent", format!("00-{TRACE}-{CALLER_SPAN}-01"))
+        .header("tracestate", &state)
+        .body(empty())
+        .unwrap();
+    send(&client(), req).await;
+    let sent = up.last().headers;
+    assert!(
+        sent["traceparent"].to_str().unwrap().contains(TRACE),
+        "joined"
+    );
+    assert!(
+        sent.get("tracestate").is_none_or(|v| v.len() < 512),
+        "the long tracestate is not passed on"
+    );
+    hg.terminate().await;
+    let spans = spans.lock().unwrap();
+    assert_eq!(spans.len(), 2);
+    let request = spans.iter().find(|s| s.kind == 2).expect("a server span");
+    assert_eq!(request.name, "_OTHER");
+    assert_eq!(text(request, "http.request.method"), Some("_OTHER"));
+    for span in spans.iter() {
+        assert!(span.trace_state.len() < 512, "{}", span.trace_state.len());
+    }
+}

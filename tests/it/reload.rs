@@ -74,6 +74,12 @@ async fn a_broken_file_keeps_the_old_config_and_counts_an_error() {
     );
     let text = admin(&server, "/metrics").await.1;
     assert_eq!((reloads(&text, "ok"), reloads(&text, "error")), (0.0, 3.0));
+    let last = "herdguard_config_last_reload_successful";
+    assert_eq!(metric(&text, last), Some(0.0), "refused until one succeeds");
+    std::fs::write(&path, toml(&[("a", "/a", "")], &up.url())).unwrap();
+    server.reload_file(&path).unwrap();
+    let text = admin(&server, "/metrics").await.1;
+    assert_eq!(metric(&text, last), Some(1.0));
 }
 
 /// A server started from a file with route `a`, its watcher on, and the

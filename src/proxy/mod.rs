@@ -610,50 +610,13 @@ impl Proxy {
             metrics::unrouted(&self.metrics, resp.status());
             return resp;
         }
-        let checked = headers::check_host(req.version(), req.headers())
-            .map_err(|problem| (LocalError::BadRequest, problem))
-            .and_then(|host| {
-                headers::check_framing(req.headers())
-                    .map(|()| host)
-                    .map_err(|(status, problem)| match status {
-                        StatusCode::NOT_IMPLEMENTED => (LocalError::NotImplemented, problem),
-                        _ => (LocalError::BadRequest, problem),
-                    })
-            });
-        let checked = checked.and_then(|host| {
-            headers::check_look_alikes(req.uri(), req.headers())
-                .map(|()| host)
-                .map_err(|problem| (LocalError::BadRequest, problem))
-        });
-        let host_field = match checked {
+        let host_field = match checked_head(&req) {
             Ok(field) => field,
-            Err((error, problem)) => {
-                let mut resp = error.response(problem);
-                // Its framing (or its head) is in doubt: what follows on an
-                // HTTP/1 connection may be its body, never a new request.
-                if req.version() < Version::HTTP_2 {
-                    resp.headers_mut()
-                        .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
-                }
+            Err(resp) => {
                 metrics::unrouted(&self.metrics, resp.status());
-                return resp;
+                return *resp;
             }
         };
-        if let Some(resp) = error::max_forwards_reached(&req) {
-            metrics::unrouted(&self.metrics, resp.status());
-            return resp;
-        }
-        // An absolute-form request names a scheme: only http (https
-        // callers would use CONNECT, which is refused).
-        if let Some(scheme) = req.uri().scheme_str() {
-            if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
-                let resp = LocalError::BadRequest.response(&format!(
-                    "{scheme}:// requests are not proxied; only http://"
-                ));
-                metrics::unrouted(&self.metrics, resp.status());
-                return resp;
-            }
-        }
         let host = request_host(req.uri(), host_field);
         let route = {
             let runtime = self.runtime.load();
@@ -813,6 +776,55 @@ fn explained(resp: &mut Response<ResponseBody>, id: &HeaderValue) {
     if let Ok(value) = HeaderValue::from_bytes(&value) {
         h.insert(&headers::X_HERDGUARD_EXPLAIN, value);
     }
+}
+
+/// The request's head checked before anything is routed: one `Host`,
+/// plain framing, no look-alike fields, hops left, an http scheme. Its
+/// `Host` field, or the proxy's answer.
+fn checked_head(
+    req: &Request<CallerBody>,
+) -> Result<Option<&HeaderValue>, Box<Response<ResponseBody>>> {
+    let checked = headers::check_host(req.version(), req.headers())
+        .map_err(|problem| (LocalError::BadRequest, problem))
+        .and_then(|host| {
+            headers::check_framing(req.headers())
+                .map(|()| host)
+                .map_err(|(status, problem)| match status {
+                    StatusCode::NOT_IMPLEMENTED => (LocalError::NotImplemented, problem),
+                    _ => (LocalError::BadRequest, problem),
+                })
+        })
+        .and_then(|host| {
+            headers::check_look_alikes(req.uri(), req.headers())
+                .map(|()| host)
+                .map_err(|problem| (LocalError::BadRequest, problem))
+        });
+    let host_field = match checked {
+        Ok(field) => field,
+        Err((error, problem)) => {
+            let mut resp = error.response(problem);
+            // Its framing (or its head) is in doubt: what follows on an
+            // HTTP/1 connection may be its body, never a new request.
+            if req.version() < Version::HTTP_2 {
+                resp.headers_mut()
+                    .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            return Err(Box::new(resp));
+        }
+    };
+    if let Some(resp) = error::max_forwards_reached(req) {
+        return Err(Box::new(resp));
+    }
+    // An absolute-form request names a scheme: only http (https
+    // callers would use CONNECT, which is refused).
+    if let Some(scheme) = req.uri().scheme_str() {
+        if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
+            return Err(Box::new(LocalError::BadRequest.response(&format!(
+                "{scheme}:// requests are not proxied; only http://"
+            ))));
+        }
+    }
+    Ok(host_field)
 }
 
 /// The request's authority: from the URI (absolute-form or HTTP/2) or `Host`.

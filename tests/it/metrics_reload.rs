@@ -109,15 +109,17 @@ async fn abandoned_scrapes_do_not_render_side_by_side() {
     // Twenty HTTP/2 scrapes, each reset soon after it is sent: each
     // render goes on, and the next must wait for it.
     let h2 = h2c_client();
-    let mut most = 0;
+    let (mut most, mut abandoned) = (0, 0);
     for _ in 0..20 {
         let req = http::Request::get(format!("http://{}/metrics", hg.admin))
             .body(empty())
             .unwrap();
-        let abandoned = tokio::time::timeout(Duration::from_millis(20), h2.request(req)).await;
-        assert!(abandoned.is_err(), "a render of 1,000 routes takes longer");
+        // A page still being sent may be shared at once; a render takes longer.
+        let scrape = tokio::time::timeout(Duration::from_millis(20), h2.request(req)).await;
+        abandoned += usize::from(scrape.is_err());
         most = most.max(renders(hg.pid()));
     }
+    assert!(abandoned >= 10, "{abandoned} scrapes abandoned mid-render");
     assert!(most <= 2, "{most} renders at once");
     // And a scrape that waits gets its answer.
     assert!(hg.metrics().await.contains("route=\"r999\""));

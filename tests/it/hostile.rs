@@ -747,6 +747,10 @@ async fn an_upstream_closing_idle_connections_loses_no_request() {
 /// opens and refuses it alone; the other callers' requests on the route go
 /// on being answered by the upstream. Failures spread over many paths
 /// still open the route's breaker.
+// Run alone by `.ci/run` after the suite: beside the other tests on two
+// cores, the route's breaker opened first far more often (65 of 100
+// victims answered); see the race named below.
+#[ignore = "run alone: .ci/run runs it after the suite"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_failing_path_is_refused_alone() {
     let _heavy = heavy().await;

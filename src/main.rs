@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use herdguard::app::Server;
+use herdguard::app::{FileStamp, Server};
 use herdguard::config::{Checked, Config, Validated};
 use herdguard::demo;
 use herdguard::observe::telemetry::{self, LogFormat};
@@ -210,6 +210,8 @@ fn check(path: &std::path::Path, quiet: bool) -> ExitCode {
 }
 
 fn run(cli: Cli) -> ExitCode {
+    // Before the file is read: a change made from here on is seen.
+    let stamp = cli.config.as_deref().map(FileStamp::of);
     let checked = match (&cli.config, &cli.upstream) {
         (Some(path), _) => Config::check_file(path)
             .map_err(|e| e.to_string())
@@ -266,12 +268,12 @@ fn run(cli: Cli) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    rt.block_on(serve(config, cli.config))
+    rt.block_on(serve(config, cli.config.zip(stamp)))
 }
 
 /// Runs until SIGTERM or SIGINT. With a config file, SIGHUP and any change
 /// of the file reload it.
-async fn serve(config: Validated, path: Option<PathBuf>) -> ExitCode {
+async fn serve(config: Validated, file: Option<(PathBuf, FileStamp)>) -> ExitCode {
     // Handlers first: a signal that arrives once the server says it is
     // serving must find them (SIGHUP's default action would end the process).
     let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
@@ -300,8 +302,8 @@ async fn serve(config: Validated, path: Option<PathBuf>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    if let Some(path) = &path {
-        server.watch(path.clone(), std::time::Duration::from_secs(1));
+    if let Some((path, stamp)) = &file {
+        server.watch(path.clone(), std::time::Duration::from_secs(1), *stamp);
     }
     let reloader = server.reloader();
     loop {
@@ -314,8 +316,8 @@ async fn serve(config: Validated, path: Option<PathBuf>) -> ExitCode {
                 info!(signal = "SIGINT", "shutting down");
                 break;
             }
-            _ = hup.recv() => match &path {
-                Some(path) => {
+            _ = hup.recv() => match &file {
+                Some((path, _)) => {
                     info!(signal = "SIGHUP", path = %path.display(), "reloading");
                     Server::settled(path).await;
                     let _ = reloader.reload_file_in_background(path.clone()).await;

@@ -181,13 +181,13 @@ impl Server {
 
     /// Watches `path` and reloads when its content changes and then stays the
     /// same for one more `every` (so a file being written is not read half
-    /// way). Runs until the server shuts down.
-    pub fn watch(&self, path: PathBuf, every: Duration) -> JoinHandle<()> {
+    /// way). `loaded` is the file as it was before the running config was
+    /// read from it ([`FileStamp::of`]): a change made while the server
+    /// started is a change. Runs until the server shuts down.
+    pub fn watch(&self, path: PathBuf, every: Duration, loaded: FileStamp) -> JoinHandle<()> {
         let reloader = self.reloader();
         let mut stop = self.shutdown.subscribe();
-        // What is there now is what runs: read before returning, so that a
-        // change made right after this call is seen as a change.
-        let mut loaded = fingerprint(&path);
+        let mut loaded = loaded.0;
         tokio::spawn(async move {
             let mut seen = loaded;
             let mut tick = tokio::time::interval(every);
@@ -396,6 +396,18 @@ fn fingerprint(path: &Path) -> Option<Fingerprint> {
         modified: (meta.mtime(), meta.mtime_nsec()),
         changed: (meta.ctime(), meta.ctime_nsec()),
     })
+}
+
+/// A config file's metadata as the watcher compares it: take it before the
+/// file is read for the config the server starts with.
+#[derive(Clone, Copy, Debug)]
+pub struct FileStamp(Option<Fingerprint>);
+
+impl FileStamp {
+    /// The file at `path` as it is now (none: it is not there).
+    pub fn of(path: &Path) -> Self {
+        FileStamp(fingerprint(path))
+    }
 }
 
 /// What the config watcher compares from one look to the next.

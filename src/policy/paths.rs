@@ -7,9 +7,10 @@
 //! [`SEGMENTS`] segments: `/orders/42/items` is `/orders/42`) that fails
 //! gets a breaker of its own, with the route's settings; when it opens, that
 //! path alone is refused. The route's breaker does not hear a failure that
-//! is the path's alone: the route's last success was on another path, and
-//! no other path failed since. A path that is all of a route's traffic, and
-//! failures spread over several paths (an upstream that is down), still
+//! is the path's alone: the route's last success was on another path (or,
+//! while the route has no recent success, another path's attempt started),
+//! and no other path failed since. A path that is all of a route's traffic,
+//! and failures spread over several paths (an upstream that is down), still
 //! open the route as before.
 //!
 //! Bounded: at most [`MAX_PATHS`] paths are tracked per route, the least
@@ -102,6 +103,12 @@ pub struct PathBreakers {
     /// (0: none yet).
     last_success: AtomicU64,
     last_failure: AtomicU64,
+    /// The two paths whose attempts last started while the route had no
+    /// success within the window (the most recent first), as stamps: before
+    /// any answer (a route's first second, or after a quiet spell), that
+    /// other paths are being asked is the only sign that a failing path is
+    /// not all the traffic.
+    started: [AtomicU64; 2],
     /// What the stamps count from.
     epoch: Instant,
 }
@@ -117,6 +124,7 @@ impl PathBreakers {
             tracked: AtomicUsize::new(0),
             last_success: AtomicU64::new(0),
             last_failure: AtomicU64::new(0),
+            started: [AtomicU64::new(0), AtomicU64::new(0)],
             epoch: Instant::now(),
         }
     }
@@ -143,7 +151,11 @@ impl PathBreakers {
         now: Instant,
         rng: &mut R,
     ) -> (Admit, Option<Transition>) {
-        if key == PathKey::NONE || self.tracked.load(Ordering::Acquire) == 0 {
+        if key == PathKey::NONE {
+            return (Admit::Yes { probe: false }, None);
+        }
+        self.note_start(key, now);
+        if self.tracked.load(Ordering::Acquire) == 0 {
             return (Admit::Yes { probe: false }, None);
         }
         match self.lock().get_mut(&key) {
@@ -238,28 +250,58 @@ impl PathBreakers {
         transition
     }
 
+    /// Notes that an attempt on `key` starts, while the route has had no
+    /// success within the window; otherwise (a healthy route) one load.
+    fn note_start(&self, key: PathKey, now: Instant) {
+        let success = self.last_success.load(Ordering::Relaxed);
+        let stamp = self.stamp(key, now);
+        if success != 0 && ms_of(stamp).wrapping_sub(ms_of(success)) <= self.window_ms() {
+            return;
+        }
+        let first = self.started[0].load(Ordering::Relaxed);
+        if first == stamp {
+            return;
+        }
+        if first != 0 && key_of(first) != key.0 {
+            self.started[1].store(first, Ordering::Relaxed);
+        }
+        self.started[0].store(stamp, Ordering::Relaxed);
+    }
+
+    fn window_ms(&self) -> u32 {
+        u32::try_from(self.config.window.as_millis()).unwrap_or(u32::MAX)
+    }
+
     /// `key` and the time (milliseconds since the epoch, wrapping) packed.
     fn stamp(&self, key: PathKey, now: Instant) -> u64 {
         let ms = now.saturating_duration_since(self.epoch).as_millis() as u32;
         (u64::from(key.0) << 32) | u64::from(ms)
     }
 
-    /// Whether a failure on `key` (stamped `now`) is the path's alone.
+    /// Whether a failure on `key` (stamped `now`) is the path's alone:
+    /// another path succeeded (or started) within the window, and no other
+    /// path has failed since.
     fn failing_alone(&self, key: PathKey, now: u64) -> bool {
-        let (success, failure) = (
+        let window = self.window_ms();
+        // How long ago the latest sign of another path's traffic was.
+        let since = [
             self.last_success.load(Ordering::Relaxed),
-            self.last_failure.load(Ordering::Relaxed),
-        );
-        let key_of = |stamp: u64| (stamp >> 32) as u32;
-        let ms_of = |stamp: u64| stamp as u32;
-        let window = u32::try_from(self.config.window.as_millis()).unwrap_or(u32::MAX);
-        let since_success = ms_of(now).wrapping_sub(ms_of(success));
-        let other_succeeded = success != 0 && key_of(success) != key.0 && since_success <= window;
+            self.started[0].load(Ordering::Relaxed),
+            self.started[1].load(Ordering::Relaxed),
+        ]
+        .into_iter()
+        .filter(|&s| s != 0 && key_of(s) != key.0)
+        .map(|s| ms_of(now).wrapping_sub(ms_of(s)))
+        .filter(|&age| age <= window)
+        .min();
+        let Some(since) = since else {
+            return false;
+        };
+        let failure = self.last_failure.load(Ordering::Relaxed);
         let other_failed_since = failure != 0
             && key_of(failure) != key.0
-            && ms_of(failure).wrapping_sub(ms_of(success)) <= since_success
-            && ms_of(now).wrapping_sub(ms_of(failure)) <= since_success;
-        other_succeeded && !other_failed_since
+            && ms_of(now).wrapping_sub(ms_of(failure)) <= since;
+        !other_failed_since
     }
 
     /// Forgets every path (the route's breaker closed after an outage: the
@@ -310,6 +352,16 @@ impl PathBreakers {
     pub fn tracked(&self) -> usize {
         self.tracked.load(Ordering::Acquire)
     }
+}
+
+/// The path of a stamp.
+fn key_of(stamp: u64) -> u32 {
+    (stamp >> 32) as u32
+}
+
+/// The time of a stamp, in milliseconds since the epoch (wrapping).
+fn ms_of(stamp: u64) -> u32 {
+    stamp as u32
 }
 
 /// Drops the path that failed least recently, closed ones first.
@@ -425,6 +477,40 @@ mod tests {
         // Forgotten when the route recovers.
         paths.clear();
         assert_eq!(paths.tracked(), 0);
+    }
+
+    #[test]
+    fn before_any_answer_another_path_started_is_enough_to_keep_a_failure_alone() {
+        let paths = PathBreakers::new(&config());
+        let mut rng = SmallRng::seed_from_u64(4);
+        let now = Instant::now();
+        let (bad, good, third) = (paths.key("/fail"), paths.key("/ok"), paths.key("/c"));
+        // A fresh route: the good path's attempt has started, none has
+        // answered; the bad path's failures are its alone.
+        let _ = paths.admit(good, now, &mut rng);
+        for _ in 0..3 {
+            let _ = paths.admit(bad, now, &mut rng);
+        }
+        assert!(!paths.record(bad, false, Outcome::Failure, now, &mut rng).0);
+        assert!(!paths.record(bad, false, Outcome::Failure, now, &mut rng).0);
+        // The other path fails too: spread, the route hears it.
+        let _ = paths.admit(third, now, &mut rng);
+        assert!(paths.record(good, false, Outcome::Failure, now, &mut rng).0);
+        // Starts long past are no sign of traffic now.
+        let paths = PathBreakers::new(&config());
+        let _ = paths.admit(good, now, &mut rng);
+        let later = now + config().window + Duration::from_secs(1);
+        assert!(
+            paths
+                .record(bad, false, Outcome::Failure, later, &mut rng)
+                .0
+        );
+        // Nor are starts noted while the route answers: a healthy route
+        // writes nothing per attempt.
+        let paths = PathBreakers::new(&config());
+        paths.record(good, false, Outcome::Success, now, &mut rng);
+        let _ = paths.admit(third, now, &mut rng);
+        assert_eq!(paths.started[0].load(Ordering::Relaxed), 0);
     }
 
     #[test]

@@ -547,10 +547,8 @@ async fn a_huge_or_fifo_config_file_costs_the_watcher_nothing() {
     std::fs::write(&staged, &padded).unwrap();
     std::fs::rename(&staged, &path).unwrap();
     let reloaded = r#"herdguard_config_reloads_total{result="ok"}"#;
-    // Bounded generously: under a loaded CI machine the watcher's settle
-    // wait and the reload of a 1 MB file took longer than 10 s once.
     eventually(
-        Duration::from_secs(30),
+        Duration::from_secs(10),
         "the padded file loaded",
         || async { hg.metric(reloaded).await >= 1.0 },
     )
@@ -747,10 +745,6 @@ async fn an_upstream_closing_idle_connections_loses_no_request() {
 /// opens and refuses it alone; the other callers' requests on the route go
 /// on being answered by the upstream. Failures spread over many paths
 /// still open the route's breaker.
-// Run alone by `.ci/run` after the suite: beside the other tests on two
-// cores, the route's breaker opened first far more often (65 of 100
-// victims answered); see the race named below.
-#[ignore = "run alone: .ci/run runs it after the suite"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_failing_path_is_refused_alone() {
     let _heavy = heavy().await;
@@ -790,13 +784,10 @@ async fn one_failing_path_is_refused_alone() {
             answered += usize::from(ok);
         }
         eprintln!("hammer {hammer_per_tick}/40ms: victims answered {answered}/{victims}");
-        // At most a tenth refused: in about one run of three the route's
-        // breaker opens in the first second, before the path's has seen
-        // enough of /fail/1, and refuses 7-8 victims (circuit-open) until
-        // it closes; before path breakers, 5-40% were answered. That race
-        // is still to be closed.
+        // Victims of one failing path are answered by the upstream: the
+        // path's breaker refuses the hammer alone.
         assert!(
-            answered * 100 >= victims * 90,
+            answered * 100 >= victims * 95,
             "victims answered {answered}/{victims}"
         );
         let breakers = reqwest_like_get(&hg.admin, "/breakers").await;

@@ -90,10 +90,11 @@ async fn watched(
 ) -> (herdguard::app::Server, std::path::PathBuf) {
     let path = dir.join("herdguard.toml");
     std::fs::write(&path, toml(&[("a", "/a", "")], upstream)).unwrap();
+    let stamp = herdguard::app::FileStamp::of(&path);
     let server = herdguard::app::Server::start(Config::from_file(&path).unwrap())
         .await
         .unwrap();
-    server.watch(path.clone(), Duration::from_millis(20));
+    server.watch(path.clone(), Duration::from_millis(20), stamp);
     (server, path)
 }
 
@@ -114,6 +115,36 @@ async fn a_changed_file_is_reloaded_by_the_watcher() {
     let dir = tempfile::tempdir().unwrap();
     let (server, path) = watched(dir.path(), &up.url()).await;
     adds_route_c(&server, &path, &up.url()).await;
+}
+
+/// A file changed after it was read for the starting config, but before
+/// the watcher started: the change is loaded, not taken for what runs.
+#[tokio::test]
+async fn a_change_made_while_the_server_starts_is_loaded() {
+    let up = ok_upstream("ok").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("herdguard.toml");
+    std::fs::write(&path, toml(&[("a", "/a", "")], &up.url())).unwrap();
+    let stamp = herdguard::app::FileStamp::of(&path);
+    let config = Config::from_file(&path).unwrap();
+    // Swapped whole (a new inode, as a ConfigMap's update is).
+    let staged = dir.path().join("staged");
+    std::fs::write(
+        &staged,
+        toml(&[("a", "/a", ""), ("c", "/c", "")], &up.url()),
+    )
+    .unwrap();
+    std::fs::rename(&staged, &path).unwrap();
+    let server = herdguard::app::Server::start(config).await.unwrap();
+    assert_eq!(get(&server, "/c").await.0, StatusCode::NOT_FOUND);
+    server.watch(path.clone(), Duration::from_millis(20), stamp);
+    let server = &server;
+    eventually(
+        Duration::from_secs(5),
+        "the change made during start-up serves",
+        || async move { get(server, "/c").await.0 == StatusCode::OK },
+    )
+    .await;
 }
 
 /// A config path that becomes a FIFO (or a file too large to be a config)

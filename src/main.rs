@@ -119,7 +119,10 @@ enum Command {
 
 fn main() -> ExitCode {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    malloc::trim_freed_memory();
+    {
+        malloc::trim_freed_memory();
+        herdguard::listen::pressure::measure_with(malloc::in_use);
+    }
     let cli = Cli::parse();
     match cli.command {
         Some(Command::Check { config, quiet }) => check(&config, quiet),

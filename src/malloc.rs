@@ -4,6 +4,14 @@
 
 use std::time::{Duration, Instant};
 
+/// Bytes malloc has in use, mmapped blocks included: what the memory bound
+/// (`listen.max_memory`) reads.
+pub fn in_use() -> usize {
+    // SAFETY: mallinfo2 only reads the allocator's statistics.
+    let info = unsafe { libc::mallinfo2() };
+    info.uordblks.saturating_add(info.hblkhd)
+}
+
 /// glibc's malloc keeps what is freed in its arenas: after 3,000 idle
 /// connections closed, or a reload from 10,000 routes back to 2, the RSS
 /// stayed at its peak. Every second this compares the anonymous resident
@@ -17,7 +25,7 @@ use std::time::{Duration, Instant};
 /// costs microseconds, a trim of a large heap milliseconds.
 pub fn trim_freed_memory() {
     use libc::M_TRIM_THRESHOLD;
-    use libc::{mallinfo2, malloc_trim, mallopt, M_MMAP_THRESHOLD, M_MXFAST, M_TOP_PAD};
+    use libc::{malloc_trim, mallopt, M_MMAP_THRESHOLD, M_MXFAST, M_TOP_PAD};
     // What a thread's arena frees must reach the system without waiting
     // for a `malloc_trim`, which never shrinks a thread arena's top:
     // - fixed thresholds instead of glibc's sliding ones (once a large
@@ -36,12 +44,6 @@ pub fn trim_freed_memory() {
         mallopt(M_TRIM_THRESHOLD, 256 * 1024);
         mallopt(M_TOP_PAD, 0);
         mallopt(M_MMAP_THRESHOLD, 1024 * 1024);
-    }
-    /// Bytes malloc has in use, mmapped blocks included.
-    fn in_use() -> usize {
-        // SAFETY: mallinfo2 only reads the allocator's statistics.
-        let info = unsafe { mallinfo2() };
-        info.uordblks.saturating_add(info.hblkhd)
     }
     /// Anonymous resident bytes, from /proc/self/status: the heap and
     /// arenas, stacks; not the code, whose pages come in as paths first run.

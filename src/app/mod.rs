@@ -20,6 +20,7 @@ use tracing::{info, warn};
 
 use crate::config::tls::Tls;
 use crate::config::{Config, ConfigErrors, Validated};
+use crate::listen::pressure::{Pressure, Streaming};
 use crate::listen::{accept_loop, local_addr, stopped, Abandoned, Limits};
 use crate::observe::metrics::Metrics;
 use crate::proxy::{BuildError, Caller, Proxy, Runtime};
@@ -275,6 +276,7 @@ fn serve_callers(
         drain_timeout: config.listen.drain_timeout,
         transparent: config.listen.transparent,
         traffic: counted(&proxy, "listen"),
+        pressure: Some(guard_memory(&proxy, stop.clone())),
     };
     accept_loop(
         "listen",
@@ -299,12 +301,26 @@ fn serve_callers(
                     conduct.begun();
                     let pending = Abandoned(Some(conduct));
                     let resp = proxy.handle(req, &caller).await;
-                    pending.answered(&resp);
-                    Ok::<_, Infallible>(resp)
+                    let conduct = pending.answered(&resp);
+                    Ok::<_, Infallible>(Streaming::of(resp, conduct.as_ref()))
                 })
             })
         },
     )
+}
+
+/// The bound on the process's memory (`listen.max_memory`, the running
+/// config's), looked at until `stop` and reported in the metrics.
+fn guard_memory(proxy: &Arc<Proxy>, stop: watch::Receiver<bool>) -> Arc<Pressure> {
+    let pressure = Arc::new(Pressure::default());
+    let (bound, report) = (proxy.clone(), proxy.clone());
+    tokio::spawn(crate::listen::pressure::guard(
+        pressure.clone(),
+        move || bound.runtime().config.listen.max_memory,
+        move |look| report.metrics().memory(look.in_use, look.pressed, look.cut),
+        stop,
+    ));
+    pressure
 }
 
 /// The connections and bytes of listener `name`, counted in the metrics.
@@ -332,6 +348,7 @@ fn serve_admin(
         drain_timeout: Duration::from_secs(1),
         transparent: false,
         traffic: counted(&shared.proxy, "admin"),
+        pressure: None,
     };
     accept_loop("admin", listener, limits, stop, move |peer, _, conduct| {
         let shared = shared.clone();

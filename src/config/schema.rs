@@ -162,6 +162,12 @@ pub struct ListenConfig {
     /// does not fit what is left is sent once and never retried.
     #[serde(with = "size")]
     pub max_body_memory: u64,
+    /// The process's memory in use (its allocator's count) past which
+    /// new requests are refused (503 `overloaded`) and callers that read
+    /// nothing are cut, until it is back under nine tenths of it; `0`: no
+    /// bound. The container's memory limit less a quarter.
+    #[serde(with = "size")]
+    pub max_memory: u64,
     /// A response that makes no progress this long is aborted and what it
     /// holds upstream let go: a caller that reads nothing, or an upstream
     /// that sends nothing more of its body.
@@ -192,6 +198,7 @@ impl Default for ListenConfig {
             header_read_timeout: Duration::from_secs(10),
             max_connections: 10_000,
             max_body_memory: 16 << 20,
+            max_memory: 96 << 20,
             write_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
             explain: false,

@@ -45,6 +45,9 @@ pub(super) fn addresses(config: &Config) -> Option<String> {
     })
 }
 
+/// The least `listen.max_memory` that is not a bound.
+const MIN_MEMORY: u64 = 16 << 20;
+
 /// Checks `config`, and compiles each route's policies as it goes: `Some`
 /// for every route whose checks passed. `unparsed`: upstreams the file
 /// names but that did not parse (reported already): a route naming one is
@@ -62,6 +65,12 @@ pub(super) fn validate(
         report(
             listen.key("max_connections"),
             format!("must be at most {}", u32::MAX),
+        );
+    }
+    if config.listen.max_memory != 0 && config.listen.max_memory < MIN_MEMORY {
+        report(
+            listen.key("max_memory"),
+            "must be 0 (no bound) or at least 16MiB: the process itself uses a few MiB".into(),
         );
     }
     positive(

@@ -138,6 +138,11 @@ pub struct Conduct {
     began: AtomicBool,
     /// Requests begun and not yet answered or abandoned.
     open: std::sync::atomic::AtomicU32,
+    /// It speaks HTTP/2.
+    h2: AtomicBool,
+    /// HTTP/2 answers whose bodies are still being sent (see
+    /// `listen::pressure::Streaming`).
+    streaming: std::sync::atomic::AtomicU32,
     /// When a request last began or ended.
     last: Stamp,
     /// The connection closes after this long with no request open.
@@ -194,6 +199,8 @@ impl Conduct {
             evicted: AtomicBool::new(false),
             began: AtomicBool::new(false),
             open: Default::default(),
+            h2: AtomicBool::new(false),
+            streaming: Default::default(),
             last: Stamp::new(),
             idle_timeout,
             cycle: crate::listen::h1::Cycle::new(written.clone()),
@@ -289,6 +296,35 @@ impl Conduct {
         if self.has_spoken() {
             std::future::pending::<()>().await;
         }
+    }
+
+    /// Closes the connection outright, whatever it is doing: memory runs
+    /// short and it holds answers its caller does not read (see
+    /// `listen::pressure`).
+    pub fn cut(&self) {
+        self.written.cut();
+        self.wake();
+    }
+
+    /// It speaks HTTP/2.
+    pub fn speaks_h2(&self) -> bool {
+        self.h2.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn spoken_in_h2(&self) {
+        self.h2.store(true, Ordering::Relaxed);
+    }
+
+    /// HTTP/2 answers whose bodies are still being sent.
+    pub fn streaming(&self) -> u32 {
+        self.streaming.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn streams(&self, more: bool) {
+        match more {
+            true => self.streaming.fetch_add(1, Ordering::Relaxed),
+            false => self.streaming.fetch_sub(1, Ordering::Relaxed),
+        };
     }
 
     fn evicted_unheard(&self) -> bool {
@@ -388,8 +424,9 @@ impl<C: GracefulConnection> Future for Watched<C> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
-        // Evicted before a whole head came: nothing to finish, close now.
-        if this.conduct.evicted_unheard() {
+        // Evicted before a whole head came (nothing to finish), or cut:
+        // close now.
+        if this.conduct.evicted_unheard() || this.conduct.written.is_cut() {
             return Poll::Ready(None);
         }
         if !*this.asked {

@@ -276,10 +276,13 @@ where
         let held = match HeadHeld::take(detach_head(&mut req)) {
             Ok(held) => held,
             Err(()) => {
-                req.extensions_mut().insert(crate::wire::Crowded);
+                req.extensions_mut().insert(crate::wire::Crowded::Held);
                 None
             }
         };
+        if crate::listen::pressure::under_pressure() {
+            req.extensions_mut().insert(crate::wire::Crowded::Memory);
+        }
         let connect =
             req.method() == http::Method::CONNECT && req.version() == http::Version::HTTP_11;
         cycle.connect.store(connect, Ordering::Relaxed);

@@ -3,6 +3,7 @@
 
 pub(crate) mod drain;
 pub mod h1;
+pub mod pressure;
 mod sniff;
 pub(crate) mod stall;
 
@@ -70,17 +71,18 @@ impl Abandoned {
     /// and resets streams faster than the upstream can take them would
     /// otherwise earn, from its own shed streams, the credit that keeps it
     /// from being expelled.
-    pub(crate) fn answered<B>(mut self, resp: &http::Response<B>) {
-        if let Some(conduct) = self.0.take() {
-            let shed = resp
-                .headers()
-                .get(&crate::wire::headers::X_HERDGUARD_ERROR)
-                .is_some_and(|e| e == "overloaded" || e == "circuit-open");
-            match shed {
-                true => conduct.shed(),
-                false => conduct.answered(),
-            }
+    /// Gives the connection's conduct back.
+    pub(crate) fn answered<B>(mut self, resp: &http::Response<B>) -> Option<Arc<Conduct>> {
+        let conduct = self.0.take()?;
+        let shed = resp
+            .headers()
+            .get(&crate::wire::headers::X_HERDGUARD_ERROR)
+            .is_some_and(|e| e == "overloaded" || e == "circuit-open");
+        match shed {
+            true => conduct.shed(),
+            false => conduct.answered(),
         }
+        Some(conduct)
     }
 }
 
@@ -301,7 +303,9 @@ where
         let open = self.open.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut req = req.map(CallerBody::new);
         if open >= H2_STREAMS {
-            req.extensions_mut().insert(crate::wire::Crowded);
+            req.extensions_mut().insert(crate::wire::Crowded::Held);
+        } else if pressure::under_pressure() {
+            req.extensions_mut().insert(crate::wire::Crowded::Memory);
         }
         OpenStream {
             answer: self.service.call(req),
@@ -425,6 +429,7 @@ impl Serve<'_> {
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         if h2 {
+            self.conduct.spoken_in_h2();
             let io = TokioIo::new(crate::listen::stall::WriteStall::new(
                 stream,
                 self.write_timeout,
@@ -589,6 +594,8 @@ pub(crate) struct Limits {
     pub(crate) transparent: bool,
     /// Where the listener's connections and bytes are counted.
     pub(crate) traffic: Arc<crate::observe::metrics::Traffic>,
+    /// The memory bound that may cut the listener's connections.
+    pub(crate) pressure: Option<Arc<pressure::Pressure>>,
 }
 
 /// Where a connection redirected by iptables (`REDIRECT`) was going, read
@@ -635,6 +642,9 @@ pub(crate) async fn accept_loop<M, S, B>(
     let permits = Arc::new(Semaphore::new(limits.max_connections));
 
     let silent = Silent::default();
+    if let Some(pressure) = &limits.pressure {
+        pressure.watch(&silent.every);
+    }
 
     loop {
         let (stream, peer) = tokio::select! {

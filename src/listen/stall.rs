@@ -35,6 +35,10 @@ pub struct Writes {
     heard: AtomicBool,
     /// The listener's counts of bytes in and out.
     pub traffic: Arc<Traffic>,
+    /// Cut under memory pressure (see `listen::pressure`): its writes fail.
+    cut: AtomicBool,
+    /// The task of the latest write left pending, to wake when cut.
+    waker: atomic_waker::AtomicWaker,
 }
 
 impl Writes {
@@ -62,6 +66,18 @@ impl Writes {
 
     pub fn unhear(&self) {
         self.heard.store(false, Ordering::Release);
+    }
+
+    /// Makes the connection's pending and later writes fail, and wakes the
+    /// task waiting on one.
+    pub fn cut(&self) {
+        self.cut.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+
+    /// Whether [`cut`](Self::cut) was called.
+    pub fn is_cut(&self) -> bool {
+        self.cut.load(Ordering::Acquire)
     }
 }
 
@@ -108,6 +124,13 @@ fn watch<R>(
             writes.blocked.store(false, Ordering::Relaxed);
         }
         return polled;
+    }
+    // Registered before the flag is read: a cut made in between wakes it.
+    writes.waker.register(cx.waker());
+    if writes.is_cut() {
+        return Poll::Ready(Err(io::Error::other(
+            "cut: the caller read nothing while memory ran short",
+        )));
     }
     let deadline = Instant::now() + timeout;
     let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
@@ -241,5 +264,21 @@ mod tests {
         let mut w = WriteStall::new(ours, Duration::from_secs(1), Arc::default());
         w.write_all(&[0u8; 640]).await.unwrap();
         reader.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_cut_fails_the_pending_write_at_once() {
+        let (ours, _theirs) = tokio::io::duplex(64);
+        let writes = Arc::new(Writes::default());
+        let mut w = WriteStall::new(ours, Duration::from_secs(3600), writes.clone());
+        w.write_all(&[0u8; 64]).await.unwrap();
+        let pending = tokio::spawn(async move { w.write_all(&[0u8; 64]).await });
+        // The write is pending once the connection says it is blocked.
+        while !writes.blocked() {
+            tokio::task::yield_now().await;
+        }
+        writes.cut();
+        let err = pending.await.unwrap().unwrap_err();
+        assert!(err.to_string().contains("cut"), "{err}");
     }
 }

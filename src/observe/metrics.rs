@@ -50,6 +50,9 @@ pub const CONNECTIONS_ACCEPTED: &str = "herdguard_connections_accepted_total";
 pub const CONNECTIONS_OPEN: &str = "herdguard_connections_open";
 pub const RECEIVED_BYTES: &str = "herdguard_received_bytes_total";
 pub const SENT_BYTES: &str = "herdguard_sent_bytes_total";
+pub const MEMORY_IN_USE: &str = "herdguard_memory_in_use_bytes";
+pub const MEMORY_PRESSURE: &str = "herdguard_memory_pressure";
+pub const MEMORY_CUT: &str = "herdguard_memory_cut_connections_total";
 
 /// The latency histograms' bucket bounds, in seconds, unless
 /// `[metrics] latency_buckets` says otherwise: fine below 100 ms, and
@@ -224,6 +227,7 @@ impl Metrics {
         m.gauge(BUILD_INFO, &[("version", env!("CARGO_PKG_VERSION"))])
             .set(1.0);
         m.gauge(LAST_RELOAD_OK, &[]).set(1.0);
+        m.counter(MEMORY_CUT, &[]).increment(0);
         Arc::new(m)
     }
 
@@ -277,6 +281,16 @@ impl Metrics {
             self.counter(RECEIVED_BYTES, &labels)
                 .absolute(read(&t.received));
             self.counter(SENT_BYTES, &labels).absolute(read(&t.sent));
+        }
+    }
+
+    /// One look at the process's memory (see `listen::pressure`).
+    pub fn memory(&self, in_use: usize, pressed: bool, cut: usize) {
+        self.gauge(MEMORY_IN_USE, &[]).set(in_use as f64);
+        self.gauge(MEMORY_PRESSURE, &[])
+            .set(if pressed { 1.0 } else { 0.0 });
+        if cut > 0 {
+            self.counter(MEMORY_CUT, &[]).increment(cut as u64);
         }
     }
 
@@ -360,6 +374,13 @@ fn help(name: &str) -> Option<&'static str> {
         }
         SHED_TOTAL => "Requests refused at once because the upstream was at its in-flight limit.",
         CONFIG_RELOADS => "Config reloads, by result.",
+        MEMORY_IN_USE => "Bytes the process has in use, as its allocator counts them (every 100 ms).",
+        MEMORY_PRESSURE => {
+            "1 while memory in use is past listen.max_memory: new requests refused, callers that read nothing cut."
+        }
+        MEMORY_CUT => {
+            "Caller connections closed under memory pressure: answers waiting that their callers did not read."
+        }
         LAST_RELOAD_OK => {
             "1 if the last config reload succeeded (or none was tried), 0 while the file last read is refused."
         }

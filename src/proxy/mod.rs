@@ -838,10 +838,14 @@ fn request_host<'a>(uri: &'a http::Uri, host: Option<&'a HeaderValue>) -> Option
 /// the bounds on requests held at once, or a CONNECT where nothing is
 /// passed through.
 fn refused_at_once(req: &Request<CallerBody>) -> Option<Response<ResponseBody>> {
-    if req.extensions().get::<crate::wire::Crowded>().is_some() {
-        return Some(LocalError::Overloaded.response(
+    match req.extensions().get::<crate::wire::Crowded>() {
+        Some(crate::wire::Crowded::Held) => return Some(LocalError::Overloaded.response(
             "too many requests held at once (HTTP/2 streams on this listener, or large request heads); try again shortly",
-        ));
+        )),
+        Some(crate::wire::Crowded::Memory) => return Some(LocalError::Overloaded.response(
+            "memory is short (listen.max_memory): callers that read nothing are being cut; try again shortly",
+        )),
+        None => {}
     }
     if req.method() != Method::CONNECT {
         return None;

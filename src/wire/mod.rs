@@ -9,11 +9,15 @@ pub(crate) mod stamp;
 
 pub use caller::{BodyEnd, CallerBody, CallerUpgrade, Io, Upgraded};
 
-/// Marks a request that came on an HTTP/2 stream past its listener's
-/// bound on open streams, or with a large head past the bound on large
-/// heads held: the proxy answers it 503 at once, before any other work.
-#[derive(Clone, Copy, Debug)]
-pub struct Crowded;
+/// Marks a request the proxy answers 503 at once, before any other work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Crowded {
+    /// It came on an HTTP/2 stream past its listener's bound on open
+    /// streams, or with a large head past the bound on large heads held.
+    Held,
+    /// The process's memory is past `listen.max_memory`.
+    Memory,
+}
 
 /// An error and its causes on one line.
 pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {

@@ -239,13 +239,6 @@ async fn the_default_runtime_has_a_thread_per_core_it_may_use() {
     }
 }
 
-async fn get_at(listen: &str, path: &str) -> (http::StatusCode, http::HeaderMap, bytes::Bytes) {
-    let req = http::Request::get(format!("http://{listen}{path}"))
-        .body(empty())
-        .unwrap();
-    send(&client(), req).await
-}
-
 #[test]
 fn endpoint_ports_out_of_range_and_credentials_are_refused_without_echoing_them() {
     let dir = tempfile::tempdir().unwrap();

@@ -34,6 +34,7 @@ mod otel;
 mod outlier;
 mod passthrough;
 mod pool;
+mod pressure;
 mod recovery;
 mod reload;
 mod retry;

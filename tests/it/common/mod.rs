@@ -214,6 +214,14 @@ pub async fn get(server: &Server, path: &str) -> (http::StatusCode, http::Header
     .await
 }
 
+/// `GET path` on the listener at `listen` (a binary's): status, headers, body.
+pub async fn get_at(listen: &str, path: &str) -> (http::StatusCode, http::HeaderMap, Bytes) {
+    let req = Request::get(format!("http://{listen}{path}"))
+        .body(empty())
+        .unwrap();
+    send(&client(), req).await
+}
+
 pub async fn send(
     client: &TestClient,
     req: Request<Body>,

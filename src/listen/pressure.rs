@@ -1,0 +1,252 @@
+//! One bound on the memory of the whole process (`listen.max_memory`), for
+//! what the per-request bounds cannot see: answers that callers do not
+//! read, each holding a response's buffers (up to about 150 KiB: what the
+//! upstream sent that is not yet written, the caller connection's send
+//! buffer or its HTTP/2 stream's), times as many requests as every
+//! upstream's limits let in together.
+//!
+//! What Envoy's overload manager does for its heap, for this one resource:
+//! every [`TICK`] the bytes the allocator has in use are read; past the
+//! bound, memory is under pressure until they are back under nine tenths
+//! of it. Under pressure:
+//! - new requests are answered 503 at once (`overloaded`, marked
+//!   [`Crowded::Memory`](crate::wire::Crowded)) and count nothing upstream;
+//! - connections whose caller has read nothing for [`STALLED`] while an
+//!   answer waits are closed outright: every one whose writes are blocked
+//!   (its socket full), and, oldest first, a share of the HTTP/2
+//!   connections with streams open and nothing written (their windows
+//!   shut). A request still waiting for its upstream is not cut: its
+//!   connection has nothing queued.
+//!
+//! The measure is the binary's ([`measure_with`]): the library alone (a
+//! test's server) has no bound, as the process is not its own.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::listen::drain::{Conduct, Open};
+
+/// How often memory is looked at.
+pub const TICK: Duration = Duration::from_millis(100);
+
+/// How long a caller may have read nothing, with an answer waiting, before
+/// its connection is cut under pressure.
+pub const STALLED: Duration = Duration::from_secs(1);
+
+/// The share of stalled HTTP/2 connections with open windows cut per tick
+/// (at least one): their streams may be waiting for a slow upstream rather
+/// than for their caller, so they go a few at a time, oldest first, while
+/// memory stays short.
+const H2_SHARE: usize = 8;
+
+static MEASURE: OnceLock<fn() -> usize> = OnceLock::new();
+
+/// Memory is under pressure now: the one flag every request reads.
+static UNDER_PRESSURE: AtomicBool = AtomicBool::new(false);
+
+/// Installs how the bytes the process has in use are read (the binary:
+/// its allocator's count). Until then, nothing is bounded.
+pub fn measure_with(measure: fn() -> usize) {
+    let _ = MEASURE.set(measure);
+}
+
+/// Whether memory is under pressure: new requests are refused.
+pub fn under_pressure() -> bool {
+    UNDER_PRESSURE.load(Ordering::Relaxed)
+}
+
+/// What one look found and did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Look {
+    /// Bytes in use.
+    pub in_use: usize,
+    /// Under pressure after this look.
+    pub pressed: bool,
+    /// Connections cut by this look.
+    pub cut: usize,
+}
+
+/// The connections of the listeners a bound watches over.
+#[derive(Default)]
+pub struct Pressure {
+    listeners: Mutex<Vec<Open>>,
+}
+
+impl Pressure {
+    /// Watches the connections of a listener too.
+    pub(crate) fn watch(&self, open: &Open) {
+        self.lock().push(open.clone());
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Open>> {
+        self.listeners.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// One look with `in_use` bytes in use and a bound of `max` (0: none):
+    /// sets the flag, and under pressure cuts what holds unread answers.
+    pub fn look(&self, in_use: usize, max: u64, was: bool) -> Look {
+        let max = usize::try_from(max).unwrap_or(usize::MAX);
+        let pressed = max > 0
+            && match was {
+                true => in_use >= max / 10 * 9,
+                false => in_use > max,
+            };
+        let cut = if pressed { self.cut_stalled() } else { 0 };
+        Look {
+            in_use,
+            pressed,
+            cut,
+        }
+    }
+
+    /// Cuts the connections stalled on their callers; gives back how many.
+    fn cut_stalled(&self) -> usize {
+        let now = Instant::now();
+        let mut windows_shut: Vec<(Instant, Arc<Conduct>)> = Vec::new();
+        let mut cut = 0;
+        for open in self.lock().iter() {
+            let every = open.lock().unwrap_or_else(|e| e.into_inner());
+            for conduct in every.values().filter_map(std::sync::Weak::upgrade) {
+                let written = &conduct.written;
+                let last = written.last();
+                if written.is_cut() || now.saturating_duration_since(last) < STALLED {
+                    continue;
+                }
+                if written.blocked() {
+                    conduct.cut();
+                    cut += 1;
+                } else if conduct.speaks_h2() && conduct.streaming() > 0 {
+                    windows_shut.push((last, conduct));
+                }
+            }
+        }
+        windows_shut.sort_by_key(|(last, _)| *last);
+        let share = windows_shut.len().div_ceil(H2_SHARE);
+        for (_, conduct) in windows_shut.into_iter().take(share) {
+            conduct.cut();
+            cut += 1;
+        }
+        cut
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The body of an answer on an HTTP/2 connection, counted in its
+    /// [`Conduct`] while it is being sent: a connection with such answers
+    /// and nothing written has them queued for a caller that gives no
+    /// window.
+    pub struct Streaming<B> {
+        #[pin]
+        body: B,
+        conduct: Option<Arc<Conduct>>,
+    }
+
+    impl<B> PinnedDrop for Streaming<B> {
+        fn drop(this: Pin<&mut Self>) {
+            if let Some(conduct) = this.project().conduct.take() {
+                conduct.streams(false);
+            }
+        }
+    }
+}
+
+impl<B: http_body::Body> Streaming<B> {
+    /// `resp`'s body, counted in `conduct` if it speaks HTTP/2 and the
+    /// body is not empty.
+    pub fn of(resp: http::Response<B>, conduct: Option<&Arc<Conduct>>) -> http::Response<Self> {
+        let counted = conduct
+            .filter(|c| c.speaks_h2() && !resp.body().is_end_stream())
+            .cloned();
+        if let Some(c) = &counted {
+            c.streams(true);
+        }
+        resp.map(|body| Streaming {
+            body,
+            conduct: counted,
+        })
+    }
+}
+
+impl<B: http_body::Body> http_body::Body for Streaming<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let this = self.project();
+        let polled = this.body.poll_frame(cx);
+        if matches!(polled, std::task::Poll::Ready(None | Some(Err(_)))) {
+            if let Some(conduct) = this.conduct.take() {
+                conduct.streams(false);
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// Looks at memory every [`TICK`] until `stop`, with the bound `max()`
+/// gives (the running config's), reporting each look; nothing at all if no
+/// measure was installed.
+pub async fn guard(
+    pressure: Arc<Pressure>,
+    max: impl Fn() -> u64,
+    report: impl Fn(Look),
+    mut stop: watch::Receiver<bool>,
+) {
+    let Some(measure) = MEASURE.get().copied() else {
+        return;
+    };
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = crate::listen::stopped(&mut stop) => break,
+            _ = tick.tick() => {}
+        }
+        let look = pressure.look(measure(), max(), under_pressure());
+        if look.pressed != under_pressure() {
+            UNDER_PRESSURE.store(look.pressed, Ordering::Relaxed);
+            match look.pressed {
+                true => tracing::warn!(
+                    in_use = look.in_use,
+                    max = max(),
+                    "memory under pressure: new requests refused, callers that read nothing cut"
+                ),
+                false => tracing::info!(in_use = look.in_use, "memory pressure over"),
+            }
+        }
+        report(look);
+    }
+    UNDER_PRESSURE.store(false, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pressure_starts_past_the_bound_and_ends_under_nine_tenths_of_it() {
+        let p = Pressure::default();
+        assert!(!p.look(100, 100, false).pressed);
+        assert!(p.look(101, 100, false).pressed);
+        assert!(p.look(91, 100, true).pressed);
+        assert!(!p.look(89, 100, true).pressed);
+        // No bound.
+        assert!(!p.look(usize::MAX, 0, true).pressed);
+    }
+}

@@ -126,6 +126,15 @@ fn unheard(conduct: &std::sync::Weak<Conduct>) -> bool {
 }
 
 impl Silent {
+    /// A listener's lists, its connections watched by `pressure` if given.
+    fn watched(pressure: Option<&pressure::Pressure>) -> Self {
+        let silent = Silent::default();
+        if let Some(pressure) = pressure {
+            pressure.watch(&silent.every);
+        }
+        silent
+    }
+
     /// Registers a new connection. Entries closed or spoken are dropped
     /// from the front as new ones come, and all of them once the list is
     /// twice `max`: a connection that stays unheard at the front cannot
@@ -641,10 +650,7 @@ pub(crate) async fn accept_loop<M, S, B>(
     // connections are closed.
     let permits = Arc::new(Semaphore::new(limits.max_connections));
 
-    let silent = Silent::default();
-    if let Some(pressure) = &limits.pressure {
-        pressure.watch(&silent.every);
-    }
+    let silent = Silent::watched(limits.pressure.as_deref());
 
     loop {
         let (stream, peer) = tokio::select! {

@@ -10,7 +10,7 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -35,6 +35,12 @@ pub struct Writes {
     heard: AtomicBool,
     /// The listener's counts of bytes in and out.
     pub traffic: Arc<Traffic>,
+    /// Bytes in and out not yet added to `traffic`: the listener's counts
+    /// are shared by every connection, and an add to them on each read and
+    /// write bounced their cache line between the workers. Written by the
+    /// connection's task alone; added every [`FLUSH_AT`] bytes and when the
+    /// connection ends.
+    unflushed: [AtomicU64; 2],
     /// Cut under memory pressure (see `listen::pressure`): its writes fail.
     cut: AtomicBool,
     /// The task of the latest write left pending, to wake when cut.
@@ -44,8 +50,13 @@ pub struct Writes {
 impl Writes {
     pub fn new(traffic: Arc<Traffic>) -> Self {
         Self {
+            last: Stamp::default(),
+            blocked: AtomicBool::new(false),
+            heard: AtomicBool::new(false),
             traffic,
-            ..Self::default()
+            unflushed: Default::default(),
+            cut: AtomicBool::new(false),
+            waker: Default::default(),
         }
     }
 
@@ -68,6 +79,19 @@ impl Writes {
         self.heard.store(false, Ordering::Release);
     }
 
+    /// Counts `n` bytes read (`SENT`: written) in the listener's traffic,
+    /// at the latest when the connection ends.
+    fn count(&self, which: usize, n: usize) {
+        let held = &self.unflushed[which];
+        let total = held.load(Ordering::Relaxed).saturating_add(n as u64);
+        if total < FLUSH_AT {
+            held.store(total, Ordering::Relaxed);
+            return;
+        }
+        held.store(0, Ordering::Relaxed);
+        self.traffic.add(which == SENT, total);
+    }
+
     /// Makes the connection's pending and later writes fail, and wakes the
     /// task waiting on one.
     pub fn cut(&self) {
@@ -80,6 +104,24 @@ impl Writes {
         self.cut.load(Ordering::Acquire)
     }
 }
+
+impl Drop for Writes {
+    fn drop(&mut self) {
+        for (which, held) in self.unflushed.iter().enumerate() {
+            let n = held.load(Ordering::Relaxed);
+            if n > 0 {
+                self.traffic.add(which == SENT, n);
+            }
+        }
+    }
+}
+
+/// Which of [`Writes`]' unflushed counts.
+const RECEIVED: usize = 0;
+const SENT: usize = 1;
+
+/// Bytes a connection counts before it adds them to its listener's.
+const FLUSH_AT: u64 = 64 * 1024;
 
 pin_project! {
     pub struct WriteStall<T> {
@@ -162,7 +204,7 @@ impl<T: AsyncRead> AsyncRead for WriteStall<T> {
         let read = buf.filled().len().saturating_sub(before);
         if read > 0 {
             this.writes.heard.store(true, Ordering::Release);
-            this.writes.traffic.received(read);
+            this.writes.count(RECEIVED, read);
         }
         polled
     }
@@ -178,7 +220,7 @@ impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
         let polled = this.inner.poll_write(cx, buf);
         if let Poll::Ready(Ok(n @ 1..)) = polled {
             this.writes.last.touch();
-            this.writes.traffic.sent(n);
+            this.writes.count(SENT, n);
         }
         watch(
             polled,
@@ -199,7 +241,7 @@ impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
         let polled = this.inner.poll_write_vectored(cx, bufs);
         if let Poll::Ready(Ok(n @ 1..)) = polled {
             this.writes.last.touch();
-            this.writes.traffic.sent(n);
+            this.writes.count(SENT, n);
         }
         watch(
             polled,

@@ -104,12 +104,10 @@ impl Traffic {
         self.open.fetch_sub(1, Ordering::Relaxed);
     }
 
-    pub fn received(&self, bytes: usize) {
-        self.received.fetch_add(bytes as u64, Ordering::Relaxed);
-    }
-
-    pub fn sent(&self, bytes: usize) {
-        self.sent.fetch_add(bytes as u64, Ordering::Relaxed);
+    /// Counts `bytes` received, or if `sent` sent.
+    pub fn add(&self, sent: bool, bytes: u64) {
+        let count = if sent { &self.sent } else { &self.received };
+        count.fetch_add(bytes, Ordering::Relaxed);
     }
 }
 

@@ -332,11 +332,13 @@ async fn a_retry_refused_after_it_was_paid_for_refunds_and_passes_the_upstreams_
         },
     )
     .await;
-    // While the first waits out its 1 s backoff, a POST fails (it may not be
-    // retried): a failed request, and the breaker trips.
+    // While the first waits out its 1 s backoff, a POST on the same path
+    // fails (it may not be retried): a failed request, and the breaker
+    // trips (on another path, the GET still under way would be a sign that
+    // the rest of the route answers: the path's breaker alone would trip).
     let second = request(
         &hg.listen,
-        "POST /b HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        "POST /a HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
     )
     .await;
     assert_eq!(second.status, 503);

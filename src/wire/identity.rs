@@ -48,12 +48,45 @@ fn usable(id: &[u8]) -> bool {
 /// request: no formatting machinery, no shared state.
 fn made() -> HeaderValue {
     use rand::SeedableRng as _;
-    thread_local! {
-        static IDS: std::cell::RefCell<rand::rngs::SmallRng> =
-            std::cell::RefCell::new(rand::rngs::SmallRng::from_rng(&mut rand::rng()));
+    /// Ids made at once per thread, in one buffer that each id is a slice
+    /// of: no allocation per id, and copying a request's headers for an
+    /// attempt shares the buffer rather than copying the id.
+    const BLOCK: usize = 64;
+    const LEN: usize = 36;
+    struct Ids {
+        rng: rand::rngs::SmallRng,
+        block: bytes::Bytes,
+        next: usize,
     }
-    let mut bytes: [u8; 16] = IDS.with(|rng| rng.borrow_mut().random());
-    // Version 4, variant 1 (RFC 9562).
+    thread_local! {
+        static IDS: std::cell::RefCell<Ids> = std::cell::RefCell::new(Ids {
+            rng: rand::rngs::SmallRng::from_rng(&mut rand::rng()),
+            block: bytes::Bytes::new(),
+            next: BLOCK,
+        });
+    }
+    let id = IDS.with(|ids| {
+        let mut ids = ids.borrow_mut();
+        if ids.next == BLOCK {
+            let mut block = Vec::with_capacity(BLOCK * LEN);
+            for _ in 0..BLOCK {
+                block.extend_from_slice(&uuid_text(ids.rng.random()));
+            }
+            // Its first slice makes it shared (one allocation a block);
+            // the others are counted references.
+            ids.block = bytes::Bytes::from(block);
+            ids.next = 0;
+        }
+        let at = ids.next * LEN;
+        ids.next += 1;
+        ids.block.slice(at..at + LEN)
+    });
+    HeaderValue::from_maybe_shared(id).unwrap_or(HeaderValue::from_static("-"))
+}
+
+/// A version 4 UUID (RFC 9562) of 16 random bytes, as text, two digits
+/// a byte.
+fn uuid_text(mut bytes: [u8; 16]) -> [u8; 36] {
     bytes[6] = (bytes[6] & 0x0F) | 0x40;
     bytes[8] = (bytes[8] & 0x3F) | 0x80;
     const HEX: &[u8; 16] = b"0123456789abcdef";
@@ -67,7 +100,7 @@ fn made() -> HeaderValue {
         text[at + 1] = HEX[usize::from(byte & 0xF)];
         at += 2;
     }
-    HeaderValue::from_bytes(&text).unwrap_or(HeaderValue::from_static("-"))
+    text
 }
 
 /// The trace id of a W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`),

@@ -185,19 +185,17 @@ pub(crate) const MAX_TOTAL_ENDPOINTS: usize = 4000;
 /// The most addresses a `discovery = "dns"` upstream balances over.
 pub const MAX_DNS_ENDPOINTS: usize = 128;
 
-/// The config has no more routes, upstreams, or endpoints per upstream
-/// than the proxy takes; the first one past a bound is named.
+/// `[tracing]`: an OTLP endpoint that is a plain `http(s)://host[:port][/path]`
+/// (credentials go in `OTEL_EXPORTER_OTLP_HEADERS`, never in a URL that
+/// `/config` and the logs show), and a ratio.
 fn tracing_config(report: &mut Report<'_>, root: &KeyPath, c: &crate::config::TracingConfig) {
     let key = root.key("tracing");
     if let Some(endpoint) = &c.otlp_endpoint {
-        let uri = endpoint.parse::<Uri>().ok();
-        let fine = uri.as_ref().is_some_and(|u| {
-            matches!(u.scheme_str(), Some("http" | "https")) && u.authority().is_some()
-        });
-        if !fine {
+        if let Err(why) = otlp_endpoint(endpoint) {
+            let shown = without_userinfo(endpoint).unwrap_or_else(|| endpoint.clone());
             report(
                 key.key("otlp_endpoint"),
-                format!("{endpoint:?} is not an http:// or https:// URL, such as \"http://otel-collector:4318\""),
+                format!("{shown:?} {why}, such as \"http://otel-collector:4318\""),
             );
         }
     }
@@ -578,6 +576,28 @@ pub(crate) fn check_endpoint(endpoint: &str) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// Why `endpoint` is not an OTLP endpoint URL, if it is not.
+fn otlp_endpoint(endpoint: &str) -> Result<(), &'static str> {
+    let uri = endpoint
+        .parse::<Uri>()
+        .map_err(|_| "is not an http:// or https:// URL")?;
+    let authority = uri
+        .authority()
+        .filter(|_| matches!(uri.scheme_str(), Some("http" | "https")))
+        .ok_or("is not an http:// or https:// URL")?;
+    if authority.as_str().contains('@') {
+        return Err("carries credentials (give them in OTEL_EXPORTER_OTLP_HEADERS)");
+    }
+    if uri.query().is_some() || endpoint.contains('#') {
+        return Err("has a query or fragment (the path /v1/traces is appended)");
+    }
+    match authority.as_str().strip_prefix(authority.host()) {
+        Some("") => Ok(()),
+        Some(port) if port.strip_prefix(':').is_some_and(valid_port) => Ok(()),
+        _ => Err("has a port that is not 1 to 65535"),
+    }
 }
 
 /// A port as a Host header carries it: digits only (no sign, no leading

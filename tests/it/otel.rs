@@ -312,3 +312,35 @@ async fn a_callers_huge_method_or_tracestate_stays_out_of_spans() {
         assert!(span.trace_state.len() < 512, "{}", span.trace_state.len());
     }
 }
+
+/// An OTLP endpoint that is not a plain `http(s)://host[:port][/path]` is
+/// refused with its key, credentials masked.
+#[test]
+fn an_otlp_endpoint_with_credentials_a_query_or_a_bad_port_is_refused() {
+    for (endpoint, says) in [
+        ("http://user:secret@collector:4318", "credentials"),
+        ("http://collector:4318/?x=1", "query"),
+        ("http://collector:4318/#f", "fragment"),
+        ("http://collector:99999", "port"),
+        ("http://collector:0", "port"),
+        ("collector:4318", "http://"),
+        ("ftp://collector", "http://"),
+    ] {
+        let err = herdguard::config::Config::parse(&format!(
+            "[tracing]\notlp_endpoint = \"{endpoint}\"\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("tracing.otlp_endpoint"), "{endpoint}: {err}");
+        assert!(err.contains(says), "{endpoint}: {err}");
+        assert!(!err.contains("secret"), "{endpoint}: {err}");
+    }
+    for fine in [
+        "http://collector:4318",
+        "https://collector",
+        "http://[::1]:4318/otlp",
+    ] {
+        herdguard::config::Config::parse(&format!("[tracing]\notlp_endpoint = \"{fine}\"\n"))
+            .unwrap_or_else(|e| panic!("{fine}: {e}"));
+    }
+}

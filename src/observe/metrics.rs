@@ -53,6 +53,7 @@ pub const SENT_BYTES: &str = "herdguard_sent_bytes_total";
 pub const MEMORY_IN_USE: &str = "herdguard_memory_in_use_bytes";
 pub const MEMORY_PRESSURE: &str = "herdguard_memory_pressure";
 pub const MEMORY_CUT: &str = "herdguard_memory_cut_connections_total";
+pub const SPANS_DROPPED: &str = "herdguard_trace_spans_dropped_total";
 
 /// The latency histograms' bucket bounds, in seconds, unless
 /// `[metrics] latency_buckets` says otherwise: fine below 100 ms, and
@@ -372,6 +373,9 @@ fn help(name: &str) -> Option<&'static str> {
         }
         SHED_TOTAL => "Requests refused at once because the upstream was at its in-flight limit.",
         CONFIG_RELOADS => "Config reloads, by result.",
+        SPANS_DROPPED => {
+            "Finished spans dropped because 2,048 were already waiting for export (a slow or unreachable collector)."
+        }
         MEMORY_IN_USE => "Bytes the process has in use, as its allocator counts them (every 100 ms).",
         MEMORY_PRESSURE => {
             "1 while memory in use is past listen.max_memory: new requests refused, callers that read nothing cut."

@@ -1,29 +1,31 @@
-//! Traces with OpenTelemetry: a span per request and a child span per
-//! attempt, exported in batches over OTLP/HTTP (protobuf) to a collector.
+//! Traces in OpenTelemetry's format: a span per request and a child span
+//! per attempt, exported in batches over OTLP/HTTP (protobuf) to a
+//! collector.
 //!
 //! A request joins its caller's trace (W3C `traceparent`/`tracestate`) or
 //! starts one; each attempt sends upstream its own span id, so that the
-//! upstream's spans hang under the attempt that reached it. Spans go
-//! through the SDK's batch processor: a queue of at most
-//! [`MAX_QUEUED_SPANS`] (dropped past it, never waited for) and an export
-//! thread of its own, so a slow collector never slows a request. Off (no
-//! endpoint), nothing is made per request.
+//! upstream's spans hang under the attempt that reached it. Sampling is
+//! parent-based with a ratio for new traces, as OpenTelemetry's SDK
+//! samples (`ParentBased(TraceIdRatioBased)`, the same bound on the trace
+//! id's low bytes).
+//!
+//! Lean, because it runs on every request: a finished span is a small
+//! record of fixed fields pushed on a queue of at most
+//! [`MAX_QUEUED_SPANS`] (dropped past it, never waited for); a task of its
+//! own turns them into an `ExportTraceServiceRequest` with prost's
+//! encoding every [`BATCH_DELAY`] and posts it. The SDK's spans (their
+//! attribute lists, names and contexts built per request, and the export
+//! thread's conversion to OTLP messages) cost 72% more instructions per
+//! request (docs/benchmarks.md). Off (no endpoint), nothing is made per
+//! request.
 
-use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response};
-use opentelemetry::propagation::TextMapPropagator as _;
-use opentelemetry::trace::{
-    Span as _, SpanKind, Status, TraceContextExt as _, Tracer as _, TracerProvider as _,
-};
-use opentelemetry::{Context, KeyValue};
-use opentelemetry_http::{HeaderExtractor, HeaderInjector, HttpError};
-use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::{
-    BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracer, SdkTracerProvider,
-};
+use http::{HeaderMap, HeaderValue, Request};
+use prost::encoding::{encode_key, encode_varint, WireType};
 
 use crate::config::TracingConfig;
 
@@ -32,6 +34,9 @@ pub const MAX_QUEUED_SPANS: usize = 2048;
 
 /// How long finished spans wait before they are sent in a batch.
 const BATCH_DELAY: Duration = Duration::from_millis(500);
+
+/// Spans sent in one export at most; as many waiting send at once.
+const MAX_BATCH: usize = 512;
 
 /// How long one export may take before it is given up.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -58,9 +63,15 @@ fn known_method(method: &http::Method) -> &'static str {
 
 /// The tracer of one running proxy, when tracing is on.
 pub struct Tracing {
-    provider: SdkTracerProvider,
-    tracer: SdkTracer,
-    propagator: TraceContextPropagator,
+    /// New traces are sampled when their id's low 63 bits are below this.
+    ratio_bound: u64,
+    queue: Mutex<Vec<Record>>,
+    /// Spans dropped because the queue was full.
+    dropped: AtomicU64,
+    /// Wakes the export task: a batch is full, or the process exits.
+    wake: tokio::sync::Notify,
+    /// Set at exit: the export task sends what is left, then says so.
+    exiting: Mutex<Option<std::sync::mpsc::Sender<()>>>,
 }
 
 /// Where spans are sent: the config's `otlp_endpoint` (with `/v1/traces`
@@ -95,109 +106,254 @@ impl Tracing {
         let Some(endpoint) = endpoint(config) else {
             return Ok(None);
         };
-        use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _};
-        let client = Exporter::new().map_err(|e| format!("tracing: {e}"))?;
-        let exporter = opentelemetry_otlp::SpanExporter::builder()
-            .with_http()
-            .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
-            .with_endpoint(endpoint.clone())
-            .with_timeout(EXPORT_TIMEOUT)
-            .with_http_client(client)
-            .build()
+        let uri: http::Uri = endpoint
+            .parse()
             .map_err(|e| format!("tracing.otlp_endpoint {endpoint:?}: {e}"))?;
-        let batches = BatchConfigBuilder::default()
-            .with_max_queue_size(MAX_QUEUED_SPANS)
-            .with_max_export_batch_size(512)
-            .with_scheduled_delay(BATCH_DELAY)
-            .build();
-        let processor = BatchSpanProcessor::builder(exporter)
-            .with_batch_config(batches)
-            .build();
-        let service = std::env::var("OTEL_SERVICE_NAME")
-            .ok()
-            .filter(|_| config.service_name.is_empty())
-            .unwrap_or_else(|| match config.service_name.is_empty() {
-                true => "herdguard".to_owned(),
-                false => config.service_name.clone(),
-            });
-        let resource = opentelemetry_sdk::Resource::builder()
-            .with_service_name(service)
-            .build();
-        let provider = SdkTracerProvider::builder()
-            .with_span_processor(processor)
-            .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
-                config.sample_ratio,
-            ))))
-            .with_resource(resource)
-            .build();
-        let tracer = provider.tracer("herdguard");
+        let client = Exporter::new(uri, service_name(config), export_headers()?)
+            .map_err(|e| format!("tracing: {e}"))?;
+        // OpenTelemetry's TraceIdRatioBased: the trace id's low 8 bytes,
+        // shifted right once, below the ratio of 2^63.
+        let ratio_bound = (config.sample_ratio.clamp(0.0, 1.0) * (1u64 << 63) as f64) as u64;
+        let tracing = Arc::new(Tracing {
+            ratio_bound,
+            queue: Mutex::new(Vec::new()),
+            dropped: AtomicU64::new(0),
+            wake: tokio::sync::Notify::new(),
+            exiting: Mutex::new(None),
+        });
+        client
+            .runtime
+            .spawn(exports(Arc::downgrade(&tracing), client.clone()));
         tracing::info!(
             endpoint,
             sample_ratio = config.sample_ratio,
             "tracing: spans exported over OTLP/HTTP"
         );
-        Ok(Some(Arc::new(Tracing {
-            provider,
-            tracer,
-            propagator: TraceContextPropagator::new(),
-        })))
+        Ok(Some(tracing))
     }
 
     /// The span of a request with these `headers`: a child of the caller's
-    /// span if it sent a `traceparent`, else the root of a new trace.
+    /// span if it sent a valid `traceparent`, else the root of a new trace.
     pub fn request(
         self: &Arc<Self>,
         method: &http::Method,
         headers: &HeaderMap,
     ) -> Box<RequestTrace> {
-        // A tracestate longer than W3C asks vendors to pass on (512) is
-        // dropped: a caller's 16 KB of it would be copied into every span.
-        let parent = match headers
-            .get("tracestate")
-            .is_some_and(|v| v.len() > MAX_TRACESTATE)
-        {
-            false => self.propagator.extract(&HeaderExtractor(headers)),
-            true => {
-                let mut trimmed = HeaderMap::new();
-                if let Some(parent) = headers.get("traceparent") {
-                    trimmed.insert("traceparent", parent.clone());
-                }
-                self.propagator.extract(&HeaderExtractor(&trimmed))
+        let caller = headers
+            .get("traceparent")
+            .and_then(|v| parse_traceparent(v.as_bytes()));
+        let (trace_id, parent, sampled) = match caller {
+            Some(c) => (c.trace_id, Some(c.span_id), c.sampled),
+            None => {
+                let id: [u8; 16] = random();
+                let mut low = [0u8; 8];
+                low.copy_from_slice(&id[8..]);
+                (id, None, u64::from_be_bytes(low) >> 1 < self.ratio_bound)
             }
         };
-        // A method no one registered is `_OTHER`, as OpenTelemetry's
-        // conventions say: a caller's 60 KB method would be in every span.
-        let method = known_method(method);
-        let span = self
-            .tracer
-            .span_builder(method)
-            .with_kind(SpanKind::Server)
-            .with_attributes([KeyValue::new("http.request.method", method)])
-            .start_with_context(&self.tracer, &parent);
+        // A tracestate longer than W3C asks vendors to pass on (512) is
+        // dropped: a caller's 16 KB of it would go with every attempt.
+        let tracestate = caller
+            .and_then(|_| headers.get("tracestate"))
+            .filter(|v| v.len() <= MAX_TRACESTATE)
+            .cloned();
         Box::new(RequestTrace {
-            answered: std::sync::atomic::AtomicBool::new(false),
-            cx: parent.with_span(span),
             tracing: self.clone(),
+            trace_id,
+            span_id: random(),
+            parent,
+            sampled,
+            tracestate,
+            // A method no one registered is `_OTHER`, as OpenTelemetry's
+            // conventions say: a caller's 60 KB method would be in every span.
+            method: known_method(method),
+            start: unix_nanos(),
+            answer: OnceLock::new(),
             skip: OnceLock::new(),
         })
     }
 
-    /// Sends every span finished so far, waiting up to a few seconds: at exit.
-    pub fn shutdown(&self) {
-        if let Err(e) = self.provider.shutdown() {
-            tracing::debug!(error = %e, "tracing: spans could not all be sent at exit");
+    /// Queues a finished span, or drops it if the queue is full.
+    fn finished(&self, record: Record) {
+        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if queue.len() >= MAX_QUEUED_SPANS {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        queue.push(record);
+        let full = queue.len() == MAX_BATCH;
+        drop(queue);
+        if full {
+            self.wake.notify_one();
         }
     }
+
+    /// Spans dropped so far because the queue was full.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Sends every span finished so far, waiting up to a few seconds: at
+    /// exit, off the runtime's threads.
+    pub fn shutdown(&self) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        *self.exiting.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
+        self.wake.notify_one();
+        if rx.recv_timeout(Duration::from_secs(5)).is_err() {
+            tracing::debug!("tracing: spans could not all be sent at exit");
+        }
+    }
+}
+
+/// The service's name: the config's, else `OTEL_SERVICE_NAME`, else
+/// `herdguard`.
+fn service_name(config: &TracingConfig) -> String {
+    if !config.service_name.is_empty() {
+        return config.service_name.clone();
+    }
+    std::env::var("OTEL_SERVICE_NAME")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .unwrap_or_else(|| "herdguard".to_owned())
+}
+
+/// Headers sent with every export, from `OTEL_EXPORTER_OTLP_HEADERS` and
+/// `OTEL_EXPORTER_OTLP_TRACES_HEADERS` (`key=value,...`, values
+/// percent-encoded), as OpenTelemetry's exporters read them.
+fn export_headers() -> Result<HeaderMap, String> {
+    let mut headers = HeaderMap::new();
+    for var in [
+        "OTEL_EXPORTER_OTLP_HEADERS",
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+    ] {
+        let Ok(list) = std::env::var(var) else {
+            continue;
+        };
+        for pair in list.split(',').filter(|p| !p.trim().is_empty()) {
+            let key = pair.split('=').next().unwrap_or("").trim();
+            let bad = || format!("{var}: {key:?} is not a header as key=value");
+            let (_, value) = pair.split_once('=').ok_or_else(bad)?;
+            let value = percent_encoding::percent_decode_str(value.trim()).decode_utf8_lossy();
+            let name = http::HeaderName::from_bytes(key.as_bytes()).map_err(|_| bad())?;
+            let mut value = HeaderValue::from_str(&value).map_err(|_| bad())?;
+            value.set_sensitive(true);
+            headers.insert(name, value);
+        }
+    }
+    Ok(headers)
+}
+
+/// A caller's `traceparent`, when it is one.
+#[derive(Clone, Copy)]
+struct Parent {
+    trace_id: [u8; 16],
+    span_id: [u8; 8],
+    sampled: bool,
+}
+
+/// W3C Trace Context: `vv-<32 hex>-<16 hex>-<2 hex>`, version 00 exactly
+/// so, a later one possibly with more after a `-`; never version ff, nor
+/// ids all zeros.
+fn parse_traceparent(field: &[u8]) -> Option<Parent> {
+    let field = field.trim_ascii();
+    if field.len() < 55 || (field.len() > 55 && field[55] != b'-') {
+        return None;
+    }
+    let version = unhex::<1>(&field[..2])?;
+    if version == [0xff] || (version == [0] && field.len() != 55) {
+        return None;
+    }
+    if field[2] != b'-' || field[35] != b'-' || field[52] != b'-' {
+        return None;
+    }
+    let trace_id: [u8; 16] = unhex(&field[3..35])?;
+    let span_id: [u8; 8] = unhex(&field[36..52])?;
+    let [flags] = unhex::<1>(&field[53..55])?;
+    let zero = |b: &[u8]| b.iter().all(|&x| x == 0);
+    if zero(&trace_id) || zero(&span_id) {
+        return None;
+    }
+    Some(Parent {
+        trace_id,
+        span_id,
+        sampled: flags & 1 == 1,
+    })
+}
+
+/// `N` bytes of lowercase hex.
+fn unhex<const N: usize>(text: &[u8]) -> Option<[u8; N]> {
+    let digit = |c: u8| match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        _ => None,
+    };
+    if text.len() != 2 * N {
+        return None;
+    }
+    let mut out = [0u8; N];
+    for (o, pair) in out.iter_mut().zip(text.chunks_exact(2)) {
+        *o = (digit(pair[0])? << 4) | digit(pair[1])?;
+    }
+    Some(out)
+}
+
+/// `00-<trace>-<span>-<flags>`.
+fn traceparent(trace_id: &[u8; 16], span_id: &[u8; 8], sampled: bool) -> HeaderValue {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut text = [b'-'; 55];
+    text[..2].copy_from_slice(b"00");
+    let digits = trace_id
+        .iter()
+        .map(|b| (3, b))
+        .chain(span_id.iter().map(|b| (4, b)));
+    for (i, (skip, b)) in digits.enumerate() {
+        let at = skip + 2 * i;
+        text[at] = HEX[usize::from(b >> 4)];
+        text[at + 1] = HEX[usize::from(b & 0xF)];
+    }
+    text[53..].copy_from_slice(if sampled { b"01" } else { b"00" });
+    HeaderValue::from_bytes(&text).unwrap_or(HeaderValue::from_static("-"))
+}
+
+/// Random bytes from the thread's own small generator.
+fn random<const N: usize>() -> [u8; N] {
+    use rand::{Rng as _, SeedableRng as _};
+    thread_local! {
+        static IDS: std::cell::RefCell<rand::rngs::SmallRng> =
+            std::cell::RefCell::new(rand::rngs::SmallRng::from_rng(&mut rand::rng()));
+    }
+    let mut out = [0u8; N];
+    IDS.with(|rng| rng.borrow_mut().fill(&mut out[..]));
+    out
+}
+
+fn unix_nanos() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+/// How a request was answered.
+struct Answer {
+    status: u16,
+    attempts: Option<u32>,
+    error: Option<Box<str>>,
 }
 
 /// A request's span, ended when this is dropped (once its response has
 /// gone, whole or not).
 pub struct RequestTrace {
-    cx: Context,
-    /// Told how the request was answered: else its caller left first.
-    answered: std::sync::atomic::AtomicBool,
-    /// The tracer that made it, for its attempts' spans.
     tracing: Arc<Tracing>,
+    trace_id: [u8; 16],
+    span_id: [u8; 8],
+    /// The caller's span, if it sent one.
+    parent: Option<[u8; 8]>,
+    sampled: bool,
+    tracestate: Option<HeaderValue>,
+    method: &'static str,
+    start: u64,
+    /// Told how the request was answered: else its caller left first.
+    answer: OnceLock<Answer>,
     /// Why a retry was not made, when one was not.
     skip: OnceLock<&'static str>,
 }
@@ -205,7 +361,7 @@ pub struct RequestTrace {
 impl RequestTrace {
     /// The trace's id.
     pub fn trace_id(&self) -> u128 {
-        u128::from_be_bytes(self.cx.span().span_context().trace_id().to_bytes())
+        u128::from_be_bytes(self.trace_id)
     }
 
     /// Starts attempt `n`'s span, to `endpoint`, and puts its context in
@@ -218,28 +374,28 @@ impl RequestTrace {
         backoff: Option<Duration>,
         headers: &mut HeaderMap,
     ) -> Box<AttemptTrace> {
-        let tracing = &self.tracing;
-        let mut attributes = vec![
-            KeyValue::new("herdguard.attempt", i64::from(n)),
-            KeyValue::new("server.address", endpoint.to_owned()),
-        ];
-        if let Some(backoff) = backoff {
-            attributes.push(KeyValue::new(
-                "herdguard.backoff_ms",
-                i64::try_from(backoff.as_millis()).unwrap_or(i64::MAX),
-            ));
-        }
-        let span = tracing
-            .tracer
-            .span_builder(format!("attempt {n}"))
-            .with_kind(SpanKind::Client)
-            .with_attributes(attributes)
-            .start_with_context(&tracing.tracer, &self.cx);
-        let cx = Context::new().with_remote_span_context(span.span_context().clone());
-        tracing
-            .propagator
-            .inject_context(&cx, &mut HeaderInjector(headers));
-        Box::new(AttemptTrace { span, ended: false })
+        let span_id = random();
+        headers.insert(
+            "traceparent",
+            traceparent(&self.trace_id, &span_id, self.sampled),
+        );
+        match &self.tracestate {
+            Some(state) => headers.insert("tracestate", state.clone()),
+            None => headers.remove("tracestate"),
+        };
+        Box::new(AttemptTrace {
+            tracing: self.sampled.then(|| self.tracing.clone()),
+            record: Record {
+                trace_id: self.trace_id,
+                span_id,
+                parent: Some(self.span_id),
+                name: Name::Attempt(n),
+                start: unix_nanos(),
+                address: self.sampled.then(|| endpoint.into()),
+                backoff_ms: backoff.map(|b| u64::try_from(b.as_millis()).unwrap_or(u64::MAX)),
+                ..Record::default()
+            },
+        })
     }
 
     /// Notes why a retry was not made.
@@ -250,54 +406,58 @@ impl RequestTrace {
     /// Notes how the request was answered: its status, the attempts sent,
     /// and the proxy's own error, if it made the answer.
     pub fn answered(&self, status: u16, attempts: Option<u32>, error: Option<&str>) {
-        self.answered
-            .store(true, std::sync::atomic::Ordering::Relaxed);
-        let span = self.cx.span();
-        span.set_attribute(KeyValue::new(
-            "http.response.status_code",
-            i64::from(status),
-        ));
-        if let Some(attempts) = attempts {
-            span.set_attribute(KeyValue::new("herdguard.attempts", i64::from(attempts)));
-        }
-        if let Some(reason) = self.skip.get() {
-            span.set_attribute(KeyValue::new("herdguard.skip_reason", *reason));
-        }
-        if let Some(error) = error {
-            span.set_attribute(KeyValue::new("herdguard.error", error.to_owned()));
-        }
-        if status >= 500 {
-            span.set_status(Status::error(format!("{status}")));
-        }
+        let _ = self.answer.set(Answer {
+            status,
+            attempts,
+            error: error.filter(|_| self.sampled).map(Into::into),
+        });
     }
 }
 
 impl Drop for RequestTrace {
     fn drop(&mut self) {
-        if !self.answered.load(std::sync::atomic::Ordering::Relaxed) {
-            // The caller left before its answer: 499, as the access log has it.
-            let span = self.cx.span();
-            span.set_attribute(KeyValue::new("http.response.status_code", 499));
-            span.set_status(Status::error("the caller left before its answer"));
+        if !self.sampled {
+            return;
         }
-        self.cx.span().end();
+        // The caller left before its answer: 499, as the access log has it.
+        let answer = self.answer.take().unwrap_or(Answer {
+            status: 499,
+            attempts: None,
+            error: None,
+        });
+        let failure = match answer.status {
+            499 => Some(Failure::CallerLeft),
+            500.. => Some(Failure::Status(answer.status)),
+            _ => None,
+        };
+        self.tracing.finished(Record {
+            trace_id: self.trace_id,
+            span_id: self.span_id,
+            parent: self.parent,
+            name: Name::Request(self.method),
+            start: self.start,
+            end: unix_nanos(),
+            status: Some(answer.status),
+            attempts: answer.attempts,
+            skip: self.skip.get().copied(),
+            error: answer.error,
+            failure,
+            ..Record::default()
+        });
     }
 }
 
 /// One attempt's span, ended with its outcome.
 pub struct AttemptTrace {
-    span: opentelemetry_sdk::trace::Span,
-    ended: bool,
+    /// Where it goes once ended; none when not sampled.
+    tracing: Option<Arc<Tracing>>,
+    record: Record,
 }
 
 impl Drop for AttemptTrace {
     fn drop(&mut self) {
-        if !self.ended {
-            // Dropped before it ended: a hedge race's loser, or its caller left.
-            self.span
-                .set_attribute(KeyValue::new("herdguard.outcome", "cancelled"));
-            self.span.end();
-        }
+        // Dropped before it ended: a hedge race's loser, or its caller left.
+        self.end("cancelled", None);
     }
 }
 
@@ -305,24 +465,213 @@ impl AttemptTrace {
     /// Ends the span: how the attempt ended (an outcome of
     /// `herdguard_upstream_attempts_total`), and the status it answered.
     pub fn ended(mut self, outcome: &'static str, status: Option<u16>) {
-        self.span
-            .set_attribute(KeyValue::new("herdguard.outcome", outcome));
-        if let Some(status) = status {
-            self.span.set_attribute(KeyValue::new(
-                "http.response.status_code",
-                i64::from(status),
-            ));
+        self.end(outcome, status);
+    }
+
+    fn end(&mut self, outcome: &'static str, status: Option<u16>) {
+        if let Some(tracing) = self.tracing.take() {
+            let mut record = std::mem::take(&mut self.record);
+            record.outcome = Some(outcome);
+            record.status = status;
+            record.failure = (outcome != "ok").then_some(Failure::Outcome(outcome));
+            record.end = unix_nanos();
+            tracing.finished(record);
         }
-        if outcome != "ok" {
-            self.span.set_status(Status::error(outcome));
-        }
-        self.ended = true;
-        self.span.end();
     }
 }
 
-/// The OTLP exporter's HTTP client: hyper, run on the proxy's runtime
-/// (the SDK exports from a thread of its own and waits on the answer).
+/// A span's name.
+#[derive(Default)]
+enum Name {
+    /// A request's span: its method.
+    Request(&'static str),
+    /// Attempt `n`.
+    Attempt(u32),
+    #[default]
+    Unnamed,
+}
+
+/// Why a span ended in error.
+enum Failure {
+    Status(u16),
+    CallerLeft,
+    Outcome(&'static str),
+}
+
+/// A finished span: fixed fields, turned into OTLP only when exported.
+#[derive(Default)]
+struct Record {
+    trace_id: [u8; 16],
+    span_id: [u8; 8],
+    parent: Option<[u8; 8]>,
+    name: Name,
+    start: u64,
+    end: u64,
+    status: Option<u16>,
+    attempts: Option<u32>,
+    skip: Option<&'static str>,
+    error: Option<Box<str>>,
+    address: Option<Box<str>>,
+    backoff_ms: Option<u64>,
+    outcome: Option<&'static str>,
+    failure: Option<Failure>,
+}
+
+/// Sends the queued spans every [`BATCH_DELAY`] (at once while a batch is
+/// full) until the tracer is gone, or all of them once the process exits.
+async fn exports(tracing: Weak<Tracing>, client: Exporter) {
+    loop {
+        let Some(t) = tracing.upgrade() else {
+            return;
+        };
+        let exiting = t.exiting.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let (batch, more) = {
+            let mut queue = t.queue.lock().unwrap_or_else(|e| e.into_inner());
+            let n = queue.len().min(MAX_BATCH);
+            let batch: Vec<Record> = queue.drain(..n).collect();
+            (batch, !queue.is_empty())
+        };
+        if !batch.is_empty() {
+            client.send(&batch).await;
+        }
+        match exiting {
+            Some(done) if more => {
+                *t.exiting.lock().unwrap_or_else(|e| e.into_inner()) = Some(done);
+            }
+            Some(done) => {
+                let _ = done.send(());
+                return;
+            }
+            None if more => {}
+            None => {
+                let _ = tokio::time::timeout(BATCH_DELAY, t.wake.notified()).await;
+            }
+        }
+    }
+}
+
+/// Appends field `tag` of length-delimited `bytes`.
+fn put_bytes(buf: &mut Vec<u8>, tag: u32, bytes: &[u8]) {
+    encode_key(tag, WireType::LengthDelimited, buf);
+    encode_varint(bytes.len() as u64, buf);
+    buf.extend_from_slice(bytes);
+}
+
+/// Appends field `tag`, a message `inner` writes.
+fn put_message(buf: &mut Vec<u8>, tag: u32, inner: impl FnOnce(&mut Vec<u8>)) {
+    let mut message = Vec::new();
+    inner(&mut message);
+    put_bytes(buf, tag, &message);
+}
+
+/// Appends an attribute (a `KeyValue` as field `tag`) with a string value.
+fn put_text(buf: &mut Vec<u8>, tag: u32, key: &str, value: &str) {
+    put_message(buf, tag, |kv| {
+        put_bytes(kv, 1, key.as_bytes());
+        put_message(kv, 2, |any| put_bytes(any, 1, value.as_bytes()));
+    });
+}
+
+/// Appends an attribute (a `KeyValue` as field `tag`) with an integer value.
+fn put_int(buf: &mut Vec<u8>, tag: u32, key: &str, value: i64) {
+    put_message(buf, tag, |kv| {
+        put_bytes(kv, 1, key.as_bytes());
+        put_message(kv, 2, |any| {
+            encode_key(3, WireType::Varint, any);
+            encode_varint(value as u64, any);
+        });
+    });
+}
+
+/// One OTLP `Span` (opentelemetry/proto/trace/v1/trace.proto) as field 2
+/// of a `ScopeSpans`.
+fn put_span(buf: &mut Vec<u8>, r: &Record) {
+    put_message(buf, 2, |span| {
+        put_bytes(span, 1, &r.trace_id);
+        put_bytes(span, 2, &r.span_id);
+        if let Some(parent) = &r.parent {
+            put_bytes(span, 4, parent);
+        }
+        let (name, kind) = match r.name {
+            Name::Request(method) => (std::borrow::Cow::Borrowed(method), 2),
+            Name::Attempt(n) => (format!("attempt {n}").into(), 3),
+            Name::Unnamed => ("span".into(), 0),
+        };
+        put_bytes(span, 5, name.as_bytes());
+        encode_key(6, WireType::Varint, span);
+        encode_varint(kind, span);
+        for (tag, time) in [(7, r.start), (8, r.end)] {
+            encode_key(tag, WireType::SixtyFourBit, span);
+            span.extend_from_slice(&time.to_le_bytes());
+        }
+        put_attributes(span, r);
+        if let Some(failure) = &r.failure {
+            let message = match failure {
+                Failure::Status(s) => std::borrow::Cow::Owned(s.to_string()),
+                Failure::CallerLeft => "the caller left before its answer".into(),
+                Failure::Outcome(o) => (*o).into(),
+            };
+            put_message(span, 15, |status| {
+                put_bytes(status, 2, message.as_bytes());
+                encode_key(3, WireType::Varint, status);
+                encode_varint(2, status);
+            });
+        }
+    });
+}
+
+/// A span's attributes (field 9 of a `Span`).
+fn put_attributes(span: &mut Vec<u8>, r: &Record) {
+    match r.name {
+        Name::Request(method) => put_text(span, 9, "http.request.method", method),
+        Name::Attempt(n) => put_int(span, 9, "herdguard.attempt", i64::from(n)),
+        Name::Unnamed => {}
+    }
+    if let Some(address) = &r.address {
+        put_text(span, 9, "server.address", address);
+    }
+    if let Some(ms) = r.backoff_ms {
+        let ms = i64::try_from(ms).unwrap_or(i64::MAX);
+        put_int(span, 9, "herdguard.backoff_ms", ms);
+    }
+    if let Some(outcome) = r.outcome {
+        put_text(span, 9, "herdguard.outcome", outcome);
+    }
+    if let Some(status) = r.status {
+        put_int(span, 9, "http.response.status_code", i64::from(status));
+    }
+    if let Some(attempts) = r.attempts {
+        put_int(span, 9, "herdguard.attempts", i64::from(attempts));
+    }
+    if let Some(skip) = r.skip {
+        put_text(span, 9, "herdguard.skip_reason", skip);
+    }
+    if let Some(error) = &r.error {
+        put_text(span, 9, "herdguard.error", error);
+    }
+}
+
+/// An `ExportTraceServiceRequest` of `spans`, from `service`.
+fn encode(service: &str, spans: &[Record]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 + spans.len() * 256);
+    put_message(&mut out, 1, |resource_spans| {
+        put_message(resource_spans, 1, |resource| {
+            put_text(resource, 1, "service.name", service);
+        });
+        put_message(resource_spans, 2, |scope_spans| {
+            put_message(scope_spans, 1, |scope| {
+                put_bytes(scope, 1, b"herdguard");
+                put_bytes(scope, 2, env!("CARGO_PKG_VERSION").as_bytes());
+            });
+            for span in spans {
+                put_span(scope_spans, span);
+            }
+        });
+    });
+    out
+}
+
+/// The OTLP exporter: hyper, run on the proxy's runtime.
 #[derive(Debug, Clone)]
 struct Exporter {
     client: hyper_util::client::legacy::Client<
@@ -330,10 +679,13 @@ struct Exporter {
         http_body_util::Full<Bytes>,
     >,
     runtime: tokio::runtime::Handle,
+    endpoint: http::Uri,
+    service: Arc<str>,
+    headers: Arc<HeaderMap>,
 }
 
 impl Exporter {
-    fn new() -> Result<Self, String> {
+    fn new(endpoint: http::Uri, service: String, headers: HeaderMap) -> Result<Self, String> {
         let runtime = tokio::runtime::Handle::try_current()
             .map_err(|_| "tracing starts inside the runtime".to_owned())?;
         let https = hyper_rustls::HttpsConnectorBuilder::new()
@@ -346,26 +698,94 @@ impl Exporter {
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                 .pool_idle_timeout(Duration::from_secs(30))
                 .build(https);
-        Ok(Self { client, runtime })
+        Ok(Self {
+            client,
+            runtime,
+            endpoint,
+            service: service.into(),
+            headers: Arc::new(headers),
+        })
+    }
+
+    /// Posts `spans`; a failure is logged (at debug: a collector that is
+    /// down must not fill the logs) and the spans are let go.
+    async fn send(&self, spans: &[Record]) {
+        let body = Bytes::from(encode(&self.service, spans));
+        let mut request = Request::post(self.endpoint.clone())
+            .header(http::header::CONTENT_TYPE, "application/x-protobuf")
+            .body(http_body_util::Full::new(body))
+            .unwrap_or_default();
+        for (name, value) in self.headers.iter() {
+            request.headers_mut().insert(name, value.clone());
+        }
+        let sent = async {
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| e.to_string())?;
+            let status = response.status();
+            let limited = http_body_util::Limited::new(response.into_body(), MAX_ANSWER);
+            let _ = http_body_util::BodyExt::collect(limited).await;
+            match status.is_success() {
+                true => Ok(()),
+                false => Err(format!("the collector answered {status}")),
+            }
+        };
+        match tokio::time::timeout(EXPORT_TIMEOUT, sent).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, spans = spans.len(), "tracing: export failed")
+            }
+            Err(_) => tracing::debug!(spans = spans.len(), "tracing: export timed out"),
+        }
     }
 }
 
 /// The most of a collector's answer read.
 const MAX_ANSWER: usize = 64 * 1024;
 
-#[async_trait::async_trait]
-impl opentelemetry_http::HttpClient for Exporter {
-    async fn send_bytes(&self, request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
-        let client = self.client.clone();
-        let sent = self.runtime.spawn(async move {
-            let (parts, body) = request.into_parts();
-            let request = Request::from_parts(parts, http_body_util::Full::new(body));
-            let response = tokio::time::timeout(EXPORT_TIMEOUT, client.request(request)).await??;
-            let (parts, body) = response.into_parts();
-            let limited = http_body_util::Limited::new(body, MAX_ANSWER);
-            let body = http_body_util::BodyExt::collect(limited).await?.to_bytes();
-            Ok::<_, HttpError>(Response::from_parts(parts, body))
-        });
-        sent.await?
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traceparent_is_read_and_written_as_w3c_says() {
+        let tp = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let p = parse_traceparent(tp).expect("valid");
+        assert!(p.sampled);
+        assert_eq!(traceparent(&p.trace_id, &p.span_id, true).as_bytes(), tp);
+        for bad in [
+            &b"00-00000000000000000000000000000000-00f067aa0ba902b7-01"[..],
+            b"00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            b"ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            b"00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            b"",
+        ] {
+            let shown = String::from_utf8_lossy(bad);
+            assert!(parse_traceparent(bad).is_none(), "{shown}");
+        }
+        // A later version may carry more after the flags.
+        let later = b"01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00-more";
+        assert!(parse_traceparent(later).is_some_and(|p| !p.sampled));
+    }
+
+    #[test]
+    fn nothing_from_the_wire_panics_the_parser() {
+        let mut rng = <rand::rngs::SmallRng as rand::SeedableRng>::seed_from_u64(7);
+        let base = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x";
+        for _ in 0..20_000 {
+            use rand::Rng as _;
+            let len = rng.random_range(0..=base.len() + 4);
+            let mut field: Vec<u8> = base.iter().copied().cycle().take(len).collect();
+            for _ in 0..rng.random_range(0..4) {
+                if let Some(i) = (!field.is_empty()).then(|| rng.random_range(0..field.len())) {
+                    field[i] = rng.random();
+                }
+            }
+            let _ = parse_traceparent(&field);
+        }
     }
 }

@@ -503,6 +503,11 @@ impl Proxy {
                 .gauge(metrics::TUNNELS_OPEN, &[("upstream", metrics::PASSTHROUGH)])
                 .set(passthrough.tunnels.open() as f64);
         }
+        if let Some(tracing) = self.tracing() {
+            self.metrics
+                .counter(metrics::SPANS_DROPPED, &[])
+                .absolute(tracing.dropped());
+        }
     }
 
     /// Upgraded connections (WebSockets) open now, under any config.

@@ -260,12 +260,16 @@ async fn a_dead_collector_slows_nothing() {
         up.url()
     ))
     .await;
-    for _ in 0..200 {
+    // Two spans a request: past 2,048 waiting (and a batch stuck in its
+    // export), spans are dropped and counted.
+    for _ in 0..1_600 {
         // Bounded only so that a request stuck behind the export fails
         // the test rather than hanging it.
         let answered = tokio::time::timeout(Duration::from_secs(10), get_via(&hg, None)).await;
         assert_eq!(answered.expect("answered").0, StatusCode::OK);
     }
+    let dropped = hg.metric("herdguard_trace_spans_dropped_total").await;
+    assert!(dropped >= 1.0, "dropped {dropped}");
     drop(silent);
     hg.terminate().await;
 }

@@ -306,6 +306,11 @@ impl Conduct {
         self.wake();
     }
 
+    /// Requests begun and not yet answered or abandoned.
+    pub fn requests_open(&self) -> u32 {
+        self.open.load(Ordering::Relaxed)
+    }
+
     /// It speaks HTTP/2.
     pub fn speaks_h2(&self) -> bool {
         self.h2.load(Ordering::Relaxed)

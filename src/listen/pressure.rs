@@ -16,7 +16,11 @@
 //!   (its socket full), and, oldest first, a share of the HTTP/2
 //!   connections with streams open and nothing written (their windows
 //!   shut). A request still waiting for its upstream is not cut: its
-//!   connection has nothing queued.
+//!   connection has nothing queued;
+//! - a quarter of the connections idle for [`STALLED`] or more, the
+//!   longest idle first, are asked to close (HTTP/2: GOAWAY): thousands of
+//!   pooled connections alone can hold memory past the bound, and refusing
+//!   their requests would free none of it.
 //!
 //! The measure is the binary's ([`measure_with`]): the library alone (a
 //! test's server) has no bound, as the process is not its own.
@@ -43,6 +47,13 @@ pub const STALLED: Duration = Duration::from_secs(1);
 /// than for their caller, so they go a few at a time, oldest first, while
 /// memory stays short.
 const H2_SHARE: usize = 8;
+
+/// Looks under pressure with nothing cut before the bound is said to be
+/// too low for the config (ten seconds).
+const STUCK_LOOKS: u32 = 100;
+
+/// The share of idle connections asked to close per tick (at least one).
+const IDLE_SHARE: usize = 4;
 
 static MEASURE: OnceLock<fn() -> usize> = OnceLock::new();
 
@@ -104,10 +115,12 @@ impl Pressure {
         }
     }
 
-    /// Cuts the connections stalled on their callers; gives back how many.
+    /// Cuts the connections stalled on their callers, and asks a share of
+    /// the idle ones to close; gives back how many.
     fn cut_stalled(&self) -> usize {
         let now = Instant::now();
         let mut windows_shut: Vec<(Instant, Arc<Conduct>)> = Vec::new();
+        let mut idle: Vec<(Duration, Arc<Conduct>)> = Vec::new();
         let mut cut = 0;
         for open in self.lock().iter() {
             let every = open.lock().unwrap_or_else(|e| e.into_inner());
@@ -120,8 +133,10 @@ impl Pressure {
                 if written.blocked() {
                     conduct.cut();
                     cut += 1;
-                } else if conduct.speaks_h2() && conduct.streaming() > 0 {
+                } else if conduct.streaming() > 0 {
                     windows_shut.push((last, conduct));
+                } else if conduct.requests_open() == 0 && conduct.quiet_for() >= STALLED {
+                    idle.push((conduct.quiet_for(), conduct));
                 }
             }
         }
@@ -130,6 +145,16 @@ impl Pressure {
         for (_, conduct) in windows_shut.into_iter().take(share) {
             conduct.cut();
             cut += 1;
+        }
+        // Idle keep-alive connections hold their buffers (an HTTP/2 one
+        // about 40 KiB): thousands of them alone can keep memory past the
+        // bound, and refusing requests frees none of it. The longest idle
+        // go first, a quarter a look (HTTP/2 with GOAWAY); their callers
+        // connect again when they next need to.
+        idle.sort_by_key(|(quiet, _)| std::cmp::Reverse(*quiet));
+        let share = idle.len().div_ceil(IDLE_SHARE);
+        for (_, conduct) in idle.into_iter().take(share) {
+            cut += usize::from(conduct.expel_idle());
         }
         cut
     }
@@ -213,12 +238,27 @@ pub async fn guard(
     };
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Looks in a row under pressure with nothing to cut.
+    let mut stuck = 0u32;
     loop {
         tokio::select! {
             _ = crate::listen::stopped(&mut stop) => break,
             _ = tick.tick() => {}
         }
         let look = pressure.look(measure(), max(), under_pressure());
+        stuck = match look.pressed && look.cut == 0 {
+            true => stuck.saturating_add(1),
+            false => 0,
+        };
+        // Ten seconds past the bound with no connection to cut: what holds
+        // the memory is the config itself (its routes' series), not callers.
+        if stuck == STUCK_LOOKS {
+            tracing::error!(
+                in_use = look.in_use,
+                max = max(),
+                "memory stays past listen.max_memory with no connection to cut, and every request is refused: raise listen.max_memory (the config itself may need more)"
+            );
+        }
         if look.pressed != under_pressure() {
             UNDER_PRESSURE.store(look.pressed, Ordering::Relaxed);
             match look.pressed {

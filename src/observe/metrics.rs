@@ -381,7 +381,7 @@ fn help(name: &str) -> Option<&'static str> {
             "1 while memory in use is past listen.max_memory: new requests refused, callers that read nothing cut."
         }
         MEMORY_CUT => {
-            "Caller connections closed under memory pressure: answers waiting that their callers did not read."
+            "Caller connections closed under memory pressure: answers waiting that their callers did not read, or idle."
         }
         LAST_RELOAD_OK => {
             "1 if the last config reload succeeded (or none was tried), 0 while the file last read is refused."

@@ -25,7 +25,7 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request};
-use prost::encoding::{encode_key, encode_varint, WireType};
+use prost::encoding::{encode_key, encode_varint, encoded_len_varint, WireType};
 
 use crate::config::TracingConfig;
 
@@ -152,18 +152,19 @@ impl Tracing {
             }
         };
         // A tracestate longer than W3C asks vendors to pass on (512) is
-        // dropped: a caller's 16 KB of it would go with every attempt.
-        let tracestate = caller
-            .and_then(|_| headers.get("tracestate"))
-            .filter(|v| v.len() <= MAX_TRACESTATE)
-            .cloned();
+        // dropped (a caller's 16 KB of it would go with every attempt), and
+        // one without the trace it belongs to. A kept one goes upstream
+        // with the caller's other fields.
+        let drop_tracestate = headers
+            .get("tracestate")
+            .is_some_and(|v| caller.is_none() || v.len() > MAX_TRACESTATE);
         Box::new(RequestTrace {
             tracing: self.clone(),
             trace_id,
             span_id: random(),
             parent,
             sampled,
-            tracestate,
+            drop_tracestate,
             // A method no one registered is `_OTHER`, as OpenTelemetry's
             // conventions say: a caller's 60 KB method would be in every span.
             method: known_method(method),
@@ -349,7 +350,8 @@ pub struct RequestTrace {
     /// The caller's span, if it sent one.
     parent: Option<[u8; 8]>,
     sampled: bool,
-    tracestate: Option<HeaderValue>,
+    /// The caller's `tracestate` is not to go upstream.
+    drop_tracestate: bool,
     method: &'static str,
     start: u64,
     /// Told how the request was answered: else its caller left first.
@@ -370,7 +372,7 @@ impl RequestTrace {
     pub fn attempt(
         &self,
         n: u32,
-        endpoint: &str,
+        endpoint: &Arc<str>,
         backoff: Option<Duration>,
         headers: &mut HeaderMap,
     ) -> Box<AttemptTrace> {
@@ -379,10 +381,9 @@ impl RequestTrace {
             "traceparent",
             traceparent(&self.trace_id, &span_id, self.sampled),
         );
-        match &self.tracestate {
-            Some(state) => headers.insert("tracestate", state.clone()),
-            None => headers.remove("tracestate"),
-        };
+        if self.drop_tracestate {
+            headers.remove("tracestate");
+        }
         Box::new(AttemptTrace {
             tracing: self.sampled.then(|| self.tracing.clone()),
             record: Record {
@@ -391,7 +392,7 @@ impl RequestTrace {
                 parent: Some(self.span_id),
                 name: Name::Attempt(n),
                 start: unix_nanos(),
-                address: self.sampled.then(|| endpoint.into()),
+                address: self.sampled.then(|| endpoint.clone()),
                 backoff_ms: backoff.map(|b| u64::try_from(b.as_millis()).unwrap_or(u64::MAX)),
                 ..Record::default()
             },
@@ -511,7 +512,7 @@ struct Record {
     attempts: Option<u32>,
     skip: Option<&'static str>,
     error: Option<Box<str>>,
-    address: Option<Box<str>>,
+    address: Option<Arc<str>>,
     backoff_ms: Option<u64>,
     outcome: Option<&'static str>,
     failure: Option<Failure>,
@@ -525,15 +526,16 @@ async fn exports(tracing: Weak<Tracing>, client: Exporter) {
             return;
         };
         let exiting = t.exiting.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let (batch, more) = {
-            let mut queue = t.queue.lock().unwrap_or_else(|e| e.into_inner());
-            let n = queue.len().min(MAX_BATCH);
-            let batch: Vec<Record> = queue.drain(..n).collect();
-            (batch, !queue.is_empty())
-        };
-        if !batch.is_empty() {
-            client.send(&batch).await;
+        // Taken whole, a new queue made with room for a batch: spans are
+        // not moved again, nor the queue grown a push at a time.
+        let batch = std::mem::replace(
+            &mut *t.queue.lock().unwrap_or_else(|e| e.into_inner()),
+            Vec::with_capacity(MAX_BATCH),
+        );
+        for chunk in batch.chunks(MAX_BATCH) {
+            client.send(chunk).await;
         }
+        let more = !t.queue.lock().unwrap_or_else(|e| e.into_inner()).is_empty();
         match exiting {
             Some(done) if more => {
                 *t.exiting.lock().unwrap_or_else(|e| e.into_inner()) = Some(done);
@@ -557,67 +559,74 @@ fn put_bytes(buf: &mut Vec<u8>, tag: u32, bytes: &[u8]) {
     buf.extend_from_slice(bytes);
 }
 
-/// Appends field `tag`, a message `inner` writes.
-fn put_message(buf: &mut Vec<u8>, tag: u32, inner: impl FnOnce(&mut Vec<u8>)) {
-    let mut message = Vec::new();
-    inner(&mut message);
-    put_bytes(buf, tag, &message);
+/// What field `tag` (under 16) of `len` bytes takes, key and length included.
+fn field_len(len: usize) -> usize {
+    1 + encoded_len_varint(len as u64) + len
 }
 
 /// Appends an attribute (a `KeyValue` as field `tag`) with a string value.
 fn put_text(buf: &mut Vec<u8>, tag: u32, key: &str, value: &str) {
-    put_message(buf, tag, |kv| {
-        put_bytes(kv, 1, key.as_bytes());
-        put_message(kv, 2, |any| put_bytes(any, 1, value.as_bytes()));
-    });
+    let any = field_len(value.len());
+    encode_key(tag, WireType::LengthDelimited, buf);
+    encode_varint((field_len(key.len()) + field_len(any)) as u64, buf);
+    put_bytes(buf, 1, key.as_bytes());
+    encode_key(2, WireType::LengthDelimited, buf);
+    encode_varint(any as u64, buf);
+    put_bytes(buf, 1, value.as_bytes());
 }
 
 /// Appends an attribute (a `KeyValue` as field `tag`) with an integer value.
 fn put_int(buf: &mut Vec<u8>, tag: u32, key: &str, value: i64) {
-    put_message(buf, tag, |kv| {
-        put_bytes(kv, 1, key.as_bytes());
-        put_message(kv, 2, |any| {
-            encode_key(3, WireType::Varint, any);
-            encode_varint(value as u64, any);
-        });
-    });
+    let any = 1 + encoded_len_varint(value as u64);
+    encode_key(tag, WireType::LengthDelimited, buf);
+    encode_varint((field_len(key.len()) + field_len(any)) as u64, buf);
+    put_bytes(buf, 1, key.as_bytes());
+    encode_key(2, WireType::LengthDelimited, buf);
+    encode_varint(any as u64, buf);
+    encode_key(3, WireType::Varint, buf);
+    encode_varint(value as u64, buf);
 }
 
-/// One OTLP `Span` (opentelemetry/proto/trace/v1/trace.proto) as field 2
-/// of a `ScopeSpans`.
-fn put_span(buf: &mut Vec<u8>, r: &Record) {
-    put_message(buf, 2, |span| {
-        put_bytes(span, 1, &r.trace_id);
-        put_bytes(span, 2, &r.span_id);
-        if let Some(parent) = &r.parent {
-            put_bytes(span, 4, parent);
+/// The fields of one OTLP `Span` (opentelemetry/proto/trace/v1/trace.proto).
+fn put_span(span: &mut Vec<u8>, r: &Record) {
+    put_bytes(span, 1, &r.trace_id);
+    put_bytes(span, 2, &r.span_id);
+    if let Some(parent) = &r.parent {
+        put_bytes(span, 4, parent);
+    }
+    let mut attempt = [0u8; 24];
+    let (name, kind): (&[u8], u64) = match r.name {
+        Name::Request(method) => (method.as_bytes(), 2),
+        Name::Attempt(n) => {
+            use std::io::Write as _;
+            let mut at = &mut attempt[..];
+            let _ = write!(at, "attempt {n}");
+            let len = 24 - at.len();
+            (&attempt[..len], 3)
         }
-        let (name, kind) = match r.name {
-            Name::Request(method) => (std::borrow::Cow::Borrowed(method), 2),
-            Name::Attempt(n) => (format!("attempt {n}").into(), 3),
-            Name::Unnamed => ("span".into(), 0),
+        Name::Unnamed => (b"span", 0),
+    };
+    put_bytes(span, 5, name);
+    encode_key(6, WireType::Varint, span);
+    encode_varint(kind, span);
+    for (tag, time) in [(7, r.start), (8, r.end)] {
+        encode_key(tag, WireType::SixtyFourBit, span);
+        span.extend_from_slice(&time.to_le_bytes());
+    }
+    put_attributes(span, r);
+    if let Some(failure) = &r.failure {
+        let message = match failure {
+            Failure::Status(s) => std::borrow::Cow::Owned(s.to_string()),
+            Failure::CallerLeft => "the caller left before its answer".into(),
+            Failure::Outcome(o) => (*o).into(),
         };
-        put_bytes(span, 5, name.as_bytes());
-        encode_key(6, WireType::Varint, span);
-        encode_varint(kind, span);
-        for (tag, time) in [(7, r.start), (8, r.end)] {
-            encode_key(tag, WireType::SixtyFourBit, span);
-            span.extend_from_slice(&time.to_le_bytes());
-        }
-        put_attributes(span, r);
-        if let Some(failure) = &r.failure {
-            let message = match failure {
-                Failure::Status(s) => std::borrow::Cow::Owned(s.to_string()),
-                Failure::CallerLeft => "the caller left before its answer".into(),
-                Failure::Outcome(o) => (*o).into(),
-            };
-            put_message(span, 15, |status| {
-                put_bytes(status, 2, message.as_bytes());
-                encode_key(3, WireType::Varint, status);
-                encode_varint(2, status);
-            });
-        }
-    });
+        // Status: its message (2), and code ERROR (3 = 2).
+        encode_key(15, WireType::LengthDelimited, span);
+        encode_varint((field_len(message.len()) + 2) as u64, span);
+        put_bytes(span, 2, message.as_bytes());
+        encode_key(3, WireType::Varint, span);
+        encode_varint(2, span);
+    }
 }
 
 /// A span's attributes (field 9 of a `Span`).
@@ -651,23 +660,32 @@ fn put_attributes(span: &mut Vec<u8>, r: &Record) {
     }
 }
 
-/// An `ExportTraceServiceRequest` of `spans`, from `service`.
+/// An `ExportTraceServiceRequest` of `spans`, from `service`: each span
+/// written once into a scratch buffer and copied after its length, the
+/// messages around them given their lengths from what they hold.
 fn encode(service: &str, spans: &[Record]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(64 + spans.len() * 256);
-    put_message(&mut out, 1, |resource_spans| {
-        put_message(resource_spans, 1, |resource| {
-            put_text(resource, 1, "service.name", service);
-        });
-        put_message(resource_spans, 2, |scope_spans| {
-            put_message(scope_spans, 1, |scope| {
-                put_bytes(scope, 1, b"herdguard");
-                put_bytes(scope, 2, env!("CARGO_PKG_VERSION").as_bytes());
-            });
-            for span in spans {
-                put_span(scope_spans, span);
-            }
-        });
-    });
+    let mut all = Vec::with_capacity(spans.len() * 320);
+    let mut scratch = Vec::with_capacity(512);
+    for span in spans {
+        scratch.clear();
+        put_span(&mut scratch, span);
+        put_bytes(&mut all, 2, &scratch);
+    }
+    let mut scope = Vec::new();
+    put_bytes(&mut scope, 1, b"herdguard");
+    put_bytes(&mut scope, 2, env!("CARGO_PKG_VERSION").as_bytes());
+    let mut resource = Vec::new();
+    put_text(&mut resource, 1, "service.name", service);
+    let scope_spans = field_len(scope.len()) + all.len();
+    let resource_spans = field_len(resource.len()) + field_len(scope_spans);
+    let mut out = Vec::with_capacity(field_len(resource_spans));
+    encode_key(1, WireType::LengthDelimited, &mut out);
+    encode_varint(resource_spans as u64, &mut out);
+    put_bytes(&mut out, 1, &resource);
+    encode_key(2, WireType::LengthDelimited, &mut out);
+    encode_varint(scope_spans as u64, &mut out);
+    put_bytes(&mut out, 1, &scope);
+    out.extend_from_slice(&all);
     out
 }
 

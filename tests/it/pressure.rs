@@ -168,3 +168,43 @@ fn a_bound_too_small_is_refused_and_zero_is_none() {
     assert!(err.contains("line 2"), "{err}");
     herdguard::config::Config::parse("[listen]\nmax_memory = \"0\"\n").unwrap();
 }
+
+/// Callers that behave (each asks once and reads its answer) but keep many
+/// HTTP/2 connections open and idle: their buffers alone hold memory past
+/// the bound, and refusing their requests would free none of it. The
+/// longest idle are asked to close (GOAWAY) until memory is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_past_the_bound_are_asked_to_close() {
+    let _heavy = heavy().await;
+    let (_up, toml) = big_answers(64 << 10, 1).await;
+    let hg = Binary::start_with("max_memory = \"24MiB\"", &toml).await;
+    let mut held = Vec::new();
+    for _ in 0..1_200 {
+        let Ok(tcp) = tokio::net::TcpStream::connect(&hg.listen).await else {
+            continue;
+        };
+        let Ok((client, conn)) = h2::client::handshake(tcp).await else {
+            continue;
+        };
+        let task = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let req = http::Request::get("http://a/r0/one").body(()).unwrap();
+        if let Ok(mut client) = client.ready().await {
+            if let Ok((resp, _)) = client.send_request(req, true) {
+                if let Ok(resp) = resp.await {
+                    let mut body = resp.into_body();
+                    while let Some(Ok(chunk)) = body.data().await {
+                        let _ = body.flow_control().release_capacity(chunk.len());
+                    }
+                }
+            }
+            held.push((client, task));
+        }
+    }
+    pressure_came_and_went(&hg, "/r0/after").await;
+    let closed = held.iter().filter(|(_, task)| task.is_finished()).count();
+    assert!(closed >= 1, "idle connections asked to close: {closed}");
+    drop(held);
+    hg.terminate().await;
+}

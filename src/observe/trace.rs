@@ -25,9 +25,12 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request};
-use prost::encoding::{encode_key, encode_varint, encoded_len_varint, WireType};
+use prost::encoding::{encode_varint, encoded_len_varint, WireType};
 
 use crate::config::TracingConfig;
+
+const TRACEPARENT: http::HeaderName = http::HeaderName::from_static("traceparent");
+const TRACESTATE: http::HeaderName = http::HeaderName::from_static("tracestate");
 
 /// Spans waiting for export; past this, new spans are dropped.
 pub const MAX_QUEUED_SPANS: usize = 2048;
@@ -140,7 +143,7 @@ impl Tracing {
         headers: &HeaderMap,
     ) -> Box<RequestTrace> {
         let caller = headers
-            .get("traceparent")
+            .get(&TRACEPARENT)
             .and_then(|v| parse_traceparent(v.as_bytes()));
         let (trace_id, parent, sampled) = match caller {
             Some(c) => (c.trace_id, Some(c.span_id), c.sampled),
@@ -156,7 +159,7 @@ impl Tracing {
         // one without the trace it belongs to. A kept one goes upstream
         // with the caller's other fields.
         let drop_tracestate = headers
-            .get("tracestate")
+            .get(&TRACESTATE)
             .is_some_and(|v| caller.is_none() || v.len() > MAX_TRACESTATE);
         Box::new(RequestTrace {
             tracing: self.clone(),
@@ -298,10 +301,17 @@ fn unhex<const N: usize>(text: &[u8]) -> Option<[u8; N]> {
     Some(out)
 }
 
-/// `00-<trace>-<span>-<flags>`.
+/// `00-<trace>-<span>-<flags>`: a slice of a per-thread block of them (no
+/// allocation per attempt, and an attempt's copy of the headers shares it).
 fn traceparent(trace_id: &[u8; 16], span_id: &[u8; 8], sampled: bool) -> HeaderValue {
+    const BLOCK: usize = 64;
+    const LEN: usize = 55;
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut text = [b'-'; 55];
+    thread_local! {
+        static FIELDS: std::cell::RefCell<bytes::BytesMut> =
+            std::cell::RefCell::new(bytes::BytesMut::new());
+    }
+    let mut text = [b'-'; LEN];
     text[..2].copy_from_slice(b"00");
     let digits = trace_id
         .iter()
@@ -313,7 +323,17 @@ fn traceparent(trace_id: &[u8; 16], span_id: &[u8; 8], sampled: bool) -> HeaderV
         text[at + 1] = HEX[usize::from(b & 0xF)];
     }
     text[53..].copy_from_slice(if sampled { b"01" } else { b"00" });
-    HeaderValue::from_bytes(&text).unwrap_or(HeaderValue::from_static("-"))
+    let field = FIELDS.with(|fields| {
+        let mut block = fields.borrow_mut();
+        // Each field is split off the block it was written into; a new
+        // block once this one has no room left.
+        if block.capacity() < LEN {
+            *block = bytes::BytesMut::with_capacity(BLOCK * LEN);
+        }
+        block.extend_from_slice(&text);
+        block.split().freeze()
+    });
+    HeaderValue::from_maybe_shared(field).unwrap_or(HeaderValue::from_static("-"))
 }
 
 /// Random bytes from the thread's own small generator.
@@ -378,11 +398,11 @@ impl RequestTrace {
     ) -> Box<AttemptTrace> {
         let span_id = random();
         headers.insert(
-            "traceparent",
+            TRACEPARENT,
             traceparent(&self.trace_id, &span_id, self.sampled),
         );
         if self.drop_tracestate {
-            headers.remove("tracestate");
+            headers.remove(&TRACESTATE);
         }
         Box::new(AttemptTrace {
             tracing: self.sampled.then(|| self.tracing.clone()),
@@ -552,10 +572,25 @@ async fn exports(tracing: Weak<Tracing>, client: Exporter) {
     }
 }
 
+/// Appends `v` as a varint: one byte, almost always.
+#[inline]
+fn varint(buf: &mut Vec<u8>, v: u64) {
+    match v < 0x80 {
+        true => buf.push(v as u8),
+        false => encode_varint(v, buf),
+    }
+}
+
+/// Appends the key of field `tag`.
+#[inline]
+fn field_key(buf: &mut Vec<u8>, tag: u32, wire: WireType) {
+    varint(buf, u64::from((tag << 3) | wire as u32));
+}
+
 /// Appends field `tag` of length-delimited `bytes`.
 fn put_bytes(buf: &mut Vec<u8>, tag: u32, bytes: &[u8]) {
-    encode_key(tag, WireType::LengthDelimited, buf);
-    encode_varint(bytes.len() as u64, buf);
+    field_key(buf, tag, WireType::LengthDelimited);
+    varint(buf, bytes.len() as u64);
     buf.extend_from_slice(bytes);
 }
 
@@ -567,24 +602,24 @@ fn field_len(len: usize) -> usize {
 /// Appends an attribute (a `KeyValue` as field `tag`) with a string value.
 fn put_text(buf: &mut Vec<u8>, tag: u32, key: &str, value: &str) {
     let any = field_len(value.len());
-    encode_key(tag, WireType::LengthDelimited, buf);
-    encode_varint((field_len(key.len()) + field_len(any)) as u64, buf);
+    field_key(buf, tag, WireType::LengthDelimited);
+    varint(buf, (field_len(key.len()) + field_len(any)) as u64);
     put_bytes(buf, 1, key.as_bytes());
-    encode_key(2, WireType::LengthDelimited, buf);
-    encode_varint(any as u64, buf);
+    field_key(buf, 2, WireType::LengthDelimited);
+    varint(buf, any as u64);
     put_bytes(buf, 1, value.as_bytes());
 }
 
 /// Appends an attribute (a `KeyValue` as field `tag`) with an integer value.
 fn put_int(buf: &mut Vec<u8>, tag: u32, key: &str, value: i64) {
     let any = 1 + encoded_len_varint(value as u64);
-    encode_key(tag, WireType::LengthDelimited, buf);
-    encode_varint((field_len(key.len()) + field_len(any)) as u64, buf);
+    field_key(buf, tag, WireType::LengthDelimited);
+    varint(buf, (field_len(key.len()) + field_len(any)) as u64);
     put_bytes(buf, 1, key.as_bytes());
-    encode_key(2, WireType::LengthDelimited, buf);
-    encode_varint(any as u64, buf);
-    encode_key(3, WireType::Varint, buf);
-    encode_varint(value as u64, buf);
+    field_key(buf, 2, WireType::LengthDelimited);
+    varint(buf, any as u64);
+    field_key(buf, 3, WireType::Varint);
+    varint(buf, value as u64);
 }
 
 /// The fields of one OTLP `Span` (opentelemetry/proto/trace/v1/trace.proto).
@@ -607,10 +642,10 @@ fn put_span(span: &mut Vec<u8>, r: &Record) {
         Name::Unnamed => (b"span", 0),
     };
     put_bytes(span, 5, name);
-    encode_key(6, WireType::Varint, span);
-    encode_varint(kind, span);
+    field_key(span, 6, WireType::Varint);
+    varint(span, kind);
     for (tag, time) in [(7, r.start), (8, r.end)] {
-        encode_key(tag, WireType::SixtyFourBit, span);
+        field_key(span, tag, WireType::SixtyFourBit);
         span.extend_from_slice(&time.to_le_bytes());
     }
     put_attributes(span, r);
@@ -621,11 +656,11 @@ fn put_span(span: &mut Vec<u8>, r: &Record) {
             Failure::Outcome(o) => (*o).into(),
         };
         // Status: its message (2), and code ERROR (3 = 2).
-        encode_key(15, WireType::LengthDelimited, span);
-        encode_varint((field_len(message.len()) + 2) as u64, span);
+        field_key(span, 15, WireType::LengthDelimited);
+        varint(span, (field_len(message.len()) + 2) as u64);
         put_bytes(span, 2, message.as_bytes());
-        encode_key(3, WireType::Varint, span);
-        encode_varint(2, span);
+        field_key(span, 3, WireType::Varint);
+        varint(span, 2);
     }
 }
 
@@ -679,11 +714,11 @@ fn encode(service: &str, spans: &[Record]) -> Vec<u8> {
     let scope_spans = field_len(scope.len()) + all.len();
     let resource_spans = field_len(resource.len()) + field_len(scope_spans);
     let mut out = Vec::with_capacity(field_len(resource_spans));
-    encode_key(1, WireType::LengthDelimited, &mut out);
-    encode_varint(resource_spans as u64, &mut out);
+    field_key(&mut out, 1, WireType::LengthDelimited);
+    varint(&mut out, resource_spans as u64);
     put_bytes(&mut out, 1, &resource);
-    encode_key(2, WireType::LengthDelimited, &mut out);
-    encode_varint(scope_spans as u64, &mut out);
+    field_key(&mut out, 2, WireType::LengthDelimited);
+    varint(&mut out, scope_spans as u64);
     put_bytes(&mut out, 1, &scope);
     out.extend_from_slice(&all);
     out

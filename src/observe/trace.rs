@@ -13,7 +13,7 @@
 //! record of fixed fields pushed on a queue of at most
 //! [`MAX_QUEUED_SPANS`] (dropped past it, never waited for); a task of its
 //! own turns them into an `ExportTraceServiceRequest` with prost's
-//! encoding every [`BATCH_DELAY`] and posts it. The SDK's spans (their
+//! encoding every 500 ms and posts it. The SDK's spans (their
 //! attribute lists, names and contexts built per request, and the export
 //! thread's conversion to OTLP messages) cost 72% more instructions per
 //! request (docs/benchmarks.md). Off (no endpoint), nothing is made per

@@ -891,6 +891,33 @@ fn absurd_values(config: &Config, report: &mut Report<'_>) {
     if let Ok(value) = toml::Value::try_from(config) {
         walk(&value, &KeyPath::root(), report);
     }
+    memory_warnings(config, report);
+}
+
+/// A memory bound larger than any sidecar is given, or one the bodies kept
+/// for retries alone would take most of.
+fn memory_warnings(config: &Config, report: &mut Report<'_>) {
+    let listen = KeyPath::root().key("listen");
+    let (max, bodies) = (config.listen.max_memory, config.listen.max_body_memory);
+    if max > 64 << 30 {
+        report(
+            listen.key("max_memory"),
+            format!(
+                "{} is more than a sidecar is given: probably a typo (\"0\" turns the bound off)",
+                bytesize::ByteSize(max)
+            ),
+        );
+    }
+    if max != 0 && bodies >= max / 2 {
+        report(
+            listen.key("max_body_memory"),
+            format!(
+                "{} is half or more of listen.max_memory ({}): bodies kept for retries alone would put memory under pressure",
+                bytesize::ByteSize(bodies),
+                bytesize::ByteSize(max)
+            ),
+        );
+    }
 }
 
 /// Adaptive limits that cannot do what they say.

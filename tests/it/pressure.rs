@@ -208,3 +208,30 @@ async fn idle_connections_past_the_bound_are_asked_to_close() {
     drop(held);
     hg.terminate().await;
 }
+
+/// A bound larger than any sidecar is given, or one the bodies kept for
+/// retries would fill half of, is warned of by `check`.
+#[test]
+fn check_warns_of_a_memory_bound_out_of_proportion() {
+    let warnings = |toml: &str| -> Vec<String> {
+        herdguard::config::Config::check_str(toml)
+            .unwrap()
+            .warnings
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    };
+    let huge = warnings("[listen]\nmax_memory = \"100GiB\"\n");
+    assert!(
+        huge.iter()
+            .any(|w| w.contains("listen.max_memory") && w.contains("typo")),
+        "{huge:?}"
+    );
+    let bodies = warnings("[listen]\nmax_memory = \"24MiB\"\nmax_body_memory = \"16MiB\"\n");
+    assert!(
+        bodies.iter().any(|w| w.contains("listen.max_body_memory")),
+        "{bodies:?}"
+    );
+    let fine = warnings("[listen]\nmax_memory = \"96MiB\"\n");
+    assert!(!fine.iter().any(|w| w.contains("memory")), "{fine:?}");
+}

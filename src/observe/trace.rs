@@ -13,13 +13,12 @@
 //! record of fixed fields pushed on a queue of at most
 //! [`MAX_QUEUED_SPANS`] (dropped past it, never waited for); a task of its
 //! own turns them into an `ExportTraceServiceRequest` with prost's
-//! encoding every 500 ms and posts it. The SDK's spans (their
-//! attribute lists, names and contexts built per request, and the export
-//! thread's conversion to OTLP messages) cost 72% more instructions per
-//! request (docs/benchmarks.md). Off (no endpoint), nothing is made per
+//! encoding every 500 ms, or at once while a batch of 512 is full, and
+//! posts it. At 100% sampling that costs about a tenth more instructions
+//! per request (docs/benchmarks.md). Off (no endpoint), nothing is made per
 //! request.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, SystemTime};
 
@@ -165,14 +164,16 @@ impl Tracing {
             tracing: self.clone(),
             trace_id,
             span_id: random(),
-            parent,
+            parent: parent.unwrap_or_default(),
             sampled,
             drop_tracestate,
             // A method no one registered is `_OTHER`, as OpenTelemetry's
             // conventions say: a caller's 60 KB method would be in every span.
             method: known_method(method),
             start: unix_nanos(),
-            answer: OnceLock::new(),
+            attempts: AtomicU32::new(0),
+            status: 0,
+            error: None,
             skip: OnceLock::new(),
         })
     }
@@ -301,26 +302,34 @@ fn unhex<const N: usize>(text: &[u8]) -> Option<[u8; N]> {
     Some(out)
 }
 
+/// Each byte's two lowercase hex digits.
+const HEX_PAIRS: [[u8; 2]; 256] = {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut pairs = [[0u8; 2]; 256];
+    let mut i = 0;
+    while i < 256 {
+        pairs[i] = [HEX[i >> 4], HEX[i & 0xF]];
+        i += 1;
+    }
+    pairs
+};
+
 /// `00-<trace>-<span>-<flags>`: a slice of a per-thread block of them (no
 /// allocation per attempt, and an attempt's copy of the headers shares it).
 fn traceparent(trace_id: &[u8; 16], span_id: &[u8; 8], sampled: bool) -> HeaderValue {
     const BLOCK: usize = 64;
     const LEN: usize = 55;
-    const HEX: &[u8; 16] = b"0123456789abcdef";
     thread_local! {
         static FIELDS: std::cell::RefCell<bytes::BytesMut> =
             std::cell::RefCell::new(bytes::BytesMut::new());
     }
     let mut text = [b'-'; LEN];
     text[..2].copy_from_slice(b"00");
-    let digits = trace_id
-        .iter()
-        .map(|b| (3, b))
-        .chain(span_id.iter().map(|b| (4, b)));
-    for (i, (skip, b)) in digits.enumerate() {
-        let at = skip + 2 * i;
-        text[at] = HEX[usize::from(b >> 4)];
-        text[at + 1] = HEX[usize::from(b & 0xF)];
+    for (out, b) in text[3..35].chunks_exact_mut(2).zip(trace_id) {
+        out.copy_from_slice(&HEX_PAIRS[usize::from(*b)]);
+    }
+    for (out, b) in text[36..52].chunks_exact_mut(2).zip(span_id) {
+        out.copy_from_slice(&HEX_PAIRS[usize::from(*b)]);
     }
     text[53..].copy_from_slice(if sampled { b"01" } else { b"00" });
     let field = FIELDS.with(|fields| {
@@ -354,28 +363,25 @@ fn unix_nanos() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
-/// How a request was answered.
-struct Answer {
-    status: u16,
-    attempts: Option<u32>,
-    error: Option<Box<str>>,
-}
-
 /// A request's span, ended when this is dropped (once its response has
 /// gone, whole or not).
 pub struct RequestTrace {
     tracing: Arc<Tracing>,
     trace_id: [u8; 16],
     span_id: [u8; 8],
-    /// The caller's span, if it sent one.
-    parent: Option<[u8; 8]>,
+    /// The caller's span, if it sent one (else zeros).
+    parent: [u8; 8],
     sampled: bool,
     /// The caller's `tracestate` is not to go upstream.
     drop_tracestate: bool,
     method: &'static str,
     start: u64,
-    /// Told how the request was answered: else its caller left first.
-    answer: OnceLock<Answer>,
+    /// The attempts started so far (the highest attempt number).
+    attempts: AtomicU32,
+    /// The status it was answered with: 0 while its caller has had none.
+    status: u16,
+    /// The proxy's own error, when it made the answer.
+    error: Option<Box<str>>,
     /// Why a retry was not made, when one was not.
     skip: OnceLock<&'static str>,
 }
@@ -388,14 +394,14 @@ impl RequestTrace {
 
     /// Starts attempt `n`'s span, to `endpoint`, and puts its context in
     /// `headers` (`traceparent`, `tracestate`): the upstream's spans are
-    /// its children.
+    /// its children. No span is kept when the trace is not sampled.
     pub fn attempt(
         &self,
         n: u32,
         endpoint: &Arc<str>,
         backoff: Option<Duration>,
         headers: &mut HeaderMap,
-    ) -> Box<AttemptTrace> {
+    ) -> Option<AttemptTrace<'_>> {
         let span_id = random();
         headers.insert(
             TRACEPARENT,
@@ -404,18 +410,14 @@ impl RequestTrace {
         if self.drop_tracestate {
             headers.remove(&TRACESTATE);
         }
-        Box::new(AttemptTrace {
-            tracing: self.sampled.then(|| self.tracing.clone()),
-            record: Record {
-                trace_id: self.trace_id,
-                span_id,
-                parent: Some(self.span_id),
-                name: Name::Attempt(n),
-                start: unix_nanos(),
-                address: self.sampled.then(|| endpoint.clone()),
-                backoff_ms: backoff.map(|b| u64::try_from(b.as_millis()).unwrap_or(u64::MAX)),
-                ..Record::default()
-            },
+        self.attempts.fetch_max(n, Ordering::Relaxed);
+        self.sampled.then(|| AttemptTrace {
+            request: self,
+            span_id,
+            n,
+            backoff_ms: backoff.map(|b| u32::try_from(b.as_millis()).unwrap_or(u32::MAX)),
+            start: unix_nanos(),
+            address: Some(endpoint.clone()),
         })
     }
 
@@ -424,14 +426,11 @@ impl RequestTrace {
         let _ = self.skip.set(reason);
     }
 
-    /// Notes how the request was answered: its status, the attempts sent,
-    /// and the proxy's own error, if it made the answer.
-    pub fn answered(&self, status: u16, attempts: Option<u32>, error: Option<&str>) {
-        let _ = self.answer.set(Answer {
-            status,
-            attempts,
-            error: error.filter(|_| self.sampled).map(Into::into),
-        });
+    /// Notes how the request was answered: its status, and the proxy's own
+    /// error, if it made the answer.
+    pub fn answered(&mut self, status: u16, error: Option<&str>) {
+        self.status = status;
+        self.error = error.filter(|_| self.sampled).map(Into::into);
     }
 }
 
@@ -440,131 +439,141 @@ impl Drop for RequestTrace {
         if !self.sampled {
             return;
         }
-        // The caller left before its answer: 499, as the access log has it.
-        let answer = self.answer.take().unwrap_or(Answer {
-            status: 499,
-            attempts: None,
-            error: None,
-        });
-        let failure = match answer.status {
-            499 => Some(Failure::CallerLeft),
-            500.. => Some(Failure::Status(answer.status)),
-            _ => None,
-        };
         self.tracing.finished(Record {
             trace_id: self.trace_id,
             span_id: self.span_id,
             parent: self.parent,
-            name: Name::Request(self.method),
             start: self.start,
             end: unix_nanos(),
-            status: Some(answer.status),
-            attempts: answer.attempts,
-            skip: self.skip.get().copied(),
-            error: answer.error,
-            failure,
-            ..Record::default()
+            span: Span::Request {
+                method: self.method,
+                // The caller left before its answer: 499, as the access
+                // log has it.
+                status: match self.status {
+                    0 => 499,
+                    s => s,
+                },
+                attempts: *self.attempts.get_mut(),
+                skip: self.skip.get().copied(),
+                error: self.error.take(),
+            },
         });
     }
 }
 
-/// One attempt's span, ended with its outcome.
-pub struct AttemptTrace {
-    /// Where it goes once ended; none when not sampled.
-    tracing: Option<Arc<Tracing>>,
-    record: Record,
+/// One sampled attempt's span, ended with its outcome.
+pub struct AttemptTrace<'a> {
+    request: &'a RequestTrace,
+    span_id: [u8; 8],
+    n: u32,
+    backoff_ms: Option<u32>,
+    start: u64,
+    /// Taken when the span ends.
+    address: Option<Arc<str>>,
 }
 
-impl Drop for AttemptTrace {
+impl Drop for AttemptTrace<'_> {
     fn drop(&mut self) {
         // Dropped before it ended: a hedge race's loser, or its caller left.
-        self.end("cancelled", None);
+        self.end("cancelled", 0);
     }
 }
 
-impl AttemptTrace {
+impl AttemptTrace<'_> {
     /// Ends the span: how the attempt ended (an outcome of
     /// `herdguard_upstream_attempts_total`), and the status it answered.
     pub fn ended(mut self, outcome: &'static str, status: Option<u16>) {
-        self.end(outcome, status);
+        self.end(outcome, status.unwrap_or(0));
     }
 
-    fn end(&mut self, outcome: &'static str, status: Option<u16>) {
-        if let Some(tracing) = self.tracing.take() {
-            let mut record = std::mem::take(&mut self.record);
-            record.outcome = Some(outcome);
-            record.status = status;
-            record.failure = (outcome != "ok").then_some(Failure::Outcome(outcome));
-            record.end = unix_nanos();
-            tracing.finished(record);
-        }
+    fn end(&mut self, outcome: &'static str, status: u16) {
+        // Taken: ended once, by `ended` or else when dropped.
+        let Some(address) = self.address.take() else {
+            return;
+        };
+        let request = self.request;
+        request.tracing.finished(Record {
+            trace_id: request.trace_id,
+            span_id: self.span_id,
+            parent: request.span_id,
+            start: self.start,
+            end: unix_nanos(),
+            span: Span::Attempt {
+                n: self.n,
+                backoff_ms: self.backoff_ms,
+                outcome,
+                status,
+                address,
+            },
+        });
     }
 }
 
-/// A span's name.
-#[derive(Default)]
-enum Name {
-    /// A request's span: its method.
-    Request(&'static str),
-    /// Attempt `n`.
-    Attempt(u32),
-    #[default]
-    Unnamed,
-}
-
-/// Why a span ended in error.
-enum Failure {
-    Status(u16),
-    CallerLeft,
-    Outcome(&'static str),
+/// What a span was, with the attributes of its kind.
+enum Span {
+    Request {
+        method: &'static str,
+        status: u16,
+        attempts: u32,
+        skip: Option<&'static str>,
+        error: Option<Box<str>>,
+    },
+    Attempt {
+        n: u32,
+        backoff_ms: Option<u32>,
+        /// An outcome of `herdguard_upstream_attempts_total`.
+        outcome: &'static str,
+        /// The status answered; 0: none.
+        status: u16,
+        address: Arc<str>,
+    },
 }
 
 /// A finished span: fixed fields, turned into OTLP only when exported.
-#[derive(Default)]
 struct Record {
     trace_id: [u8; 16],
     span_id: [u8; 8],
-    parent: Option<[u8; 8]>,
-    name: Name,
+    /// Zeros: none.
+    parent: [u8; 8],
     start: u64,
     end: u64,
-    status: Option<u16>,
-    attempts: Option<u32>,
-    skip: Option<&'static str>,
-    error: Option<Box<str>>,
-    address: Option<Arc<str>>,
-    backoff_ms: Option<u64>,
-    outcome: Option<&'static str>,
-    failure: Option<Failure>,
+    span: Span,
 }
 
 /// Sends the queued spans every [`BATCH_DELAY`] (at once while a batch is
 /// full) until the tracer is gone, or all of them once the process exits.
 async fn exports(tracing: Weak<Tracing>, client: Exporter) {
+    // The queue is taken whole and this one, sent and emptied, put in its
+    // place: spans are not moved again, nor a queue made for each batch.
+    let mut spare = Vec::with_capacity(MAX_BATCH);
     loop {
         let Some(t) = tracing.upgrade() else {
             return;
         };
         let exiting = t.exiting.lock().unwrap_or_else(|e| e.into_inner()).take();
-        // Taken whole, a new queue made with room for a batch: spans are
-        // not moved again, nor the queue grown a push at a time.
-        let batch = std::mem::replace(
+        let mut batch = std::mem::replace(
             &mut *t.queue.lock().unwrap_or_else(|e| e.into_inner()),
-            Vec::with_capacity(MAX_BATCH),
+            spare,
         );
         for chunk in batch.chunks(MAX_BATCH) {
             client.send(chunk).await;
         }
-        let more = !t.queue.lock().unwrap_or_else(|e| e.into_inner()).is_empty();
+        batch.clear();
+        // A burst's room is let go once it has passed.
+        batch.shrink_to(MAX_BATCH);
+        spare = batch;
+        // Sent at once only while a batch is full: spans that came in
+        // during an export wait for the next, not each export for a few.
+        let waiting = t.queue.lock().unwrap_or_else(|e| e.into_inner()).len();
         match exiting {
-            Some(done) if more => {
+            Some(done) if waiting > 0 => {
                 *t.exiting.lock().unwrap_or_else(|e| e.into_inner()) = Some(done);
             }
             Some(done) => {
                 let _ = done.send(());
                 return;
             }
-            None if more => {}
+            None if waiting >= MAX_BATCH => {}
             None => {
                 let _ = tokio::time::timeout(BATCH_DELAY, t.wake.notified()).await;
             }
@@ -581,117 +590,191 @@ fn varint(buf: &mut Vec<u8>, v: u64) {
     }
 }
 
-/// Appends the key of field `tag`.
-#[inline]
-fn field_key(buf: &mut Vec<u8>, tag: u32, wire: WireType) {
-    varint(buf, u64::from((tag << 3) | wire as u32));
+/// The key of field `tag` (under 16) of wire type `wire`: one byte.
+const fn key(tag: u8, wire: WireType) -> u8 {
+    (tag << 3) | wire as u8
 }
 
-/// Appends field `tag` of length-delimited `bytes`.
-fn put_bytes(buf: &mut Vec<u8>, tag: u32, bytes: &[u8]) {
-    field_key(buf, tag, WireType::LengthDelimited);
+const SPAN_ATTRIBUTE: u8 = key(9, WireType::LengthDelimited);
+const RESOURCE_ATTRIBUTE: u8 = key(1, WireType::LengthDelimited);
+
+/// Appends field `tag` (under 16) of length-delimited `bytes`.
+#[inline]
+fn put_bytes(buf: &mut Vec<u8>, tag: u8, bytes: &[u8]) {
+    buf.push(key(tag, WireType::LengthDelimited));
     varint(buf, bytes.len() as u64);
     buf.extend_from_slice(bytes);
 }
 
-/// What field `tag` (under 16) of `len` bytes takes, key and length included.
+/// What a field (under 16) of `len` bytes takes, key and length included.
 fn field_len(len: usize) -> usize {
     1 + encoded_len_varint(len as u64) + len
 }
 
-/// Appends an attribute (a `KeyValue` as field `tag`) with a string value.
-fn put_text(buf: &mut Vec<u8>, tag: u32, key: &str, value: &str) {
+/// A `KeyValue`'s key (field 1, a string under 128 bytes), encoded once.
+const fn key_field<const N: usize>(name: &str) -> [u8; N] {
+    let name = name.as_bytes();
+    assert!(N == name.len() + 2 && name.len() < 0x80);
+    let mut out = [0u8; N];
+    out[0] = key(1, WireType::LengthDelimited);
+    out[1] = name.len() as u8;
+    let mut i = 0;
+    while i < name.len() {
+        out[2 + i] = name[i];
+        i += 1;
+    }
+    out
+}
+
+/// An attribute's key, encoded at compile time.
+macro_rules! attribute {
+    ($name:literal) => {{
+        const FIELD: [u8; $name.len() + 2] = key_field($name);
+        &FIELD
+    }};
+}
+
+/// Appends an attribute (a `KeyValue` as the field `tag` byte says) of
+/// the encoded key `name` with a string value.
+fn put_text(buf: &mut Vec<u8>, tag: u8, name: &[u8], value: &str) {
+    // AnyValue { string_value (1) }
     let any = field_len(value.len());
-    field_key(buf, tag, WireType::LengthDelimited);
-    varint(buf, (field_len(key.len()) + field_len(any)) as u64);
-    put_bytes(buf, 1, key.as_bytes());
-    field_key(buf, 2, WireType::LengthDelimited);
+    buf.push(tag);
+    varint(buf, (name.len() + field_len(any)) as u64);
+    buf.extend_from_slice(name);
+    buf.push(key(2, WireType::LengthDelimited));
     varint(buf, any as u64);
     put_bytes(buf, 1, value.as_bytes());
 }
 
-/// Appends an attribute (a `KeyValue` as field `tag`) with an integer value.
-fn put_int(buf: &mut Vec<u8>, tag: u32, key: &str, value: i64) {
-    let any = 1 + encoded_len_varint(value as u64);
-    field_key(buf, tag, WireType::LengthDelimited);
-    varint(buf, (field_len(key.len()) + field_len(any)) as u64);
-    put_bytes(buf, 1, key.as_bytes());
-    field_key(buf, 2, WireType::LengthDelimited);
-    varint(buf, any as u64);
-    field_key(buf, 3, WireType::Varint);
-    varint(buf, value as u64);
+/// Appends a span attribute of the encoded key `name` with an integer value.
+fn put_int(buf: &mut Vec<u8>, name: &[u8], value: u64) {
+    // AnyValue { int_value (3) }
+    let any = 1 + encoded_len_varint(value);
+    buf.push(SPAN_ATTRIBUTE);
+    varint(buf, (name.len() + 2 + any) as u64);
+    buf.extend_from_slice(name);
+    buf.extend_from_slice(&[key(2, WireType::LengthDelimited), any as u8]);
+    buf.push(key(3, WireType::Varint));
+    varint(buf, value);
+}
+
+/// "attempt N" in `out`.
+fn attempt_name(n: u32, out: &mut [u8; 18]) -> &[u8] {
+    out[..8].copy_from_slice(b"attempt ");
+    let mut digits = [0u8; 10];
+    let mut at = digits.len();
+    let mut n = n;
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let len = 8 + digits.len() - at;
+    out[8..len].copy_from_slice(&digits[at..]);
+    &out[..len]
 }
 
 /// The fields of one OTLP `Span` (opentelemetry/proto/trace/v1/trace.proto).
 fn put_span(span: &mut Vec<u8>, r: &Record) {
     put_bytes(span, 1, &r.trace_id);
     put_bytes(span, 2, &r.span_id);
-    if let Some(parent) = &r.parent {
-        put_bytes(span, 4, parent);
+    if r.parent != [0; 8] {
+        put_bytes(span, 4, &r.parent);
     }
-    let mut attempt = [0u8; 24];
-    let (name, kind): (&[u8], u64) = match r.name {
-        Name::Request(method) => (method.as_bytes(), 2),
-        Name::Attempt(n) => {
-            use std::io::Write as _;
-            let mut at = &mut attempt[..];
-            let _ = write!(at, "attempt {n}");
-            let len = 24 - at.len();
-            (&attempt[..len], 3)
-        }
-        Name::Unnamed => (b"span", 0),
+    let mut name = [0u8; 18];
+    // Its name (5) and kind (6): SERVER (2) for the request, CLIENT (3)
+    // for an attempt.
+    let (name, kind) = match &r.span {
+        Span::Request { method, .. } => (method.as_bytes(), 2),
+        Span::Attempt { n, .. } => (attempt_name(*n, &mut name), 3),
     };
     put_bytes(span, 5, name);
-    field_key(span, 6, WireType::Varint);
-    varint(span, kind);
+    span.extend_from_slice(&[key(6, WireType::Varint), kind]);
     for (tag, time) in [(7, r.start), (8, r.end)] {
-        field_key(span, tag, WireType::SixtyFourBit);
+        span.push(key(tag, WireType::SixtyFourBit));
         span.extend_from_slice(&time.to_le_bytes());
     }
-    put_attributes(span, r);
-    if let Some(failure) = &r.failure {
-        let message = match failure {
-            Failure::Status(s) => std::borrow::Cow::Owned(s.to_string()),
-            Failure::CallerLeft => "the caller left before its answer".into(),
-            Failure::Outcome(o) => (*o).into(),
-        };
-        // Status: its message (2), and code ERROR (3 = 2).
-        field_key(span, 15, WireType::LengthDelimited);
+    let failure = put_attributes(span, &r.span);
+    if let Some(message) = failure {
+        // Status (15): its message (2), and code ERROR (3 = 2).
+        span.push(key(15, WireType::LengthDelimited));
         varint(span, (field_len(message.len()) + 2) as u64);
         put_bytes(span, 2, message.as_bytes());
-        field_key(span, 3, WireType::Varint);
-        varint(span, 2);
+        span.extend_from_slice(&[key(3, WireType::Varint), 2]);
     }
 }
 
-/// A span's attributes (field 9 of a `Span`).
-fn put_attributes(span: &mut Vec<u8>, r: &Record) {
-    match r.name {
-        Name::Request(method) => put_text(span, 9, "http.request.method", method),
-        Name::Attempt(n) => put_int(span, 9, "herdguard.attempt", i64::from(n)),
-        Name::Unnamed => {}
-    }
-    if let Some(address) = &r.address {
-        put_text(span, 9, "server.address", address);
-    }
-    if let Some(ms) = r.backoff_ms {
-        let ms = i64::try_from(ms).unwrap_or(i64::MAX);
-        put_int(span, 9, "herdguard.backoff_ms", ms);
-    }
-    if let Some(outcome) = r.outcome {
-        put_text(span, 9, "herdguard.outcome", outcome);
-    }
-    if let Some(status) = r.status {
-        put_int(span, 9, "http.response.status_code", i64::from(status));
-    }
-    if let Some(attempts) = r.attempts {
-        put_int(span, 9, "herdguard.attempts", i64::from(attempts));
-    }
-    if let Some(skip) = r.skip {
-        put_text(span, 9, "herdguard.skip_reason", skip);
-    }
-    if let Some(error) = &r.error {
-        put_text(span, 9, "herdguard.error", error);
+/// A span's attributes (field 9 of a `Span`); the message of its error
+/// status, if it failed.
+fn put_attributes(span: &mut Vec<u8>, kind: &Span) -> Option<std::borrow::Cow<'static, str>> {
+    match kind {
+        Span::Request {
+            method,
+            status,
+            attempts,
+            skip,
+            error,
+        } => {
+            put_text(
+                span,
+                SPAN_ATTRIBUTE,
+                attribute!("http.request.method"),
+                method,
+            );
+            put_int(
+                span,
+                attribute!("http.response.status_code"),
+                u64::from(*status),
+            );
+            put_int(span, attribute!("herdguard.attempts"), u64::from(*attempts));
+            if let Some(skip) = skip {
+                put_text(
+                    span,
+                    SPAN_ATTRIBUTE,
+                    attribute!("herdguard.skip_reason"),
+                    skip,
+                );
+            }
+            if let Some(error) = error {
+                put_text(span, SPAN_ATTRIBUTE, attribute!("herdguard.error"), error);
+            }
+            match status {
+                499 => Some("the caller left before its answer".into()),
+                500.. => Some(status.to_string().into()),
+                _ => None,
+            }
+        }
+        Span::Attempt {
+            n,
+            backoff_ms,
+            outcome,
+            status,
+            address,
+        } => {
+            put_int(span, attribute!("herdguard.attempt"), u64::from(*n));
+            put_text(span, SPAN_ATTRIBUTE, attribute!("server.address"), address);
+            if let Some(ms) = backoff_ms {
+                put_int(span, attribute!("herdguard.backoff_ms"), u64::from(*ms));
+            }
+            put_text(
+                span,
+                SPAN_ATTRIBUTE,
+                attribute!("herdguard.outcome"),
+                outcome,
+            );
+            if *status != 0 {
+                put_int(
+                    span,
+                    attribute!("http.response.status_code"),
+                    u64::from(*status),
+                );
+            }
+            (*outcome != "ok").then_some((*outcome).into())
+        }
     }
 }
 
@@ -699,7 +782,7 @@ fn put_attributes(span: &mut Vec<u8>, r: &Record) {
 /// written once into a scratch buffer and copied after its length, the
 /// messages around them given their lengths from what they hold.
 fn encode(service: &str, spans: &[Record]) -> Vec<u8> {
-    let mut all = Vec::with_capacity(spans.len() * 320);
+    let mut all = Vec::with_capacity(spans.len() * 256);
     let mut scratch = Vec::with_capacity(512);
     for span in spans {
         scratch.clear();
@@ -710,14 +793,19 @@ fn encode(service: &str, spans: &[Record]) -> Vec<u8> {
     put_bytes(&mut scope, 1, b"herdguard");
     put_bytes(&mut scope, 2, env!("CARGO_PKG_VERSION").as_bytes());
     let mut resource = Vec::new();
-    put_text(&mut resource, 1, "service.name", service);
+    put_text(
+        &mut resource,
+        RESOURCE_ATTRIBUTE,
+        attribute!("service.name"),
+        service,
+    );
     let scope_spans = field_len(scope.len()) + all.len();
     let resource_spans = field_len(resource.len()) + field_len(scope_spans);
     let mut out = Vec::with_capacity(field_len(resource_spans));
-    field_key(&mut out, 1, WireType::LengthDelimited);
+    out.push(key(1, WireType::LengthDelimited));
     varint(&mut out, resource_spans as u64);
     put_bytes(&mut out, 1, &resource);
-    field_key(&mut out, 2, WireType::LengthDelimited);
+    out.push(key(2, WireType::LengthDelimited));
     varint(&mut out, scope_spans as u64);
     put_bytes(&mut out, 1, &scope);
     out.extend_from_slice(&all);
@@ -823,6 +911,92 @@ mod tests {
         // A later version may carry more after the flags.
         let later = b"01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00-more";
         assert!(parse_traceparent(later).is_some_and(|p| !p.sampled));
+    }
+
+    #[test]
+    fn spans_are_encoded_as_otlp_decodes_them() {
+        use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+        use opentelemetry_proto::tonic::common::v1::any_value::Value;
+        use prost::Message as _;
+        let long = "x".repeat(300);
+        let records = [
+            Record {
+                trace_id: [1; 16],
+                span_id: [2; 8],
+                parent: [0; 8],
+                start: 10,
+                end: 20,
+                span: Span::Request {
+                    method: "POST",
+                    status: 499,
+                    attempts: 0,
+                    skip: Some("budget"),
+                    error: Some(long.clone().into()),
+                },
+            },
+            Record {
+                trace_id: [1; 16],
+                span_id: [3; 8],
+                parent: [2; 8],
+                start: 11,
+                end: 19,
+                span: Span::Attempt {
+                    n: 1234,
+                    backoff_ms: Some(u32::MAX),
+                    outcome: "timeout",
+                    status: 0,
+                    address: "10.0.0.1:8080".into(),
+                },
+            },
+        ];
+        let bytes = encode(&"s".repeat(200), &records);
+        let export = ExportTraceServiceRequest::decode(&bytes[..]).expect("decodes");
+        let resource = &export.resource_spans[0];
+        let service = &resource.resource.as_ref().unwrap().attributes[0];
+        assert_eq!(service.key, "service.name");
+        let spans = &resource.scope_spans[0].spans;
+        let attr = |i: usize, key: &str| {
+            spans[i]
+                .attributes
+                .iter()
+                .find(|a| a.key == key)
+                .and_then(|a| a.value.as_ref()?.value.clone())
+        };
+        let (request, attempt) = (&spans[0], &spans[1]);
+        assert_eq!((request.name.as_str(), request.kind), ("POST", 2));
+        assert!(request.parent_span_id.is_empty());
+        assert_eq!(
+            (request.start_time_unix_nano, request.end_time_unix_nano),
+            (10, 20)
+        );
+        assert_eq!(
+            attr(0, "http.response.status_code"),
+            Some(Value::IntValue(499))
+        );
+        assert_eq!(attr(0, "herdguard.attempts"), Some(Value::IntValue(0)));
+        assert_eq!(
+            attr(0, "herdguard.skip_reason"),
+            Some(Value::StringValue("budget".into()))
+        );
+        assert_eq!(attr(0, "herdguard.error"), Some(Value::StringValue(long)));
+        let status = request.status.as_ref().unwrap();
+        assert_eq!(
+            (status.code, status.message.as_str()),
+            (2, "the caller left before its answer")
+        );
+        assert_eq!((attempt.name.as_str(), attempt.kind), ("attempt 1234", 3));
+        assert_eq!(attempt.parent_span_id, vec![2; 8]);
+        assert_eq!(attr(1, "herdguard.attempt"), Some(Value::IntValue(1234)));
+        assert_eq!(
+            attr(1, "herdguard.backoff_ms"),
+            Some(Value::IntValue(i64::from(u32::MAX)))
+        );
+        assert_eq!(
+            attr(1, "herdguard.outcome"),
+            Some(Value::StringValue("timeout".into()))
+        );
+        assert_eq!(attr(1, "http.response.status_code"), None);
+        assert_eq!(attempt.status.as_ref().unwrap().message, "timeout");
     }
 
     #[test]

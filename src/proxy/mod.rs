@@ -532,7 +532,7 @@ impl Proxy {
         let grpc = headers::is_grpc(req.headers());
         // Made in a block of its own, so that what is only needed before
         // the answer takes no room in the future while the answer is awaited.
-        let (mut entry, explain_id, span, trace) = {
+        let (mut entry, explain_id, span, mut trace) = {
             let runtime = self.runtime.load();
             if let Some(name) = &runtime.request_id {
                 identity::keep_or_make(name, req.headers_mut());
@@ -592,7 +592,7 @@ impl Proxy {
             entry.status = resp.status().as_u16();
             entry.error = resp.headers().get(&headers::X_HERDGUARD_ERROR).cloned();
         }
-        if let Some(trace) = &trace {
+        if let Some(trace) = &mut trace {
             traced_answer(trace, &resp);
         }
         let (parts, body) = resp.into_parts();
@@ -758,15 +758,16 @@ fn request_span(
 }
 
 /// Tells the request's span how it was answered.
-fn traced_answer(trace: &RequestTrace, resp: &Response<ResponseBody>) {
-    let h = resp.headers();
-    let attempts = h
-        .get(&headers::X_HERDGUARD_ATTEMPTS)
-        .and_then(|v| v.to_str().ok()?.parse().ok());
-    let error = h
-        .get(&headers::X_HERDGUARD_ERROR)
-        .and_then(|v| v.to_str().ok());
-    trace.answered(resp.status().as_u16(), attempts, error);
+fn traced_answer(trace: &mut RequestTrace, resp: &Response<ResponseBody>) {
+    // The proxy's own errors are never successes: a 2xx is not looked into.
+    let error = match resp.status().is_success() {
+        true => None,
+        false => resp
+            .headers()
+            .get(&headers::X_HERDGUARD_ERROR)
+            .and_then(|v| v.to_str().ok()),
+    };
+    trace.answered(resp.status().as_u16(), error);
 }
 
 /// Names the request's id in its explain trace (`…;request_id=ID`).

@@ -43,7 +43,7 @@ type Ready<'a> = (
     Picked<'a>,
     Request<RequestBody>,
     Option<Arc<Progress>>,
-    Option<Box<AttemptTrace>>,
+    Option<AttemptTrace<'a>>,
 );
 
 /// What the request path hands the upstream side: the request, as this
@@ -256,6 +256,7 @@ impl<'a> Forward<'a> {
             let backoff = (backoff > 0).then(|| Duration::from_millis(u64::from(backoff)));
             trace.attempt(n, label, backoff, req.headers_mut())
         });
+        let traced = traced.flatten();
         (slot, picked, req, progress, traced)
     }
 

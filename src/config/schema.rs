@@ -99,10 +99,26 @@ impl Default for RequestIdConfig {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
-    /// The latency histograms' bucket bounds, in seconds, ascending; empty:
-    /// the built-in ones. Read at start (a reload that changes it says so).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    /// The latency histograms' bucket bounds, in seconds, ascending; left
+    /// out: the built-in ones (an empty list is refused). Read at start (a
+    /// reload that changes it says so).
+    #[serde(
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "some_buckets"
+    )]
     pub latency_buckets: Vec<f64>,
+}
+
+/// A written list of bucket bounds has at least one: `[]` would read as
+/// "no buckets" and silently be the built-in ones.
+fn some_buckets<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<f64>, D::Error> {
+    let buckets = Vec::<f64>::deserialize(d)?;
+    match buckets.is_empty() {
+        true => Err(serde::de::Error::custom(
+            "an empty list: leave latency_buckets out for the built-in buckets",
+        )),
+        false => Ok(buckets),
+    }
 }
 
 /// Where names of upstreams with `discovery = "dns"` are resolved.

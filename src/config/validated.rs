@@ -63,6 +63,10 @@ impl Validated {
         config.listen.address = running.listen.address;
         config.admin.address = running.admin.address;
         config.listen.tls = running.listen.tls.clone();
+        // Read at start only: the running exporter and buckets stay, and
+        // `/config` shows them, not the file's.
+        config.tracing = running.tracing.clone();
+        config.metrics = running.metrics.clone();
         self
     }
 

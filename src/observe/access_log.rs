@@ -7,7 +7,8 @@
 //! thread of their own: a worker never waits on stdout (a slow pipe or a
 //! full disk). When the queue is full a line is dropped and counted
 //! (`herdguard_access_log_dropped_total`) rather than slowing the proxy or
-//! growing. A path longer than [`MAX_PATH`] is cut there (ending in `...`).
+//! growing. A path longer than [`MAX_PATH`] is cut there (ending in `...`),
+//! and a method longer than [`MAX_METHOD`].
 //! Off, it costs nothing per request: no entry is made.
 
 use std::io::Write;
@@ -33,6 +34,9 @@ pub const QUEUE_BYTES: usize = 4 << 20;
 
 /// The longest path a line holds; a longer one is cut and ends in `...`.
 pub const MAX_PATH: usize = 2048;
+
+/// The longest method written; a longer one is cut there (ending in `...`).
+pub const MAX_METHOD: usize = 32;
 
 /// Bytes of lines queued and not yet written.
 static QUEUED_BYTES: AtomicUsize = AtomicUsize::new(0);
@@ -216,13 +220,19 @@ impl Entry {
         let error = self.error.as_ref().and_then(|e| e.to_str().ok());
         let request_id = self.request_id.as_ref().and_then(|e| e.to_str().ok());
         let trace_id = self.trace_id.map(|t| format!("{t:032x}"));
+        // A caller's own method may be as long as a head allows: cut, as
+        // the path is (the registered ones are short).
+        let method = match self.method.as_str() {
+            m if m.len() <= MAX_METHOD => std::borrow::Cow::Borrowed(m),
+            m => std::borrow::Cow::Owned(cut(m, MAX_METHOD).into_string()),
+        };
         let mut out = Vec::with_capacity(256);
         match self.log.format {
             AccessLogFormat::Json => {
                 let line = serde_json::json!({
                     "time": time.to_string(),
                     "route": self.route.as_deref(),
-                    "method": self.method.as_str(),
+                    "method": &*method,
                     "path": &*self.path,
                     "status": self.status,
                     "attempts": self.attempts,
@@ -240,7 +250,7 @@ impl Entry {
                 let _ = write!(out, "time={time}");
                 for (key, value) in [
                     ("route", self.route.as_deref()),
-                    ("method", Some(self.method.as_str())),
+                    ("method", Some(&*method)),
                     ("path", Some(&*self.path)),
                 ] {
                     field(&mut out, key, value);

@@ -79,7 +79,6 @@ pub struct Metrics {
     /// The latency histograms' bucket bounds (`[metrics] latency_buckets`).
     buckets: Arc<[f64]>,
     /// The process's own series (`process_*`), read when scraped.
-    process: metrics_process::Collector,
     /// The listeners' connection and byte counts, by listener name.
     listeners: Mutex<Vec<(&'static str, Arc<Traffic>)>>,
 }
@@ -216,7 +215,6 @@ impl Metrics {
             scopes: Mutex::new(BTreeMap::new()),
             fold,
             buckets: buckets.into(),
-            process: metrics_process::Collector::default(),
             listeners: Mutex::new(Vec::new()),
         };
         for result in ["ok", "error"] {
@@ -254,9 +252,8 @@ impl Metrics {
     /// and the series of each metric gathered under one `# HELP` and
     /// `# TYPE`, as the format asks.
     pub fn render(&self) -> String {
-        metrics::with_local_recorder(&self.base.recorder, || self.process.collect());
         self.traffic();
-        let mut texts = vec![self.base.handle.render()];
+        let mut texts = vec![self.base.handle.render(), process()];
         texts.extend(self.live().iter().map(|s| s.handle.render()));
         merge(&texts)
     }
@@ -419,7 +416,7 @@ fn help(name: &str) -> Option<&'static str> {
         CONNECTIONS_OPEN => "Connections open now, by listener.",
         RECEIVED_BYTES => "Bytes read from callers' connections, by listener (TLS records as received).",
         SENT_BYTES => "Bytes written to callers' connections, by listener (TLS records as sent).",
-        "process_cpu_seconds_total" => "CPU time the process used, user and system, in whole seconds.",
+        "process_cpu_seconds_total" => "CPU time the process used, user and system, in seconds.",
         "process_open_fds" => "File descriptors the process has open.",
         "process_max_fds" => "The most file descriptors the process may open.",
         "process_virtual_memory_bytes" => "Virtual memory size of the process.",
@@ -429,6 +426,36 @@ fn help(name: &str) -> Option<&'static str> {
         "process_threads" => "Threads of the process.",
         _ => return None,
     })
+}
+
+/// The standard process series (Prometheus's client libraries' set), as
+/// `metrics_process` reads them: CPU time to the tick, which a counter of
+/// the metrics crate would keep in whole seconds.
+fn process() -> String {
+    use std::fmt::Write as _;
+    let m = metrics_process::collector::collect();
+    let mut out = String::with_capacity(640);
+    if let Some(cpu) = m.cpu_seconds_total {
+        let name = "process_cpu_seconds_total";
+        let _ = writeln!(out, "# TYPE {name} counter\n{name} {cpu}");
+    }
+    for (name, value) in [
+        ("process_open_fds", m.open_fds),
+        ("process_max_fds", m.max_fds),
+        ("process_virtual_memory_bytes", m.virtual_memory_bytes),
+        (
+            "process_virtual_memory_max_bytes",
+            m.virtual_memory_max_bytes,
+        ),
+        ("process_resident_memory_bytes", m.resident_memory_bytes),
+        ("process_start_time_seconds", m.start_time_seconds),
+        ("process_threads", m.threads),
+    ] {
+        if let Some(value) = value {
+            let _ = writeln!(out, "# TYPE {name} gauge\n{name} {value}");
+        }
+    }
+    out
 }
 
 /// Gathers the series of several expositions under one `# HELP` and
@@ -718,13 +745,21 @@ impl RouteMetrics {
     /// Counts a hedge race that ended: `won` when the hedge's answer went
     /// to the caller, `lost` when the attempt it raced answered.
     pub fn hedge(&self, won: bool) {
-        let counters = self.hedges.get_or_init(|| {
+        self.hedges()[usize::from(!won)].increment(1);
+    }
+
+    /// Registers the hedge counts at zero: the route hedges.
+    pub fn hedging(&self) {
+        self.hedges();
+    }
+
+    fn hedges(&self) -> &[Counter; 2] {
+        self.hedges.get_or_init(|| {
             ["won", "lost"].map(|result| {
                 self._scope
                     .counter(HEDGES_TOTAL, &[("route", &self.route), ("result", result)])
             })
-        });
-        counters[usize::from(!won)].increment(1);
+        })
     }
 
     /// Counts a hedge that was due and not sent, and why.
@@ -884,6 +919,34 @@ impl UpstreamMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn process_cpu_time_is_kept_below_the_second() {
+        let cpu = || {
+            let text = process();
+            let line = text
+                .lines()
+                .find(|l| l.starts_with("process_cpu_seconds_total "))
+                .expect("a CPU line");
+            line.split(' ').nth(1).unwrap().parse::<f64>().unwrap()
+        };
+        let before = cpu();
+        // Work until the kernel has counted a few ticks (bounded).
+        let mut x = 0u64;
+        for i in 0..2_000_000_000u64 {
+            x = x.wrapping_mul(31).wrapping_add(std::hint::black_box(i));
+            if i % 1_000_000 == 0 && cpu() >= before + 0.05 {
+                break;
+            }
+        }
+        std::hint::black_box(x);
+        let after = cpu();
+        assert!(after >= before + 0.05, "{before} -> {after}");
+        assert!(
+            after.fract() != 0.0 || before.fract() != 0.0,
+            "{before} -> {after}"
+        );
+    }
 
     #[test]
     fn upkeep_visits_only_the_routes_that_recorded_samples() {

@@ -283,6 +283,11 @@ impl Route {
             _ => Arc::new(PathBreakers::new(&config.breaker)),
         };
         let name: Arc<str> = config.name.as_str().into();
+        let metrics = RouteMetrics::new(registry, &config.name, &upstream.name);
+        if policy.hedge_after.is_some() {
+            // A route that hedges shows its hedge counts before the first.
+            metrics.hedging();
+        }
         let route = Self {
             guards: Guards {
                 route: name.clone(),
@@ -290,7 +295,7 @@ impl Route {
                 policy,
                 budget,
                 breaker,
-                metrics: RouteMetrics::new(registry, &config.name, &upstream.name),
+                metrics,
                 closed_after_outage: upstream.closed_after_outage(),
                 paths,
             },

@@ -165,6 +165,18 @@ async fn json_lines_say_attempts_endpoint_error_and_skip() {
         "{line}"
     );
 
+    // A caller's own method of 8 KB: the line keeps its first 32 bytes.
+    let method = "X".repeat(8 * 1024);
+    let long = Request::builder()
+        .method(method.as_str())
+        .uri(log.url("/ok"))
+        .header("host", "app")
+        .body(empty())
+        .unwrap();
+    log.send(long).await;
+    let line = log.next_json();
+    assert_eq!(line["method"], format!("{}...", &method[..32]), "{line}");
+
     // No route: the proxy's 404, no route, no endpoint.
     let other = Request::get(log.url("/x"))
         .header("host", "elsewhere")

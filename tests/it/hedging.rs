@@ -73,6 +73,12 @@ async fn call(hg: &Binary, method: &str, path: &str) -> (http::HeaderMap, Durati
 async fn a_hedge_cuts_the_slow_tail_for_a_tenth_more_requests() {
     let (a, b, count) = tail_upstreams().await;
     let hg = Binary::start_with("explain = true", &config(&a, &b, "")).await;
+    // A route that hedges shows its hedge counts from the start, at zero.
+    let text = hg.metrics().await;
+    for result in ["won", "lost"] {
+        let series = format!(r#"herdguard_hedges_total{{route="api",result="{result}"}}"#);
+        assert_eq!(metric(&text, &series), Some(0.0), "{series}");
+    }
     let mut latencies = Vec::new();
     for _ in 0..100 {
         let (headers, took) = call(&hg, "GET", "/").await;

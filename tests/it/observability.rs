@@ -193,6 +193,14 @@ fn bad_latency_buckets_name_the_key_and_line() {
                 .join("\n")
         }
     };
+    let Err(empty) = herdguard::config::Config::parse("[metrics]\nlatency_buckets = []\n") else {
+        panic!("an empty list is accepted")
+    };
+    let empty = empty.to_string();
+    assert!(
+        empty.contains("line 2") && empty.contains("leave latency_buckets out"),
+        "{empty}"
+    );
     for expect in [
         "metrics.latency_buckets[1] (line 2): bounds must rise: 0.5 comes after 1",
         "metrics.latency_buckets[2] (line 2): -2 is not a time in seconds above 0",

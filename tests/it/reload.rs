@@ -42,14 +42,21 @@ async fn a_route_added_by_reload_serves() {
     let server = start(&toml(&[("a", "/a", "")], &up.url())).await;
     assert_eq!(get(&server, "/b").await.0, StatusCode::NOT_FOUND);
     let mut config = Config::parse(&toml(&[("a", "/a", ""), ("b", "/b", "")], &up.url())).unwrap();
-    // Listen addresses cannot move on reload; the running ones stay.
+    // Listen addresses, tracing and the histogram buckets cannot change on
+    // reload; the running ones stay, and `/config` shows them.
     config.listen.address = "127.0.0.1:1".parse().unwrap();
+    config.tracing.otlp_endpoint = Some("http://127.0.0.1:9/".into());
+    config.metrics.latency_buckets = vec![0.5, 1.0];
     server.reload(config).unwrap();
     assert_eq!(get(&server, "/b").await.0, StatusCode::OK);
     assert_eq!(get(&server, "/a").await.0, StatusCode::OK);
     let text = admin(&server, "/metrics").await.1;
     assert_eq!(reloads(&text, "ok"), 1.0);
-    assert!(admin(&server, "/config").await.1.contains("name = \"b\""));
+    let shown = Config::parse(&admin(&server, "/config").await.1).unwrap();
+    assert!(shown.routes.iter().any(|r| r.name == "b"));
+    assert_eq!(shown.listen.address, "127.0.0.1:0".parse().unwrap());
+    assert_eq!(shown.tracing.otlp_endpoint, None);
+    assert!(shown.metrics.latency_buckets.is_empty());
 }
 
 #[tokio::test]

@@ -47,6 +47,26 @@ pub enum StartError {
     Build(#[from] BuildError),
     #[error("listen.tls: {0}")]
     Tls(#[from] crate::config::tls::TlsError),
+    #[error("listen.max_memory ({max} MiB) leaves no room: the config alone has {in_use} MiB in use, and requests are refused past 90% of the bound; raise listen.max_memory")]
+    NoRoom { max: u64, in_use: u64 },
+}
+
+/// Whether the memory bound leaves room to serve once the config is built
+/// (when memory is measured: the binary): with the routes' own state past
+/// where pressure ends, every request would be refused for as long as the
+/// process ran.
+fn room_to_serve(max: u64) -> Result<(), StartError> {
+    let Some(in_use) = crate::listen::pressure::in_use() else {
+        return Ok(());
+    };
+    let in_use = in_use as u64;
+    match max != 0 && in_use >= max / 10 * 9 {
+        true => Err(StartError::NoRoom {
+            max: max >> 20,
+            in_use: in_use >> 20,
+        }),
+        false => Ok(()),
+    }
 }
 
 /// State shared by the proxy and admin listeners.
@@ -93,6 +113,7 @@ impl Server {
             });
         let runtime = Runtime::build(config, &metrics)?;
         let config = runtime.config.clone();
+        room_to_serve(config.listen.max_memory)?;
         let proxy = Arc::new(Proxy::new(runtime, metrics).traced(tracing));
 
         let bind = |what, addr| async move {
@@ -277,6 +298,10 @@ fn serve_callers(
         transparent: config.listen.transparent,
         traffic: counted(&proxy, "listen"),
         pressure: Some(guard_memory(&proxy, stop.clone())),
+        send_buffer: match config.listen.send_buffer {
+            0 => None,
+            size => Some(usize::try_from(size).unwrap_or(usize::MAX)),
+        },
     };
     accept_loop(
         "listen",
@@ -317,7 +342,12 @@ fn guard_memory(proxy: &Arc<Proxy>, stop: watch::Receiver<bool>) -> Arc<Pressure
     tokio::spawn(crate::listen::pressure::guard(
         pressure.clone(),
         move || bound.runtime().config.listen.max_memory,
-        move |look| report.metrics().memory(look.in_use, look.pressed, look.cut),
+        move |look| {
+            let refused = crate::listen::pressure::refused_since();
+            report
+                .metrics()
+                .memory(look.in_use, look.pressed, look.cut, refused)
+        },
         stop,
     ));
     pressure
@@ -349,6 +379,8 @@ fn serve_admin(
         transparent: false,
         traffic: counted(&shared.proxy, "admin"),
         pressure: None,
+        // Probes and scrapes: small answers, read at once.
+        send_buffer: None,
     };
     accept_loop("admin", listener, limits, stop, move |peer, _, conduct| {
         let shared = shared.clone();

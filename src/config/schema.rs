@@ -184,6 +184,13 @@ pub struct ListenConfig {
     /// bound. The container's memory limit less a quarter.
     #[serde(with = "size")]
     pub max_memory: u64,
+    /// The kernel's send buffer for each caller connection (`SO_SNDBUF`,
+    /// which the kernel doubles for its bookkeeping): what a caller that
+    /// reads slowly or not at all holds in kernel memory, outside
+    /// `max_memory`'s count; `0`: the kernel's autotuning (up to
+    /// `net.ipv4.tcp_wmem`'s largest, 4 MiB by default).
+    #[serde(with = "size")]
+    pub send_buffer: u64,
     /// A response that makes no progress this long is aborted and what it
     /// holds upstream let go: a caller that reads nothing, or an upstream
     /// that sends nothing more of its body.
@@ -215,6 +222,7 @@ impl Default for ListenConfig {
             max_connections: 10_000,
             max_body_memory: 16 << 20,
             max_memory: 96 << 20,
+            send_buffer: 128 << 10,
             write_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
             explain: false,

@@ -73,6 +73,13 @@ pub(super) fn validate(
             "must be 0 (no bound) or at least 16MiB: the process itself uses a few MiB".into(),
         );
     }
+    let send = config.listen.send_buffer;
+    if send != 0 && !(4 << 10..=64 << 20).contains(&send) {
+        report(
+            listen.key("send_buffer"),
+            "must be 0 (the kernel's autotuning) or from 4KiB to 64MiB".into(),
+        );
+    }
     positive(
         report,
         &listen.key("drain_timeout"),

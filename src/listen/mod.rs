@@ -605,6 +605,8 @@ pub(crate) struct Limits {
     pub(crate) traffic: Arc<crate::observe::metrics::Traffic>,
     /// The memory bound that may cut the listener's connections.
     pub(crate) pressure: Option<Arc<pressure::Pressure>>,
+    /// Each connection's `SO_SNDBUF`; none: the kernel's autotuning.
+    pub(crate) send_buffer: Option<usize>,
 }
 
 /// Where a connection redirected by iptables (`REDIRECT`) was going, read
@@ -670,6 +672,10 @@ pub(crate) async fn accept_loop<M, S, B>(
             break;
         };
         let _ = stream.set_nodelay(true);
+        if let Some(size) = limits.send_buffer {
+            // Set before anything is written: the kernel then never grows it.
+            let _ = rustix::net::sockopt::set_socket_send_buffer_size(&stream, size);
+        }
         let conduct = silent.open(&limits);
         let original = limits
             .transparent
@@ -679,6 +685,7 @@ pub(crate) async fn accept_loop<M, S, B>(
         let (builders, drain) = (builders.clone(), drain.clone());
         let (wait, write_timeout) = (limits.header_read_timeout, limits.write_timeout);
         let tls = limits.tls.clone();
+        let pressured = limits.pressure.is_some();
         // This future is what every connection keeps for its life, in a
         // tokio task cell aligned to 128 bytes: a few bytes more can cost a
         // whole 128 for each connection (docs/memory.md). What a connection
@@ -696,6 +703,13 @@ pub(crate) async fn accept_loop<M, S, B>(
                 () = drain.started() => Opening::Silent,
             };
             let h2 = match opened {
+                // Memory is short: what a connection builds costs more than
+                // its refusal, so it is refused at the door.
+                Opening::Speaks { h2 } if limits_pressed(&pressured) => {
+                    pressure::refuse_at_the_door(stream, h2, tls.is_some()).await;
+                    drop(permit);
+                    return;
+                }
                 Opening::Speaks { h2 } => {
                     conduct.began();
                     h2
@@ -743,6 +757,11 @@ pub(crate) async fn accept_loop<M, S, B>(
     drop(listener);
     drain.start();
     drain_connections(&permits, what, limits.max_connections, limits.drain_timeout).await;
+}
+
+/// Whether a listener the memory bound watches is under pressure now.
+fn limits_pressed(watched: &bool) -> bool {
+    *watched && pressure::under_pressure()
 }
 
 /// `serving`, closed outright should its connection be evicted for a new

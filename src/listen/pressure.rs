@@ -11,6 +11,9 @@
 //! of it. Under pressure:
 //! - new requests are answered 503 at once (`overloaded`, marked
 //!   [`Crowded::Memory`](crate::wire::Crowded)) and count nothing upstream;
+//! - new connections are refused at the door (`refuse_at_the_door`):
+//!   what hyper builds for a connection costs more than the refusal, and
+//!   thousands opened within one look would otherwise pass the bound;
 //! - connections whose caller has read nothing for [`STALLED`] while an
 //!   answer waits are closed outright: every one whose writes are blocked
 //!   (its socket full), and, oldest first, a share of the HTTP/2
@@ -26,7 +29,7 @@
 //! test's server) has no bound, as the process is not its own.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -66,9 +69,67 @@ pub fn measure_with(measure: fn() -> usize) {
     let _ = MEASURE.set(measure);
 }
 
+/// The bytes the process has in use now, if they are measured.
+pub fn in_use() -> Option<usize> {
+    MEASURE.get().map(|measure| measure())
+}
+
 /// Whether memory is under pressure: new requests are refused.
 pub fn under_pressure() -> bool {
     UNDER_PRESSURE.load(Ordering::Relaxed)
+}
+
+/// The answer to an HTTP/1 connection refused at the door.
+const DOOR_503: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\n\
+    content-type: text/plain; charset=utf-8\r\n\
+    x-herdguard-error: overloaded\r\n\
+    retry-after: 2\r\n\
+    connection: close\r\n\
+    content-length: 95\r\n\r\n\
+    herdguard: memory is short (listen.max_memory): new connections are refused; try again shortly\n";
+
+/// Connections refused at the door under pressure, not yet reported.
+static REFUSED: AtomicU64 = AtomicU64::new(0);
+
+/// Refuses a new connection while memory is short, with no connection
+/// state built: HTTP/1 is answered 503 `overloaded` and closed; HTTP/2 gets
+/// a GOAWAY naming no stream (none was processed: its caller may send them
+/// again); TLS is closed before its handshake. What the caller already
+/// sent is read and dropped for up to a second first, so that the close
+/// does not reset the answer away.
+pub(crate) async fn refuse_at_the_door(mut stream: tokio::net::TcpStream, h2: bool, tls: bool) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    REFUSED.fetch_add(1, Ordering::Relaxed);
+    const H2: [u8; 26] = [
+        0, 0, 0, 0x4, 0, 0, 0, 0, 0, // SETTINGS, empty: the server's preface
+        0, 0, 8, 0x7, 0, 0, 0, 0, 0, // GOAWAY on stream 0
+        0, 0, 0, 0, // last stream processed: none
+        0, 0, 0, 0x7, // REFUSED_STREAM
+    ];
+    let answer: &[u8] = match (tls, h2) {
+        (true, _) => b"",
+        (false, true) => &H2,
+        (false, false) => DOOR_503,
+    };
+    let refuse = async {
+        stream.write_all(answer).await?;
+        stream.shutdown().await?;
+        let mut sink = [0u8; 512];
+        let mut left = 64usize << 10;
+        while left > 0 {
+            match stream.read(&mut sink).await? {
+                0 => break,
+                n => left = left.saturating_sub(n),
+            }
+        }
+        Ok::<_, std::io::Error>(())
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), refuse).await;
+}
+
+/// Connections refused at the door since the last call.
+pub fn refused_since() -> u64 {
+    REFUSED.swap(0, Ordering::Relaxed)
 }
 
 /// What one look found and did.
@@ -278,6 +339,19 @@ pub async fn guard(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_door_answer_is_one_whole_response() {
+        let text = std::str::from_utf8(DOOR_503).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 503 "));
+        let length = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length: "))
+            .map(|v| v.parse::<usize>().unwrap());
+        assert_eq!(length, Some(body.len()));
+        assert!(head.lines().all(|l| !l.starts_with(' ')), "{head}");
+    }
 
     #[test]
     fn pressure_starts_past_the_bound_and_ends_under_nine_tenths_of_it() {

@@ -53,6 +53,7 @@ pub const SENT_BYTES: &str = "herdguard_sent_bytes_total";
 pub const MEMORY_IN_USE: &str = "herdguard_memory_in_use_bytes";
 pub const MEMORY_PRESSURE: &str = "herdguard_memory_pressure";
 pub const MEMORY_CUT: &str = "herdguard_memory_cut_connections_total";
+pub const MEMORY_REFUSED: &str = "herdguard_memory_refused_connections_total";
 pub const SPANS_DROPPED: &str = "herdguard_trace_spans_dropped_total";
 
 /// The latency histograms' bucket bounds, in seconds, unless
@@ -225,6 +226,7 @@ impl Metrics {
             .set(1.0);
         m.gauge(LAST_RELOAD_OK, &[]).set(1.0);
         m.counter(MEMORY_CUT, &[]).increment(0);
+        m.counter(MEMORY_REFUSED, &[]).increment(0);
         Arc::new(m)
     }
 
@@ -281,12 +283,15 @@ impl Metrics {
     }
 
     /// One look at the process's memory (see `listen::pressure`).
-    pub fn memory(&self, in_use: usize, pressed: bool, cut: usize) {
+    pub fn memory(&self, in_use: usize, pressed: bool, cut: usize, refused: u64) {
         self.gauge(MEMORY_IN_USE, &[]).set(in_use as f64);
         self.gauge(MEMORY_PRESSURE, &[])
             .set(if pressed { 1.0 } else { 0.0 });
         if cut > 0 {
             self.counter(MEMORY_CUT, &[]).increment(cut as u64);
+        }
+        if refused > 0 {
+            self.counter(MEMORY_REFUSED, &[]).increment(refused);
         }
     }
 
@@ -379,6 +384,9 @@ fn help(name: &str) -> Option<&'static str> {
         }
         MEMORY_CUT => {
             "Caller connections closed under memory pressure: answers waiting that their callers did not read, or idle."
+        }
+        MEMORY_REFUSED => {
+            "New caller connections refused under memory pressure before anything was built for them (HTTP/1: 503; HTTP/2: GOAWAY with no stream processed; TLS: closed)."
         }
         LAST_RELOAD_OK => {
             "1 if the last config reload succeeded (or none was tried), 0 while the file last read is refused."

@@ -235,3 +235,212 @@ fn check_warns_of_a_memory_bound_out_of_proportion() {
     let fine = warnings("[listen]\nmax_memory = \"96MiB\"\n");
     assert!(!fine.iter().any(|w| w.contains("memory")), "{fine:?}");
 }
+
+const REFUSED: &str = "herdguard_memory_refused_connections_total";
+
+/// `n` HTTP/1.1 PUTs, one per connection, each stalling one byte short of
+/// its `len`: their bodies are kept for a retry and hold memory for as
+/// long as the connections stay (a request still coming in is not cut).
+async fn stalled_uploads(listen: &str, n: usize, len: usize) -> Vec<tokio::net::TcpStream> {
+    use tokio::io::AsyncWriteExt as _;
+    let head = format!("PUT /r0/upload HTTP/1.1\r\nHost: a\r\nContent-Length: {len}\r\n\r\n");
+    let body = vec![b'x'; len - 1];
+    let mut held = Vec::with_capacity(n);
+    for _ in 0..n {
+        let Ok(mut s) = tokio::net::TcpStream::connect(listen).await else {
+            continue;
+        };
+        if s.write_all(head.as_bytes()).await.is_ok() && s.write_all(&body).await.is_ok() {
+            held.push(s);
+        }
+    }
+    held
+}
+
+/// An HTTP/2 connection's whole exchange for one GET: what came back
+/// until the proxy closed it (or 5 s passed).
+async fn h2_exchange(listen: &str) -> Vec<u8> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut wire = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    wire.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+    // :method GET, :scheme http, :path /, :authority "a" (HPACK, literal).
+    let block = [0x82, 0x86, 0x84, 0x41, 1, b'a'];
+    wire.extend_from_slice(&[0, 0, block.len() as u8, 0x1, 0x5, 0, 0, 0, 1]);
+    wire.extend_from_slice(&block);
+    let mut s = tokio::net::TcpStream::connect(listen).await.unwrap();
+    let _ = s.write_all(&wire).await;
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
+    out
+}
+
+/// The frames of an HTTP/2 server's bytes: (type, stream, payload).
+fn frames(mut bytes: &[u8]) -> Vec<(u8, u32, Vec<u8>)> {
+    let mut out = Vec::new();
+    while bytes.len() >= 9 {
+        let len = usize::from(bytes[0]) << 16 | usize::from(bytes[1]) << 8 | usize::from(bytes[2]);
+        let stream = u32::from_be_bytes([bytes[5], bytes[6], bytes[7], bytes[8]]) & 0x7fff_ffff;
+        let Some(payload) = bytes.get(9..9 + len) else {
+            break;
+        };
+        out.push((bytes[3], stream, payload.to_vec()));
+        bytes = &bytes[9 + len..];
+    }
+    out
+}
+
+/// While memory is short, a new connection costs its refusal only: HTTP/1
+/// gets a whole 503 `overloaded` and the close, HTTP/2 a GOAWAY naming no
+/// stream as processed (its caller may send the request again); both are
+/// counted. Once memory is back, new connections are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_connections_are_refused_at_the_door_while_memory_is_short() {
+    let _heavy = heavy().await;
+    raise_open_files();
+    let held_up = held_upstream("ok").await;
+    let toml = format!(
+        "[upstreams.u0]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r0\"\nupstream = \"u0\"\n",
+        held_up.upstream.url()
+    );
+    let hg = Binary::start_with("max_memory = \"16MiB\"", &toml).await;
+    // 24 MiB of uploads: the bodies kept for retries fill their 16 MiB,
+    // past the bound with what the process needs besides.
+    let uploads = stalled_uploads(&hg.listen, 384, 64 << 10).await;
+    eventually(Duration::from_secs(20), "memory under pressure", || async {
+        hg.metric(PRESSURE).await == 1.0
+    })
+    .await;
+    // Pressure may lapse for a look while refused connections free their
+    // few bytes: asked again until each protocol has met the door.
+    let (mut h1_refused, mut h2_refused) = (false, false);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !(h1_refused && h2_refused) && tokio::time::Instant::now() < deadline {
+        let h1 = raw_exchange(&hg.listen, b"GET /r0/x HTTP/1.1\r\nHost: a\r\n\r\n").await;
+        if h1.contains("new connections are refused") {
+            assert!(h1.starts_with("HTTP/1.1 503 "), "{h1}");
+            assert!(h1.contains("x-herdguard-error: overloaded\r\n"), "{h1}");
+            assert!(h1.contains("connection: close\r\n"), "{h1}");
+            h1_refused = true;
+        }
+        let h2 = frames(&h2_exchange(&hg.listen).await);
+        // GOAWAY (7) on stream 0: last stream 0, REFUSED_STREAM (7).
+        if let Some((_, _, goaway)) = h2.iter().find(|(kind, _, _)| *kind == 0x7) {
+            if goaway[..8] == [0, 0, 0, 0, 0, 0, 0, 0x7] {
+                assert!(
+                    h2.iter().all(|(kind, _, _)| *kind != 0x1),
+                    "no HEADERS: {h2:?}"
+                );
+                h2_refused = true;
+            }
+        }
+    }
+    assert!(
+        h1_refused && h2_refused,
+        "HTTP/1 {h1_refused}, HTTP/2 {h2_refused}"
+    );
+    // Counted at the next look at memory.
+    eventually(Duration::from_secs(5), "the refusals counted", || async {
+        hg.metric(REFUSED).await >= 2.0
+    })
+    .await;
+    drop(uploads);
+    held_up.release.notify_waiters();
+    eventually(Duration::from_secs(20), "the pressure over", || async {
+        hg.metric(PRESSURE).await == 0.0
+    })
+    .await;
+    let h1 = raw_exchange(
+        &hg.listen,
+        b"GET /r0/x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(!h1.contains("new connections are refused"), "{h1}");
+    hg.terminate().await;
+}
+
+/// The bytes the kernel holds unsent or unacknowledged on the proxy's side
+/// of the connection from `caller` to port `listen` (`/proc/net/tcp`'s
+/// `tx_queue`).
+fn send_queue(listen: u16, caller: u16) -> Option<u64> {
+    let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
+    table.lines().skip(1).find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let port = |addr: &str| u16::from_str_radix(addr.rsplit(':').next()?, 16).ok();
+        (port(fields[1])? == listen && port(fields[2])? == caller).then(|| {
+            let queue = fields[4].split(':').next()?;
+            u64::from_str_radix(queue, 16).ok()
+        })?
+    })
+}
+
+/// A caller that reads nothing of a large answer holds in the kernel what
+/// `listen.send_buffer` allows (twice it: the kernel's bookkeeping), not
+/// the few MiB autotuning would grow to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_reads_nothing_holds_one_send_buffer_in_the_kernel() {
+    let (_up, toml) = big_answers(16 << 20, 1).await;
+    for (setting, most, least) in [
+        ("send_buffer = \"64KiB\"", 128 << 10, 0),
+        ("send_buffer = \"0\"", u64::MAX, 1 << 20),
+    ] {
+        let hg = Binary::start_with(setting, &toml).await;
+        let stream = unread_get(&hg.listen, "/r0/big").await.unwrap();
+        let caller = stream.local_addr().unwrap().port();
+        let listen: std::net::SocketAddr = hg.listen.parse().unwrap();
+        // The queue grows while the proxy writes, then stays: read until
+        // two looks 100 ms apart agree.
+        let mut last = 0;
+        eventually(Duration::from_secs(20), "the send queue full", || {
+            let now = send_queue(listen.port(), caller).unwrap_or(0);
+            let settled = now > 0 && now == last;
+            last = now;
+            async move { settled }
+        })
+        .await;
+        eprintln!("{setting}: {last} bytes queued in the kernel");
+        assert!(
+            last <= most && last >= least,
+            "{setting}: {last} bytes queued"
+        );
+        drop(stream);
+        hg.terminate().await;
+    }
+}
+
+/// A bound the config's own state already fills (a thousand routes in
+/// 16 MiB) would refuse every request for as long as the process ran: the
+/// binary says so at start, with the key, and does not start.
+#[tokio::test]
+async fn a_bound_the_config_alone_fills_stops_the_start() {
+    let mut toml = String::from(
+        "[listen]\naddress = \"127.0.0.1:0\"\nmax_memory = \"16MiB\"\nmax_body_memory = \"4MiB\"\n\
+         [admin]\naddress = \"127.0.0.1:0\"\n\
+         [upstreams.u]\nendpoints = [\"http://127.0.0.1:9\"]\n",
+    );
+    for i in 0..1_000 {
+        toml.push_str(&format!(
+            "[[routes]]\nname = \"r{i}\"\nupstream = \"u\"\nmatch = {{ path_prefix = \"/r{i}/\" }}\n"
+        ));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("herdguard.toml");
+    std::fs::write(&path, &toml).unwrap();
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_herdguard"))
+        .arg("--config")
+        .arg(&path)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    // Bounded: a process that started after all is ended when dropped.
+    let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output()).await;
+    let out = out.expect("it started and kept running").unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let status = Some(out.status);
+    assert!(status.is_some_and(|s| !s.success()), "it started: {err}");
+    assert!(
+        err.contains("listen.max_memory") && err.contains("leaves no room"),
+        "{err}"
+    );
+}

@@ -11,6 +11,7 @@ mod validated;
 
 pub use load::{Checked, ConfigError, ConfigErrors, KeyPath, LoadError, MAX_CONFIG_BYTES};
 pub use schema::*;
+pub(crate) use validate::otlp_endpoint as check_otlp_endpoint;
 pub use validate::MAX_DNS_ENDPOINTS;
 pub use validated::{CompiledRoute, Validated};
 

@@ -586,7 +586,7 @@ pub(crate) fn check_endpoint(endpoint: &str) -> Result<(), String> {
 }
 
 /// Why `endpoint` is not an OTLP endpoint URL, if it is not.
-fn otlp_endpoint(endpoint: &str) -> Result<(), &'static str> {
+pub(crate) fn otlp_endpoint(endpoint: &str) -> Result<(), &'static str> {
     let uri = endpoint
         .parse::<Uri>()
         .map_err(|_| "is not an http:// or https:// URL")?;

@@ -55,6 +55,7 @@ pub const MEMORY_PRESSURE: &str = "herdguard_memory_pressure";
 pub const MEMORY_CUT: &str = "herdguard_memory_cut_connections_total";
 pub const MEMORY_REFUSED: &str = "herdguard_memory_refused_connections_total";
 pub const SPANS_DROPPED: &str = "herdguard_trace_spans_dropped_total";
+pub const SPANS_FAILED: &str = "herdguard_trace_spans_failed_total";
 
 /// The latency histograms' bucket bounds, in seconds, unless
 /// `[metrics] latency_buckets` says otherwise: fine below 100 ms, and
@@ -377,6 +378,9 @@ fn help(name: &str) -> Option<&'static str> {
         CONFIG_RELOADS => "Config reloads, by result.",
         SPANS_DROPPED => {
             "Finished spans dropped because 2,048 were already waiting for export (a slow or unreachable collector)."
+        }
+        SPANS_FAILED => {
+            "Finished spans lost in exports that failed (the collector down, timing out after 10 s, or answering other than 2xx); never sent twice."
         }
         MEMORY_IN_USE => "Bytes the process has in use, as its allocator counts them (every 100 ms).",
         MEMORY_PRESSURE => {

@@ -70,6 +70,8 @@ pub struct Tracing {
     queue: Mutex<Vec<Record>>,
     /// Spans dropped because the queue was full.
     dropped: AtomicU64,
+    /// Spans lost in exports that failed.
+    failed: AtomicU64,
     /// Wakes the export task: a batch is full, or the process exits.
     wake: tokio::sync::Notify,
     /// Set at exit: the export task sends what is left, then says so.
@@ -80,16 +82,37 @@ pub struct Tracing {
 /// appended, as OpenTelemetry's convention has it), else the standard
 /// environment (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, used as it is, or
 /// `OTEL_EXPORTER_OTLP_ENDPOINT` with `/v1/traces`); none: tracing is off.
-pub fn endpoint(config: &TracingConfig) -> Option<String> {
+/// An endpoint from the environment is held to the config's checks (no
+/// credentials, query or fragment; a valid port), and named in an error
+/// by its variable only.
+pub fn endpoint(config: &TracingConfig) -> Result<Option<String>, String> {
     if std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.eq_ignore_ascii_case("true")) {
-        return None;
+        return Ok(None);
     }
-    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
     if let Some(configured) = &config.otlp_endpoint {
-        return Some(traces_path(configured));
+        return Ok(Some(traces_path(configured)));
     }
-    env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        .or_else(|| env("OTEL_EXPORTER_OTLP_ENDPOINT").map(|base| traces_path(&base)))
+    for (var, append) in [
+        ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", false),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", true),
+    ] {
+        let Some(value) = std::env::var(var).ok().filter(|v| !v.trim().is_empty()) else {
+            continue;
+        };
+        return env_endpoint(var, &value, append).map(Some);
+    }
+    Ok(None)
+}
+
+/// The endpoint environment variable `var` names, checked as the config's
+/// is; `append`: with `/v1/traces` after its path.
+fn env_endpoint(var: &str, value: &str, append: bool) -> Result<String, String> {
+    let value = value.trim();
+    crate::config::check_otlp_endpoint(value).map_err(|why| format!("{var} {why}"))?;
+    Ok(match append {
+        true => traces_path(value),
+        false => value.to_owned(),
+    })
 }
 
 /// `base` with `/v1/traces` after its path.
@@ -105,7 +128,7 @@ impl Tracing {
     /// Starts the exporter `config` asks for, or `None` when tracing is off.
     /// Call inside the tokio runtime: exports run on it.
     pub fn start(config: &TracingConfig) -> Result<Option<Arc<Tracing>>, String> {
-        let Some(endpoint) = endpoint(config) else {
+        let Some(endpoint) = endpoint(config)? else {
             return Ok(None);
         };
         let uri: http::Uri = endpoint
@@ -120,6 +143,7 @@ impl Tracing {
             ratio_bound,
             queue: Mutex::new(Vec::new()),
             dropped: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
             wake: tokio::sync::Notify::new(),
             exiting: Mutex::new(None),
         });
@@ -141,9 +165,13 @@ impl Tracing {
         method: &http::Method,
         headers: &HeaderMap,
     ) -> Box<RequestTrace> {
-        let caller = headers
-            .get(&TRACEPARENT)
-            .and_then(|v| parse_traceparent(v.as_bytes()));
+        // Several `traceparent` fields are no valid one: W3C asks for a
+        // new trace, as for a malformed field.
+        let mut parents = headers.get_all(&TRACEPARENT).iter();
+        let caller = match (parents.next(), parents.next()) {
+            (Some(field), None) => parse_traceparent(field.as_bytes()),
+            _ => None,
+        };
         let (trace_id, parent, sampled) = match caller {
             Some(c) => (c.trace_id, Some(c.span_id), c.sampled),
             None => {
@@ -153,13 +181,18 @@ impl Tracing {
                 (id, None, u64::from_be_bytes(low) >> 1 < self.ratio_bound)
             }
         };
-        // A tracestate longer than W3C asks vendors to pass on (512) is
-        // dropped (a caller's 16 KB of it would go with every attempt), and
-        // one without the trace it belongs to. A kept one goes upstream
-        // with the caller's other fields.
-        let drop_tracestate = headers
-            .get(&TRACESTATE)
-            .is_some_and(|v| caller.is_none() || v.len() > MAX_TRACESTATE);
+        // A tracestate longer than W3C asks vendors to pass on (512), its
+        // fields joined with commas as W3C joins them, is dropped (a
+        // caller's 16 KB of it would go with every attempt), and one
+        // without the trace it belongs to. A kept one goes upstream with
+        // the caller's other fields.
+        let (fields, joined) = headers
+            .get_all(&TRACESTATE)
+            .iter()
+            .fold((0, 0), |(n, len), v| {
+                (n + 1, len + v.len() + usize::from(n > 0))
+            });
+        let drop_tracestate = fields > 0 && (caller.is_none() || joined > MAX_TRACESTATE);
         Box::new(RequestTrace {
             tracing: self.clone(),
             trace_id,
@@ -196,6 +229,11 @@ impl Tracing {
     /// Spans dropped so far because the queue was full.
     pub fn dropped(&self) -> u64 {
         self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Spans lost so far in exports that failed.
+    pub fn failed(&self) -> u64 {
+        self.failed.load(Ordering::Relaxed)
     }
 
     /// Sends every span finished so far, waiting up to a few seconds: at
@@ -546,6 +584,7 @@ async fn exports(tracing: Weak<Tracing>, client: Exporter) {
     // The queue is taken whole and this one, sent and emptied, put in its
     // place: spans are not moved again, nor a queue made for each batch.
     let mut spare = Vec::with_capacity(MAX_BATCH);
+    let mut failures = Failures::default();
     loop {
         let Some(t) = tracing.upgrade() else {
             return;
@@ -556,7 +595,9 @@ async fn exports(tracing: Weak<Tracing>, client: Exporter) {
             spare,
         );
         for chunk in batch.chunks(MAX_BATCH) {
-            client.send(chunk).await;
+            if let Err(e) = client.send(chunk).await {
+                failures.failed(&t, chunk.len(), &e);
+            }
         }
         batch.clear();
         // A burst's room is let go once it has passed.
@@ -578,6 +619,36 @@ async fn exports(tracing: Weak<Tracing>, client: Exporter) {
                 let _ = tokio::time::timeout(BATCH_DELAY, t.wake.notified()).await;
             }
         }
+    }
+}
+
+/// Exports that failed, told in the log at most once a minute: a
+/// collector that is down must not fill the logs, nor go unseen.
+#[derive(Default)]
+struct Failures {
+    /// When the log last told of one, and spans lost since.
+    told: Option<std::time::Instant>,
+    untold: u64,
+}
+
+impl Failures {
+    fn failed(&mut self, tracing: &Tracing, spans: usize, error: &str) {
+        tracing.failed.fetch_add(spans as u64, Ordering::Relaxed);
+        self.untold += spans as u64;
+        if self
+            .told
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(60))
+        {
+            tracing::debug!(error, spans, "tracing: export failed");
+            return;
+        }
+        tracing::warn!(
+            error,
+            spans_lost = self.untold,
+            "tracing: spans could not be exported (said at most once a minute; herdguard_trace_spans_failed_total counts them)"
+        );
+        self.told = Some(std::time::Instant::now());
+        self.untold = 0;
     }
 }
 
@@ -848,9 +919,9 @@ impl Exporter {
         })
     }
 
-    /// Posts `spans`; a failure is logged (at debug: a collector that is
-    /// down must not fill the logs) and the spans are let go.
-    async fn send(&self, spans: &[Record]) {
+    /// Posts `spans`; on failure, why (the spans are let go: never sent
+    /// twice).
+    async fn send(&self, spans: &[Record]) -> Result<(), String> {
         let body = Bytes::from(encode(&self.service, spans));
         let mut request = Request::post(self.endpoint.clone())
             .header(http::header::CONTENT_TYPE, "application/x-protobuf")
@@ -874,11 +945,8 @@ impl Exporter {
             }
         };
         match tokio::time::timeout(EXPORT_TIMEOUT, sent).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                tracing::debug!(error = %e, spans = spans.len(), "tracing: export failed")
-            }
-            Err(_) => tracing::debug!(spans = spans.len(), "tracing: export timed out"),
+            Ok(result) => result,
+            Err(_) => Err(format!("no answer within {EXPORT_TIMEOUT:?}")),
         }
     }
 }
@@ -997,6 +1065,22 @@ mod tests {
         );
         assert_eq!(attr(1, "http.response.status_code"), None);
         assert_eq!(attempt.status.as_ref().unwrap().message, "timeout");
+    }
+
+    #[test]
+    fn an_endpoint_from_the_environment_is_checked_like_the_configs() {
+        let var = "OTEL_EXPORTER_OTLP_ENDPOINT";
+        for (value, why) in [
+            ("http://user:s3cret@127.0.0.1:4318", "credentials"),
+            ("http://127.0.0.1:4318/base?token=abc", "query"),
+            ("http://127.0.0.1:0", "port"),
+        ] {
+            let err = env_endpoint(var, value, true).unwrap_err();
+            assert!(err.contains(var) && err.contains(why), "{err}");
+            assert!(!err.contains("s3cret") && !err.contains("abc"), "{err}");
+        }
+        let ok = env_endpoint(var, " http://127.0.0.1:4318/ ", true).unwrap();
+        assert_eq!(ok, "http://127.0.0.1:4318/v1/traces");
     }
 
     #[test]

@@ -512,6 +512,9 @@ impl Proxy {
             self.metrics
                 .counter(metrics::SPANS_DROPPED, &[])
                 .absolute(tracing.dropped());
+            self.metrics
+                .counter(metrics::SPANS_FAILED, &[])
+                .absolute(tracing.failed());
         }
     }
 

@@ -388,7 +388,13 @@ impl<'a> retry::Attempts for Forward<'a> {
                 Ok(slot) => slot,
                 Err(wait) => match wait.await {
                     Some(slot) => slot,
-                    None => return overloaded(upstream),
+                    None => {
+                        let refused = overloaded(upstream);
+                        if let Some(traced) = traced {
+                            traced.ended(refused.outcome.label(), None);
+                        }
+                        return refused;
+                    }
                 },
             };
             let target = picked.endpoint();

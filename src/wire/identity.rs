@@ -121,7 +121,10 @@ pub fn trace_id(headers: &HeaderMap) -> Option<TraceId> {
         && hex(flags, 2)
         && (version != b"00" || parts.next().is_none());
     let id = u128::from_str_radix(std::str::from_utf8(id).ok()?, 16).ok()?;
-    (well_formed && id != 0).then_some(TraceId(id))
+    // A parent id of zeros makes the whole field invalid (W3C), as the
+    // tracer reads it.
+    let parent_zero = parent.iter().all(|b| *b == b'0');
+    (well_formed && id != 0 && !parent_zero).then_some(TraceId(id))
 }
 
 /// A trace id (128 bits), written as 32 lowercase hex digits.
@@ -210,6 +213,7 @@ mod tests {
             "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
             "00-4bf92f3577b34da6a3ce929d0e0e4736",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
             "garbage",
         ] {
             assert_eq!(with(bad), None, "{bad}");

@@ -306,9 +306,35 @@ async fn a_callers_huge_method_or_tracestate_stays_out_of_spans() {
         sent.get("tracestate").is_none_or(|v| v.len() < 512),
         "the long tracestate is not passed on"
     );
+    // Split over many fields, each short: the same, once joined.
+    let mut req = Request::get(format!("http://{}/", hg.listen))
+        .header("traceparent", format!("00-{TRACE}-{CALLER_SPAN}-01"));
+    for i in 0..40 {
+        req = req.header("tracestate", format!("k{i}={}", "v".repeat(40)));
+    }
+    send(&client(), req.body(empty()).unwrap()).await;
+    let sent = up.last().headers;
+    assert!(
+        sent.get("tracestate").is_none(),
+        "{:?}",
+        sent.get_all("tracestate")
+    );
+    // Two `traceparent` fields are no valid one: a new trace.
+    let req = Request::get(format!("http://{}/", hg.listen))
+        .header("traceparent", format!("00-{TRACE}-{CALLER_SPAN}-01"))
+        .header("traceparent", format!("00-{TRACE}-{CALLER_SPAN}-01"))
+        .body(empty())
+        .unwrap();
+    send(&client(), req).await;
+    let sent = up.last().headers;
+    assert!(
+        !sent["traceparent"].to_str().unwrap().contains(TRACE),
+        "a new trace"
+    );
     hg.terminate().await;
     let spans = spans.lock().unwrap();
-    assert_eq!(spans.len(), 2);
+    assert_eq!(spans.len(), 6);
+    // The first request's span: its method was the caller's own.
     let request = spans.iter().find(|s| s.kind == 2).expect("a server span");
     assert_eq!(request.name, "_OTHER");
     assert_eq!(text(request, "http.request.method"), Some("_OTHER"));
@@ -347,4 +373,40 @@ fn an_otlp_endpoint_with_credentials_a_query_or_a_bad_port_is_refused() {
         herdguard::config::Config::parse(&format!("[tracing]\notlp_endpoint = \"{fine}\"\n"))
             .unwrap_or_else(|e| panic!("{fine}: {e}"));
     }
+}
+
+/// A collector that answers 500 loses every span it is sent: they are
+/// counted, and the log says so (once a minute at most, not per export).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_a_failing_collector_loses_are_counted_and_told() {
+    let refusing = upstream(|_req: Request<hyper::body::Incoming>| async {
+        let mut resp = Response::new(full("no"));
+        *resp.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+        resp
+    })
+    .await;
+    let up = ok_upstream("fine").await;
+    let hg = Binary::start(&format!(
+        "[tracing]\notlp_endpoint = \"{}\"\n\
+         [upstreams.api]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"api\"\nupstream = \"api\"\n",
+        refusing.url(),
+        up.url()
+    ))
+    .await;
+    for _ in 0..20 {
+        assert_eq!(get_via(&hg, None).await.0, StatusCode::OK);
+    }
+    eventually(
+        Duration::from_secs(10),
+        "the lost spans counted",
+        || async { hg.metric("herdguard_trace_spans_failed_total").await >= 40.0 },
+    )
+    .await;
+    let lines = hg.terminate().await;
+    let told: Vec<&String> = lines
+        .iter()
+        .filter(|l| l.contains("spans could not be exported"))
+        .collect();
+    assert_eq!(told.len(), 1, "{told:?}");
+    assert!(told[0].contains("500"), "{}", told[0]);
 }

@@ -10,7 +10,10 @@
 //! - **the upstream's latency**: each window's average latency is compared
 //!   with the upstream's baseline, the lowest window average of the last
 //!   30 to 60 s. Above `tolerance` times the baseline the limit shrinks in
-//!   proportion; a per-try timeout halves it at once;
+//!   proportion; a per-try timeout halves it at once. An upstream that
+//!   got slower without queueing is followed: the baseline becomes its
+//!   latency when half as many in flight take as long, or, at the floor
+//!   where nothing is left to halve, when latency holds steady there;
 //! - **the traffic's own use**: the limit never stands above twice the
 //!   peak in flight of the last 5 to 10 s plus two ([`USE_MULTIPLE`],
 //!   [`USE_HEADROOM`]), and grows only while it is what holds requests back
@@ -155,6 +158,10 @@ const SLOW_START_STEP: f64 = 2.0;
 /// How long latency must stay up with half as many in flight before the
 /// baseline follows it.
 const SLOWER_FOR: Duration = Duration::from_secs(2);
+
+/// How long latency must hold steady with the limit at its floor before
+/// the baseline follows it, outage or not.
+const FLOOR_SLOWER_FOR: Duration = Duration::from_secs(5);
 
 /// How long trouble (a cut, an outage) keeps slow start to the calm level.
 const FORGET: Duration = Duration::from_secs(30);
@@ -372,7 +379,22 @@ impl Limiter {
         let after_outage = self
             .outage_at
             .is_some_and(|at| now.saturating_duration_since(at) < FORGET);
-        if after_outage || !(answered && halved && short >= 0.8 * from_latency) {
+        // At the floor, with no more in flight than it lets, nothing is
+        // left to halve: latency that holds steady there (an outage's
+        // backlog drains, and its latency falls) is the upstream's own,
+        // once it has held for FLOOR_SLOWER_FOR. Else a short spike of
+        // timeouts before an upstream that stays slower would hold the
+        // limit at the floor until the old baseline aged out (a minute).
+        let at_floor = self.limit <= self.min_limit && mean_in_flight <= self.min_limit + 0.5;
+        let steady = short >= 0.8 * from_latency && short <= 1.25 * from_latency;
+        let (evidence, hold) = match at_floor {
+            true => (answered && steady, FLOOR_SLOWER_FOR),
+            false => (
+                !after_outage && answered && halved && short >= 0.8 * from_latency,
+                SLOWER_FOR,
+            ),
+        };
+        if !evidence {
             self.slower_since = None;
             return false;
         }
@@ -380,7 +402,7 @@ impl Limiter {
         // upstream together sees latency fall as all its sidecars shrink;
         // latency that stays is the upstream's.
         let since = *self.slower_since.get_or_insert(now);
-        if now.saturating_duration_since(since) < SLOWER_FOR {
+        if now.saturating_duration_since(since) < hold {
             return false;
         }
         self.slower_since = None;
@@ -635,6 +657,44 @@ mod tests {
         // the backlog the other sidecars left, not a new normal.
         feed(&mut l, &mut clock, 50, ms(200), demand(64));
         assert!(l.limit() <= 16, "stays down: {}", l.limit());
+    }
+
+    /// A few attempts time out, then the upstream answers, slower than
+    /// before but steadily, a request every half second: the limit went to
+    /// its floor, and latency that holds there is the upstream's own. The
+    /// baseline follows within seconds, and the limit grows to the demand,
+    /// rather than staying at the floor until the old baseline ages out.
+    #[test]
+    fn a_slower_upstream_after_a_few_timeouts_is_followed_from_the_floor() {
+        let mut l = limiter();
+        let mut clock = Instant::now();
+        feed(&mut l, &mut clock, 20, ms(5), demand(2));
+        for _ in 0..3 {
+            clock += Duration::from_millis(200);
+            l.update(Sample::Dropped, 3, 0, clock);
+        }
+        // One answer every 500 ms taking 1.2 s: about three in flight are
+        // wanted; the limit lets one and the others wait.
+        let mut grown_after = None;
+        for i in 0..60 {
+            clock += Duration::from_millis(500);
+            let (in_flight, queued) = (l.limit().min(3), 3usize.saturating_sub(l.limit()));
+            l.update(ms(1200), in_flight, queued, clock);
+            if l.limit() >= 2 && grown_after.is_none() && i > 0 {
+                grown_after = Some(i);
+            }
+        }
+        let grown_after = grown_after.expect("grown off the floor within 30 s");
+        assert!(
+            grown_after <= 24,
+            "off the floor after {grown_after} answers (12 s)"
+        );
+        assert!(l.limit() >= 3, "grown to the demand: {}", l.limit());
+        assert!(
+            l.wait().is_some_and(|w| w >= Duration::from_secs(1)),
+            "the wait follows the new baseline: {:?}",
+            l.wait()
+        );
     }
 
     /// An upstream that queues: latency falls as what is in flight falls.

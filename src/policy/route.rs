@@ -183,7 +183,13 @@ pub fn without_dot_segments(path: &str) -> std::borrow::Cow<'_, str> {
     let Some(rest) = path.strip_prefix('/') else {
         return path.into(); // `*`, or no path
     };
-    if !rest.split('/').any(|s| dotted(s) || dotdot(s)) {
+    // A dot segment begins with `.` or `%` after a `/`: most paths have
+    // none, and are passed over in one look at their bytes.
+    let may_have_dots = path
+        .as_bytes()
+        .windows(2)
+        .any(|w| w[0] == b'/' && matches!(w[1], b'.' | b'%'));
+    if !may_have_dots || !rest.split('/').any(|s| dotted(s) || dotdot(s)) {
         return path.into();
     }
     let mut kept: Vec<&str> = Vec::new();

@@ -404,11 +404,16 @@ impl<'a> retry::Attempts for Forward<'a> {
             let (timed, sent_whole) = timed(
                 std::pin::pin!(target.send(path_and_query, req, careful)),
                 progress.as_deref(),
-                per_try,
+                (sent_at, per_try),
                 deadline,
             )
             .await;
-            let elapsed = sent_at.elapsed();
+            // One look at the clock for both: the attempt's time, and the
+            // upstream's latency from when it had the whole request (a slow
+            // upload is the caller's time, not the upstream's).
+            let ended = Instant::now();
+            let elapsed = ended.saturating_duration_since(sent_at);
+            let latency = ended.saturating_duration_since(sent_whole);
             let caller = |p: &Progress| {
                 // An upstream that gives up on a body that stopped coming
                 // (its read timeout) is right to: the stall is the caller's.
@@ -445,9 +450,6 @@ impl<'a> retry::Attempts for Forward<'a> {
                 Timed::Done(Err(e)) => (None, detail(why, name, &judge, per_try, None, Some(&e))),
                 _ => (None, detail(why, name, &judge, per_try, None, None)),
             };
-            // The upstream's latency runs from when it had the whole request:
-            // a slow upload is the caller's time, not the upstream's.
-            let latency = sent_whole.elapsed();
             upstream.observe(outcome, latency);
             let note = picked.kind.note();
             // An answer whose body is still to come is the endpoint's success
@@ -611,10 +613,9 @@ enum Timed<T> {
 async fn timed<F: Future>(
     mut send: std::pin::Pin<&mut F>,
     progress: Option<&Progress>,
-    per_try: Duration,
+    (start, per_try): (Instant, Duration),
     deadline: Instant,
 ) -> (Timed<F::Output>, Instant) {
-    let start = Instant::now();
     let fair = per_try / 2;
     let sent = match progress {
         Some(p) if !p.is_sent() => {
@@ -670,7 +671,7 @@ mod tests {
         match timed(
             std::pin::pin!(std::future::pending::<()>()),
             progress,
-            per_try,
+            (Instant::now(), per_try),
             deadline,
         )
         .await
@@ -719,7 +720,13 @@ mod tests {
             tokio::time::sleep(300 * MS).await;
         };
         let deadline = Instant::now() + 10_000 * MS;
-        let (got, sent) = timed(std::pin::pin!(answer), Some(&progress), 400 * MS, deadline).await;
+        let (got, sent) = timed(
+            std::pin::pin!(answer),
+            Some(&progress),
+            (Instant::now(), 400 * MS),
+            deadline,
+        )
+        .await;
         assert_eq!(
             sent.elapsed(),
             300 * MS,

@@ -47,7 +47,7 @@ pub enum StartError {
     Build(#[from] BuildError),
     #[error("listen.tls: {0}")]
     Tls(#[from] crate::config::tls::TlsError),
-    #[error("listen.max_memory ({max} MiB) leaves no room: the config alone has {in_use} MiB in use, and requests are refused past 90% of the bound; raise listen.max_memory")]
+    #[error("listen.max_memory ({max} MiB) leaves no room: the config alone has {in_use} MiB in use, past three quarters of the bound (requests are refused past it until back under 90%); raise listen.max_memory")]
     NoRoom { max: u64, in_use: u64 },
 }
 
@@ -60,7 +60,9 @@ fn room_to_serve(max: u64) -> Result<(), StartError> {
         return Ok(());
     };
     let in_use = in_use as u64;
-    match max != 0 && in_use >= max / 10 * 9 {
+    // A quarter left for what serving takes besides (scrapes, requests):
+    // pressure ends only under nine tenths.
+    match max != 0 && in_use >= max / 4 * 3 {
         true => Err(StartError::NoRoom {
             max: max >> 20,
             in_use: in_use >> 20,

@@ -18,8 +18,9 @@
 //!   answer waits are closed outright: every one whose writes are blocked
 //!   (its socket full), and, oldest first, a share of the HTTP/2
 //!   connections with streams open and nothing written (their windows
-//!   shut). A request still waiting for its upstream is not cut: its
-//!   connection has nothing queued;
+//!   shut), or less than 40 KiB a second a stream for a second (windows
+//!   granted a trickle at a time). A request still waiting for its
+//!   upstream is not cut: its connection has nothing queued;
 //! - a quarter of the connections idle for [`STALLED`] or more, the
 //!   longest idle first, are asked to close (HTTP/2: GOAWAY): thousands of
 //!   pooled connections alone can hold memory past the bound, and refusing
@@ -54,6 +55,12 @@ const H2_SHARE: usize = 8;
 /// Looks under pressure with nothing cut before the bound is said to be
 /// too low for the config (ten seconds).
 const STUCK_LOOKS: u32 = 100;
+
+/// An HTTP/2 connection with answers streaming that writes less than this
+/// per stream per look (40 KiB/s a stream), for [`SLOW_LOOKS`] looks in a
+/// row, trickles: it is cut as one with its windows shut is.
+const TRICKLE_PER_STREAM: u64 = 4 * 1024;
+const SLOW_LOOKS: u32 = 10;
 
 /// The share of idle connections asked to close per tick (at least one).
 const IDLE_SHARE: usize = 4;
@@ -188,13 +195,22 @@ impl Pressure {
             for conduct in every.values().filter_map(std::sync::Weak::upgrade) {
                 let written = &conduct.written;
                 let last = written.last();
-                if written.is_cut() || now.saturating_duration_since(last) < STALLED {
+                let streams = conduct.streaming();
+                // HTTP/2 answers that trickle out (a caller granting a few
+                // bytes of window at a time) hold as much as shut ones.
+                // (Looked at on every connection: with no stream, the count
+                // starts again.)
+                let trickling = written.slow_looks(TRICKLE_PER_STREAM * u64::from(streams))
+                    >= SLOW_LOOKS
+                    && streams > 0;
+                if written.is_cut() || (now.saturating_duration_since(last) < STALLED && !trickling)
+                {
                     continue;
                 }
                 if written.blocked() {
                     conduct.cut();
                     cut += 1;
-                } else if conduct.streaming() > 0 {
+                } else if streams > 0 {
                     windows_shut.push((last, conduct));
                 } else if conduct.requests_open() == 0 && conduct.quiet_for() >= STALLED {
                     idle.push((conduct.quiet_for(), conduct));

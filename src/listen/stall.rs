@@ -41,6 +41,13 @@ pub struct Writes {
     /// connection's task alone; added every [`FLUSH_AT`] bytes and when the
     /// connection ends.
     unflushed: [AtomicU64; 2],
+    /// Bytes written in all; written by the connection's task alone.
+    sent: AtomicU64,
+    /// `sent` at the memory bound's last look, and the looks in a row that
+    /// found less progress than it asks (see `listen::pressure`): written
+    /// by the looks alone.
+    mark: AtomicU64,
+    slow_looks: std::sync::atomic::AtomicU32,
     /// Cut under memory pressure (see `listen::pressure`): its writes fail.
     cut: AtomicBool,
     /// The task of the latest write left pending, to wake when cut.
@@ -55,6 +62,9 @@ impl Writes {
             heard: AtomicBool::new(false),
             traffic,
             unflushed: Default::default(),
+            sent: AtomicU64::new(0),
+            mark: AtomicU64::new(0),
+            slow_looks: Default::default(),
             cut: AtomicBool::new(false),
             waker: Default::default(),
         }
@@ -82,6 +92,11 @@ impl Writes {
     /// Counts `n` bytes read (`SENT`: written) in the listener's traffic,
     /// at the latest when the connection ends.
     fn count(&self, which: usize, n: usize) {
+        if which == SENT {
+            let sent = self.sent.load(Ordering::Relaxed);
+            self.sent
+                .store(sent.wrapping_add(n as u64), Ordering::Relaxed);
+        }
         let held = &self.unflushed[which];
         let total = held.load(Ordering::Relaxed).saturating_add(n as u64);
         if total < FLUSH_AT {
@@ -90,6 +105,24 @@ impl Writes {
         }
         held.store(0, Ordering::Relaxed);
         self.traffic.add(which == SENT, total);
+    }
+
+    /// One look at the progress of writes since the last: the looks in a
+    /// row, this one included, that found fewer than `least` bytes written
+    /// (0 when this one found more).
+    pub fn slow_looks(&self, least: u64) -> u32 {
+        let sent = self.sent.load(Ordering::Relaxed);
+        let before = self.mark.swap(sent, Ordering::Relaxed);
+        match sent.wrapping_sub(before) < least {
+            true => self
+                .slow_looks
+                .fetch_add(1, Ordering::Relaxed)
+                .saturating_add(1),
+            false => {
+                self.slow_looks.store(0, Ordering::Relaxed);
+                0
+            }
+        }
     }
 
     /// Makes the connection's pending and later writes fail, and wakes the

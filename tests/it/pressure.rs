@@ -444,3 +444,69 @@ async fn a_bound_the_config_alone_fills_stops_the_start() {
         "{err}"
     );
 }
+
+/// HTTP/2 callers that grant their streams a trickle of window (1 KiB a
+/// stream every half second) keep answers' buffers as full as callers
+/// that grant none, and writes never stop for a whole second: while memory
+/// is short they are cut as the ones with windows shut are, and memory
+/// comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_streams_granted_a_trickle_of_window_are_cut_when_memory_runs_short() {
+    let _heavy = heavy().await;
+    let (_up, toml) = big_answers(4 << 20, 4).await;
+    let hg = Binary::start_with("max_memory = \"24MiB\"", &toml).await;
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut held = Vec::new();
+    for c in 0..80 {
+        let Ok(tcp) = tokio::net::TcpStream::connect(&hg.listen).await else {
+            continue;
+        };
+        let Ok((client, conn)) = h2::client::Builder::new()
+            .initial_window_size(1024)
+            .initial_connection_window_size(1 << 20)
+            .handshake::<_, Bytes>(tcp)
+            .await
+        else {
+            continue;
+        };
+        held.push(tokio::spawn(async move {
+            let _ = conn.await;
+        }));
+        for s in 0..12 {
+            let req = http::Request::get(format!("http://a/r{}/trickle/{s}", c % 4))
+                .body(())
+                .unwrap();
+            let Ok(mut ready) = client.clone().ready().await else {
+                break;
+            };
+            let Ok((resp, _)) = ready.send_request(req, true) else {
+                break;
+            };
+            // The reader: a KiB of window every half second, until cut or
+            // the test's time is up.
+            held.push(tokio::spawn(async move {
+                let Ok(resp) = resp.await else { return };
+                let mut body = resp.into_body();
+                while tokio::time::Instant::now() < until {
+                    match body.data().await {
+                        Some(Ok(chunk)) => {
+                            tokio::time::sleep(Duration::from_millis(500)).await;
+                            let _ = body.flow_control().release_capacity(chunk.len());
+                        }
+                        _ => return,
+                    }
+                }
+            }));
+        }
+    }
+    pressure_came_and_went(&hg, "/r0/after").await;
+    let peak_mib = hg.peak_rss_kib() / 1024;
+    eprintln!(
+        "trickled HTTP/2 streams: peak RSS {peak_mib} MiB, {} cut",
+        hg.metric(CUT).await
+    );
+    for task in held {
+        task.abort();
+    }
+    hg.terminate().await;
+}

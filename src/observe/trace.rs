@@ -439,7 +439,7 @@ impl RequestTrace {
         endpoint: &Arc<str>,
         backoff: Option<Duration>,
         headers: &mut HeaderMap,
-    ) -> Option<AttemptTrace<'_>> {
+    ) -> Option<Box<AttemptTrace<'_>>> {
         let span_id = random();
         headers.insert(
             TRACEPARENT,
@@ -449,13 +449,16 @@ impl RequestTrace {
             headers.remove(&TRACESTATE);
         }
         self.attempts.fetch_max(n, Ordering::Relaxed);
-        self.sampled.then(|| AttemptTrace {
-            request: self,
-            span_id,
-            n,
-            backoff_ms: backoff.map(|b| u32::try_from(b.as_millis()).unwrap_or(u32::MAX)),
-            start: unix_nanos(),
-            address: Some(endpoint.clone()),
+        // Boxed: the attempt's future keeps room for it, traced or not.
+        self.sampled.then(|| {
+            Box::new(AttemptTrace {
+                request: self,
+                span_id,
+                n,
+                backoff_ms: backoff.map(|b| u32::try_from(b.as_millis()).unwrap_or(u32::MAX)),
+                start: unix_nanos(),
+                address: Some(endpoint.clone()),
+            })
         })
     }
 

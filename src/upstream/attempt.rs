@@ -43,7 +43,7 @@ type Ready<'a> = (
     Picked<'a>,
     Request<RequestBody>,
     Option<Arc<Progress>>,
-    Option<AttemptTrace<'a>>,
+    Option<Box<AttemptTrace<'a>>>,
 );
 
 /// What the request path hands the upstream side: the request, as this
@@ -398,13 +398,12 @@ impl<'a> retry::Attempts for Forward<'a> {
                 },
             };
             let target = picked.endpoint();
-            let sent_at = Instant::now();
             // Pinned where it is made: moved into `timed`, the request's
             // future would keep room for it twice.
-            let (timed, sent_whole) = timed(
+            let (timed, sent_whole, sent_at) = timed(
                 std::pin::pin!(target.send(path_and_query, req, careful)),
                 progress.as_deref(),
-                (sent_at, per_try),
+                per_try,
                 deadline,
             )
             .await;
@@ -610,18 +609,21 @@ enum Timed<T> {
 /// if its body was still waiting on the caller (a stalled upload); the
 /// upstream's (a timeout), if the attempt had at least half its per-try
 /// time; otherwise the deadline's, which cut it short.
+///
+/// Gives back how it ended, when the body was all sent, and when it began.
 async fn timed<F: Future>(
     mut send: std::pin::Pin<&mut F>,
     progress: Option<&Progress>,
-    (start, per_try): (Instant, Duration),
+    per_try: Duration,
     deadline: Instant,
-) -> (Timed<F::Output>, Instant) {
+) -> (Timed<F::Output>, Instant, Instant) {
+    let start = Instant::now();
     let fair = per_try / 2;
     let sent = match progress {
         Some(p) if !p.is_sent() => {
             tokio::select! {
                 biased;
-                out = &mut send => return (Timed::Done(out), start),
+                out = &mut send => return (Timed::Done(out), start, start),
                 () = p.sent() => Instant::now(),
                 () = tokio::time::sleep_until(deadline) => {
                     let late = if p.waiting_on_caller() {
@@ -631,7 +633,7 @@ async fn timed<F: Future>(
                     } else {
                         Timed::Deadline
                     };
-                    return (late, start);
+                    return (late, start, start);
                 }
             }
         }
@@ -643,8 +645,8 @@ async fn timed<F: Future>(
         _ => (deadline, Timed::Deadline),
     };
     match tokio::time::timeout_at(until, send).await {
-        Ok(out) => (Timed::Done(out), sent),
-        Err(_) => (late, sent),
+        Ok(out) => (Timed::Done(out), sent, start),
+        Err(_) => (late, sent, start),
     }
 }
 
@@ -671,7 +673,7 @@ mod tests {
         match timed(
             std::pin::pin!(std::future::pending::<()>()),
             progress,
-            (Instant::now(), per_try),
+            per_try,
             deadline,
         )
         .await
@@ -720,13 +722,8 @@ mod tests {
             tokio::time::sleep(300 * MS).await;
         };
         let deadline = Instant::now() + 10_000 * MS;
-        let (got, sent) = timed(
-            std::pin::pin!(answer),
-            Some(&progress),
-            (Instant::now(), 400 * MS),
-            deadline,
-        )
-        .await;
+        let (got, sent, _) =
+            timed(std::pin::pin!(answer), Some(&progress), 400 * MS, deadline).await;
         assert_eq!(
             sent.elapsed(),
             300 * MS,

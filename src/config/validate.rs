@@ -45,6 +45,24 @@ pub(super) fn addresses(config: &Config) -> Option<String> {
     })
 }
 
+/// The listener's memory settings: the bound, and each connection's send
+/// buffer.
+fn memory(config: &Config, listen: &KeyPath, report: &mut Report<'_>) {
+    if config.listen.max_memory != 0 && config.listen.max_memory < MIN_MEMORY {
+        report(
+            listen.key("max_memory"),
+            "must be 0 (no bound) or at least 16MiB: the process itself uses a few MiB".into(),
+        );
+    }
+    let send = config.listen.send_buffer;
+    if send != 0 && !(4 << 10..=64 << 20).contains(&send) {
+        report(
+            listen.key("send_buffer"),
+            "must be 0 (the kernel's autotuning) or from 4KiB to 64MiB".into(),
+        );
+    }
+}
+
 /// The least `listen.max_memory` that is not a bound.
 const MIN_MEMORY: u64 = 16 << 20;
 
@@ -67,19 +85,7 @@ pub(super) fn validate(
             format!("must be at most {}", u32::MAX),
         );
     }
-    if config.listen.max_memory != 0 && config.listen.max_memory < MIN_MEMORY {
-        report(
-            listen.key("max_memory"),
-            "must be 0 (no bound) or at least 16MiB: the process itself uses a few MiB".into(),
-        );
-    }
-    let send = config.listen.send_buffer;
-    if send != 0 && !(4 << 10..=64 << 20).contains(&send) {
-        report(
-            listen.key("send_buffer"),
-            "must be 0 (the kernel's autotuning) or from 4KiB to 64MiB".into(),
-        );
-    }
+    memory(config, &listen, report);
     positive(
         report,
         &listen.key("drain_timeout"),

@@ -671,21 +671,12 @@ pub(crate) async fn accept_loop<M, S, B>(
         let Some(permit) = admit(&permits, &silent, &mut stop, what, peer).await else {
             break;
         };
-        let _ = stream.set_nodelay(true);
-        if let Some(size) = limits.send_buffer {
-            // Set before anything is written: the kernel then never grows it.
-            let _ = rustix::net::sockopt::set_socket_send_buffer_size(&stream, size);
-        }
+        let original = tune(&stream, &limits);
         let conduct = silent.open(&limits);
-        let original = limits
-            .transparent
-            .then(|| original_destination(&stream))
-            .flatten();
         let service = make_service(peer, original, &conduct);
         let (builders, drain) = (builders.clone(), drain.clone());
         let (wait, write_timeout) = (limits.header_read_timeout, limits.write_timeout);
-        let tls = limits.tls.clone();
-        let pressured = limits.pressure.is_some();
+        let (tls, pressured) = (limits.tls.clone(), limits.pressure.is_some());
         // This future is what every connection keeps for its life, in a
         // tokio task cell aligned to 128 bytes: a few bytes more can cost a
         // whole 128 for each connection (docs/memory.md). What a connection
@@ -706,24 +697,20 @@ pub(crate) async fn accept_loop<M, S, B>(
                 // Memory is short: what a connection builds costs more than
                 // its refusal, so it is refused at the door.
                 Opening::Speaks { h2 } if limits_pressed(&pressured) => {
-                    pressure::refuse_at_the_door(stream, h2, tls.is_some()).await;
-                    drop(permit);
-                    return;
+                    return pressure::refuse_at_the_door(stream, h2, tls.is_some()).await;
                 }
                 Opening::Speaks { h2 } => {
                     conduct.began();
                     h2
                 }
                 Opening::Silent => {
+                    // Its slot (`permit`) goes back as the task ends.
                     debug!(listener = what, %peer, "connection closed: it sent nothing within header_read_timeout, before a new caller needed its slot, or before the drain");
-                    drop(permit);
                     return;
                 }
                 Opening::BadPreface => {
                     debug!(listener = what, %peer, "connection closed: invalid HTTP/2 preface");
-                    refuse_preface(stream).await;
-                    drop(permit);
-                    return;
+                    return refuse_preface(stream).await;
                 }
             };
             let serve = Serve {
@@ -757,6 +744,20 @@ pub(crate) async fn accept_loop<M, S, B>(
     drop(listener);
     drain.start();
     drain_connections(&permits, what, limits.max_connections, limits.drain_timeout).await;
+}
+
+/// Sets a new connection's socket options (no Nagle; the send buffer the
+/// listener asks for, before anything is written: the kernel then never
+/// grows it), and reads where it was going if it was redirected.
+fn tune(stream: &tokio::net::TcpStream, limits: &Limits) -> Option<SocketAddr> {
+    let _ = stream.set_nodelay(true);
+    if let Some(size) = limits.send_buffer {
+        let _ = rustix::net::sockopt::set_socket_send_buffer_size(stream, size);
+    }
+    limits
+        .transparent
+        .then(|| original_destination(stream))
+        .flatten()
 }
 
 /// Whether a listener the memory bound watches is under pressure now.

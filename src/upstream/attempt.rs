@@ -328,9 +328,13 @@ impl<'a> Forward<'a> {
 }
 
 /// An attempt that found no slot: the upstream is at its in-flight limit.
-fn overloaded(upstream: &Upstream) -> Attempt<Answer> {
+fn overloaded(upstream: &Upstream, traced: Option<Box<AttemptTrace<'_>>>) -> Attempt<Answer> {
+    let outcome = Outcome::Refused(crate::policy::Refusal::Overloaded);
+    if let Some(traced) = traced {
+        traced.ended(outcome.label(), None);
+    }
     Attempt {
-        outcome: Outcome::Refused(crate::policy::Refusal::Overloaded),
+        outcome,
         answer: None,
         retry_after: None,
         detail: format!("upstream {} is at its in-flight limit", upstream.name),
@@ -388,13 +392,7 @@ impl<'a> retry::Attempts for Forward<'a> {
                 Ok(slot) => slot,
                 Err(wait) => match wait.await {
                     Some(slot) => slot,
-                    None => {
-                        let refused = overloaded(upstream);
-                        if let Some(traced) = traced {
-                            traced.ended(refused.outcome.label(), None);
-                        }
-                        return refused;
-                    }
+                    None => return overloaded(upstream, traced),
                 },
             };
             let target = picked.endpoint();

@@ -143,6 +143,9 @@ pub struct Conduct {
     /// HTTP/2 answers whose bodies are still being sent (see
     /// `listen::pressure::Streaming`).
     streaming: std::sync::atomic::AtomicU32,
+    /// Of those, the ones whose body waits on its upstream for more (none
+    /// of it held here for the caller).
+    awaiting_upstream: std::sync::atomic::AtomicU32,
     /// When a request last began or ended.
     last: Stamp,
     /// The connection closes after this long with no request open.
@@ -201,6 +204,7 @@ impl Conduct {
             open: Default::default(),
             h2: AtomicBool::new(false),
             streaming: Default::default(),
+            awaiting_upstream: Default::default(),
             last: Stamp::new(),
             idle_timeout,
             cycle: crate::listen::h1::Cycle::new(written.clone()),
@@ -329,6 +333,18 @@ impl Conduct {
         match more {
             true => self.streaming.fetch_add(1, Ordering::Relaxed),
             false => self.streaming.fetch_sub(1, Ordering::Relaxed),
+        };
+    }
+
+    /// Of the answers streaming, those waiting on their upstream for more.
+    pub fn awaiting_upstream(&self) -> u32 {
+        self.awaiting_upstream.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn awaits_upstream(&self, more: bool) {
+        match more {
+            true => self.awaiting_upstream.fetch_add(1, Ordering::Relaxed),
+            false => self.awaiting_upstream.fetch_sub(1, Ordering::Relaxed),
         };
     }
 

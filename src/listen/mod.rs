@@ -696,7 +696,7 @@ pub(crate) async fn accept_loop<M, S, B>(
             let h2 = match opened {
                 // Memory is short: what a connection builds costs more than
                 // its refusal, so it is refused at the door.
-                Opening::Speaks { h2 } if limits_pressed(&pressured) => {
+                Opening::Speaks { h2 } if pressured && pressure::under_pressure() => {
                     return pressure::refuse_at_the_door(stream, h2, tls.is_some()).await;
                 }
                 Opening::Speaks { h2 } => {
@@ -758,11 +758,6 @@ fn tune(stream: &tokio::net::TcpStream, limits: &Limits) -> Option<SocketAddr> {
         .transparent
         .then(|| original_destination(stream))
         .flatten()
-}
-
-/// Whether a listener the memory bound watches is under pressure now.
-fn limits_pressed(watched: &bool) -> bool {
-    *watched && pressure::under_pressure()
 }
 
 /// `serving`, closed outright should its connection be evicted for a new

@@ -195,7 +195,11 @@ impl Pressure {
             for conduct in every.values().filter_map(std::sync::Weak::upgrade) {
                 let written = &conduct.written;
                 let last = written.last();
-                let streams = conduct.streaming();
+                // Answers waiting on their upstream hold nothing for their
+                // caller: a slow upstream is not a caller that reads slowly.
+                let streams = conduct
+                    .streaming()
+                    .saturating_sub(conduct.awaiting_upstream());
                 // HTTP/2 answers that trickle out (a caller granting a few
                 // bytes of window at a time) hold as much as shut ones.
                 // (Looked at on every connection: with no stream, the count
@@ -246,13 +250,24 @@ pin_project_lite::pin_project! {
         #[pin]
         body: B,
         conduct: Option<Arc<Conduct>>,
+        // Its last poll found nothing yet from the upstream.
+        awaiting: bool,
     }
 
     impl<B> PinnedDrop for Streaming<B> {
         fn drop(this: Pin<&mut Self>) {
-            if let Some(conduct) = this.project().conduct.take() {
-                conduct.streams(false);
-            }
+            let this = this.project();
+            ended(this.conduct, this.awaiting);
+        }
+    }
+}
+
+/// An answer's body is over: it no longer counts as streaming.
+fn ended(conduct: &mut Option<Arc<Conduct>>, awaiting: &mut bool) {
+    if let Some(conduct) = conduct.take() {
+        conduct.streams(false);
+        if std::mem::take(awaiting) {
+            conduct.awaits_upstream(false);
         }
     }
 }
@@ -270,6 +285,7 @@ impl<B: http_body::Body> Streaming<B> {
         resp.map(|body| Streaming {
             body,
             conduct: counted,
+            awaiting: false,
         })
     }
 }
@@ -282,12 +298,22 @@ impl<B: http_body::Body> http_body::Body for Streaming<B> {
         self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        use std::task::Poll;
         let this = self.project();
         let polled = this.body.poll_frame(cx);
-        if matches!(polled, std::task::Poll::Ready(None | Some(Err(_)))) {
-            if let Some(conduct) = this.conduct.take() {
-                conduct.streams(false);
+        match (&polled, this.conduct.as_ref()) {
+            (Poll::Ready(None | Some(Err(_))), _) => ended(this.conduct, this.awaiting),
+            // HTTP/2 polls a body only when its caller has room for more:
+            // one that waits here waits on its upstream, not on its caller.
+            (Poll::Pending, Some(conduct)) if !*this.awaiting => {
+                *this.awaiting = true;
+                conduct.awaits_upstream(true);
             }
+            (Poll::Ready(Some(Ok(_))), Some(conduct)) if *this.awaiting => {
+                *this.awaiting = false;
+                conduct.awaits_upstream(false);
+            }
+            _ => {}
         }
         polled
     }

@@ -510,3 +510,77 @@ async fn http2_streams_granted_a_trickle_of_window_are_cut_when_memory_runs_shor
     }
     hg.terminate().await;
 }
+
+/// While memory is short, HTTP/2 answers that come slowly because their
+/// upstream sends slowly (a KiB every 200 ms, read at once by their
+/// caller) hold nothing for their caller: they are not taken for callers
+/// that read slowly, and end whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_upstreams_answers_are_not_cut_for_their_callers_while_memory_is_short() {
+    let _heavy = heavy().await;
+    raise_open_files();
+    let held_up = held_upstream("ok").await;
+    // 15 KiB over 3 s.
+    let slow = upstream(|_req: http::Request<hyper::body::Incoming>| async {
+        use http_body_util::BodyExt as _;
+        let chunks = futures_util::stream::unfold(0, |i| async move {
+            if i == 15 {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let frame = hyper::body::Frame::data(Bytes::from(vec![b's'; 1024]));
+            Some((Ok::<_, std::convert::Infallible>(frame), i + 1))
+        });
+        let body = http_body_util::StreamBody::new(chunks);
+        http::Response::new(body.map_err(|never| match never {}).boxed())
+    })
+    .await;
+    let toml = format!(
+        "[upstreams.u0]\nendpoints = [\"{}\"]\n[upstreams.slow]\nendpoints = [\"{}\"]\n\
+         [[routes]]\nname = \"slow\"\nupstream = \"slow\"\nmatch = {{ path_prefix = \"/slow/\" }}\n\
+         [[routes]]\nname = \"r0\"\nupstream = \"u0\"\n",
+        held_up.upstream.url(),
+        slow.url()
+    );
+    let hg = Binary::start_with("max_memory = \"16MiB\"", &toml).await;
+    // The slow answers begin before memory runs short.
+    let tcp = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    let driver = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let mut answers = Vec::new();
+    for s in 0..8 {
+        let req = http::Request::get(format!("http://a/slow/{s}"))
+            .body(())
+            .unwrap();
+        let mut ready = client.clone().ready().await.unwrap();
+        let (resp, _) = ready.send_request(req, true).unwrap();
+        answers.push(tokio::spawn(async move {
+            let mut body = resp.await.ok()?.into_body();
+            let mut got = 0;
+            while let Some(chunk) = body.data().await {
+                let chunk = chunk.ok()?;
+                got += chunk.len();
+                let _ = body.flow_control().release_capacity(chunk.len());
+            }
+            Some(got)
+        }));
+    }
+    let uploads = stalled_uploads(&hg.listen, 384, 64 << 10).await;
+    eventually(Duration::from_secs(20), "memory under pressure", || async {
+        hg.metric(PRESSURE).await == 1.0
+    })
+    .await;
+    for answer in answers {
+        let got = tokio::time::timeout(Duration::from_secs(20), answer).await;
+        assert_eq!(
+            got.unwrap().unwrap(),
+            Some(15 * 1024),
+            "an answer cut short"
+        );
+    }
+    drop(uploads);
+    driver.abort();
+    hg.terminate().await;
+}

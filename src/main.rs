@@ -17,6 +17,10 @@ use tracing::{error, info, warn};
 #[allow(unsafe_code)]
 mod malloc;
 
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[global_allocator]
+static ALLOCATOR: malloc::Counted = malloc::Counted;
+
 // Writing to stdout or stderr never panics: a closed pipe (`check | head`)
 // or a full disk (`> /dev/full`) is not a reason to abort.
 macro_rules! out {
@@ -121,7 +125,7 @@ fn main() -> ExitCode {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         malloc::trim_freed_memory();
-        herdguard::listen::pressure::measure_with(malloc::in_use);
+        herdguard::listen::pressure::measure_with(malloc::counted);
     }
     let cli = Cli::parse();
     match cli.command {

@@ -343,7 +343,7 @@ fn guard_memory(proxy: &Arc<Proxy>, stop: watch::Receiver<bool>) -> Arc<Pressure
     let (bound, report) = (proxy.clone(), proxy.clone());
     tokio::spawn(crate::listen::pressure::guard(
         pressure.clone(),
-        move || bound.runtime().config.listen.max_memory,
+        move || memory_bound(&bound.runtime().config),
         move |look| {
             let refused = crate::listen::pressure::refused_since();
             report
@@ -353,6 +353,48 @@ fn guard_memory(proxy: &Arc<Proxy>, stop: watch::Receiver<bool>) -> Arc<Pressure
         stop,
     ));
     pressure
+}
+
+/// The memory bound of `config`: `listen.max_memory`, and what the kernel
+/// holds for each caller that does not read (its send buffer, and the
+/// largest receive buffer of an upstream connection behind it; each
+/// doubled, as the kernel counts them).
+fn memory_bound(config: &Config) -> crate::listen::pressure::Bound {
+    let receive = config
+        .upstreams
+        .values()
+        .map(|u| u.receive_buffer)
+        .max()
+        .unwrap_or(0);
+    let kernel = |size: u64, autotuned: u64| {
+        let size = match size {
+            0 => autotuned,
+            size => size.saturating_mul(2),
+        };
+        usize::try_from(size).unwrap_or(usize::MAX)
+    };
+    let (send_max, receive_max) = *autotuned_buffers();
+    crate::listen::pressure::Bound {
+        max: config.listen.max_memory,
+        per_stalled: kernel(config.listen.send_buffer, send_max)
+            .saturating_add(kernel(receive, receive_max)),
+    }
+}
+
+/// The largest send and receive buffers the kernel's autotuning gives a
+/// TCP connection (`net.ipv4.tcp_wmem` and `tcp_rmem`, their last field;
+/// Linux's defaults if they cannot be read).
+fn autotuned_buffers() -> &'static (u64, u64) {
+    static SIZES: std::sync::OnceLock<(u64, u64)> = std::sync::OnceLock::new();
+    SIZES.get_or_init(|| {
+        let largest = |name: &str, default: u64| {
+            std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}"))
+                .ok()
+                .and_then(|text| text.split_whitespace().last()?.parse().ok())
+                .unwrap_or(default)
+        };
+        (largest("tcp_wmem", 4 << 20), largest("tcp_rmem", 6 << 20))
+    })
 }
 
 /// The connections and bytes of listener `name`, counted in the metrics.

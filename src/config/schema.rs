@@ -307,6 +307,14 @@ pub struct UpstreamConfig {
     /// An upgraded connection that carries no byte either way this long is closed.
     #[serde(with = "duration")]
     pub tunnel_idle_timeout: Duration,
+    /// The kernel's receive buffer for each connection to the upstream
+    /// (`SO_RCVBUF`, which the kernel doubles for its bookkeeping): what
+    /// an answer whose caller reads slowly or not at all holds in kernel
+    /// memory, and the most in flight on one connection (a connection
+    /// gets about this per round trip); `0`: the kernel's autotuning (up to
+    /// `net.ipv4.tcp_rmem`'s largest, 6 MiB by default).
+    #[serde(with = "size")]
+    pub receive_buffer: u64,
 }
 
 impl Default for UpstreamConfig {
@@ -329,6 +337,7 @@ impl Default for UpstreamConfig {
             outlier: OutlierConfig::default(),
             max_tunnels: 1024,
             tunnel_idle_timeout: Duration::from_secs(300),
+            receive_buffer: 64 << 10,
         }
     }
 }

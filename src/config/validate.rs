@@ -54,10 +54,14 @@ fn memory(config: &Config, listen: &KeyPath, report: &mut Report<'_>) {
             "must be 0 (no bound) or at least 16MiB: the process itself uses a few MiB".into(),
         );
     }
-    let send = config.listen.send_buffer;
-    if send != 0 && !(4 << 10..=64 << 20).contains(&send) {
+    socket_buffer(report, listen.key("send_buffer"), config.listen.send_buffer);
+}
+
+/// A socket's buffer size: 0 (the kernel's autotuning) or 4 KiB to 64 MiB.
+fn socket_buffer(report: &mut Report<'_>, key: KeyPath, size: u64) {
+    if size != 0 && !(4 << 10..=64 << 20).contains(&size) {
         report(
-            listen.key("send_buffer"),
+            key,
             "must be 0 (the kernel's autotuning) or from 4KiB to 64MiB".into(),
         );
     }
@@ -506,6 +510,7 @@ fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) 
         }
     }
     positive(report, &path.key("connect_timeout"), u.connect_timeout);
+    socket_buffer(report, path.key("receive_buffer"), u.receive_buffer);
     positive(
         report,
         &path.key("tunnel_idle_timeout"),

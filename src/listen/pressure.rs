@@ -6,9 +6,9 @@
 //! upstream's limits let in together.
 //!
 //! What Envoy's overload manager does for its heap, for this one resource:
-//! every [`TICK`] the bytes the allocator has in use are read; past the
-//! bound, memory is under pressure until they are back under nine tenths
-//! of it. Under pressure:
+//! the bytes allocated and not freed are read at every new connection and
+//! request, and every [`TICK`]; past the bound, memory is under pressure
+//! until they are back under nine tenths of it. Under pressure:
 //! - new requests are answered 503 at once (`overloaded`, marked
 //!   [`Crowded::Memory`](crate::wire::Crowded)) and count nothing upstream;
 //! - new connections are refused at the door (`refuse_at_the_door`):
@@ -29,12 +29,14 @@
 //! The measure is the binary's ([`measure_with`]): the library alone (a
 //! test's server) has no bound, as the process is not its own.
 
+use std::future::Future as _;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::futures::Notified;
+use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
 use crate::listen::drain::{Conduct, Open};
@@ -51,6 +53,9 @@ pub const STALLED: Duration = Duration::from_secs(1);
 /// than for their caller, so they go a few at a time, oldest first, while
 /// memory stays short.
 const H2_SHARE: usize = 8;
+
+/// Looks in [`STALLED`].
+const STALLED_LOOKS: u32 = (STALLED.as_millis() / TICK.as_millis()) as u32;
 
 /// Looks under pressure with nothing cut before the bound is said to be
 /// too low for the config (ten seconds).
@@ -81,9 +86,50 @@ pub fn in_use() -> Option<usize> {
     MEASURE.get().map(|measure| measure())
 }
 
-/// Whether memory is under pressure: new requests are refused.
+/// The bound in force (0: none), for the look every admission takes.
+static BOUND: AtomicUsize = AtomicUsize::new(0);
+
+/// What the kernel holds for each connection whose caller does not read
+/// (its send buffer, and its upstream connection's receive buffer), as
+/// the bound counts it.
+static PER_STALLED: AtomicUsize = AtomicUsize::new(0);
+
+/// The bound on memory, from the running config.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Bound {
+    /// Bytes in use past which memory is short (0: none).
+    pub max: u64,
+    /// Kernel bytes counted in use for each connection whose caller does
+    /// not read: the container's limit counts its socket buffers too.
+    pub per_stalled: usize,
+}
+
+/// Bytes in use as the bound counts them: allocated, and the kernel
+/// buffers of the connections whose callers do not read.
+fn counted(measure: fn() -> usize) -> usize {
+    let stalled = crate::listen::stall::stalled_now();
+    measure().saturating_add(stalled.saturating_mul(PER_STALLED.load(Ordering::Relaxed)))
+}
+
+/// Whether memory is under pressure: new connections and requests are
+/// refused. Asked at each of them, it also looks at the bytes in use: a
+/// burst of callers admitted between two ticks (a thousand in 100 ms) took
+/// the process twice past the bound before the next tick saw it.
 pub fn under_pressure() -> bool {
-    UNDER_PRESSURE.load(Ordering::Relaxed)
+    UNDER_PRESSURE.load(Ordering::Relaxed) || past_the_bound()
+}
+
+/// Memory past the bound now: pressure starts at once, the next tick cuts.
+fn past_the_bound() -> bool {
+    let bound = BOUND.load(Ordering::Relaxed);
+    let past = bound != 0
+        && MEASURE
+            .get()
+            .is_some_and(|&measure| counted(measure) > bound);
+    if past {
+        UNDER_PRESSURE.store(true, Ordering::Relaxed);
+    }
+    past
 }
 
 /// The answer to an HTTP/1 connection refused at the door.
@@ -252,6 +298,7 @@ pin_project_lite::pin_project! {
         conduct: Option<Arc<Conduct>>,
         // Its last poll found nothing yet from the upstream.
         awaiting: bool,
+        waiting: Waiting,
     }
 
     impl<B> PinnedDrop for Streaming<B> {
@@ -286,6 +333,7 @@ impl<B: http_body::Body> Streaming<B> {
             body,
             conduct: counted,
             awaiting: false,
+            waiting: Waiting::default(),
         })
     }
 }
@@ -300,7 +348,10 @@ impl<B: http_body::Body> http_body::Body for Streaming<B> {
     ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
         use std::task::Poll;
         let this = self.project();
-        let polled = this.body.poll_frame(cx);
+        let polled = match !this.waiting.let_through && wait_for_memory(this.waiting, cx) {
+            true => Poll::Pending,
+            false => this.body.poll_frame(cx),
+        };
         match (&polled, this.conduct.as_ref()) {
             (Poll::Ready(None | Some(Err(_))), _) => ended(this.conduct, this.awaiting),
             // HTTP/2 polls a body only when its caller has room for more:
@@ -327,12 +378,104 @@ impl<B: http_body::Body> http_body::Body for Streaming<B> {
     }
 }
 
-/// Looks at memory every [`TICK`] until `stop`, with the bound `max()`
+/// Wakes the answers waiting for memory ([`wait_for_memory`]).
+static RELIEF: Notify = Notify::const_new();
+
+/// How many times memory stopped being short: an answer woken with it
+/// unchanged was let through.
+static RELIEVED: AtomicU64 = AtomicU64::new(0);
+
+/// Answers let through per look while memory stays short for longer than
+/// [`STALLED`]: a thirty-second of those waiting, at least 4. The waiting
+/// ones themselves may be what holds it (each its upstream's first read
+/// and a chunk: a thousand of them 30 MiB), and only once let through can
+/// a caller that reads nothing be told from one that reads, and cut.
+const LET_THROUGH_SHARE: usize = 32;
+const LET_THROUGH_AT_LEAST: usize = 4;
+
+/// Whether an answer must wait before it takes more from its upstream:
+/// while memory is short, answers take nothing more (a burst of a thousand
+/// requests admitted before the bound was seen would otherwise each fill
+/// their buffers past it). Woken, through `relief`, by the look that finds
+/// memory no longer short; or, while it stays short with nothing to cut,
+/// a few at a time, oldest first, `let_through` for good: a caller that
+/// reads nothing is seen only once its answer flows. Costs one measure
+/// when memory is not short.
+fn wait_for_memory(waiting: &mut Waiting, cx: &mut std::task::Context<'_>) -> bool {
+    if waiting.relief.is_none() {
+        if !under_pressure() {
+            return false;
+        }
+        // Taken into the list before pressure is asked again, so that the
+        // look that ends it cannot be missed.
+        waiting.begin();
+        if !under_pressure() {
+            waiting.end();
+            return false;
+        }
+    }
+    let woken = waiting
+        .relief
+        .as_mut()
+        .is_some_and(|notified| notified.as_mut().poll(cx).is_ready());
+    if woken {
+        waiting.end();
+        waiting.let_through = RELIEVED.load(Ordering::Relaxed) == waiting.since;
+    }
+    !woken
+}
+
+/// Answers waiting for memory now.
+static WAITING: AtomicUsize = AtomicUsize::new(0);
+
+/// An answer's wait for memory.
+#[derive(Default)]
+struct Waiting {
+    relief: Option<Pin<Box<Notified<'static>>>>,
+    // Memory's reliefs when the wait began.
+    since: u64,
+    // Let through while memory stayed short: it waits no more.
+    let_through: bool,
+}
+
+impl Waiting {
+    fn begin(&mut self) {
+        self.since = RELIEVED.load(Ordering::Relaxed);
+        let notified = self.relief.insert(Box::pin(RELIEF.notified()));
+        notified.as_mut().enable();
+        WAITING.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn end(&mut self) {
+        if self.relief.take().is_some() {
+            WAITING.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+/// Wakes `n` of the answers waiting for memory, oldest first.
+fn wake(n: usize) {
+    (0..n).for_each(|_| RELIEF.notify_one());
+}
+
+/// Answers woken per look once memory is no longer short: an eighth of
+/// those waiting, at least [`WAKE_AT_LEAST`]. All at once, a thousand
+/// waiting answers took memory past the bound again at once.
+const WAKE_SHARE: usize = 8;
+const WAKE_AT_LEAST: usize = 16;
+
+/// Looks at memory every [`TICK`] until `stop`, with the bound `bound()`
 /// gives (the running config's), reporting each look; nothing at all if no
 /// measure was installed.
 pub async fn guard(
     pressure: Arc<Pressure>,
-    max: impl Fn() -> u64,
+    bound: impl Fn() -> Bound,
     report: impl Fn(Look),
     mut stop: watch::Receiver<bool>,
 ) {
@@ -343,12 +486,30 @@ pub async fn guard(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Looks in a row under pressure with nothing to cut.
     let mut stuck = 0u32;
+    // Looks in a row under pressure.
+    let mut pressed_for = 0u32;
+    // Pressure as last told.
+    let mut told = false;
     loop {
         tokio::select! {
             _ = crate::listen::stopped(&mut stop) => break,
             _ = tick.tick() => {}
         }
-        let look = pressure.look(measure(), max(), under_pressure());
+        let Bound { max, per_stalled } = bound();
+        PER_STALLED.store(per_stalled, Ordering::Relaxed);
+        BOUND.store(
+            usize::try_from(max).unwrap_or(usize::MAX),
+            Ordering::Relaxed,
+        );
+        let look = pressure.look(
+            counted(measure),
+            max,
+            UNDER_PRESSURE.load(Ordering::Relaxed),
+        );
+        pressed_for = match look.pressed {
+            true => pressed_for.saturating_add(1),
+            false => 0,
+        };
         stuck = match look.pressed && look.cut == 0 {
             true => stuck.saturating_add(1),
             false => 0,
@@ -358,16 +519,28 @@ pub async fn guard(
         if stuck == STUCK_LOOKS {
             tracing::error!(
                 in_use = look.in_use,
-                max = max(),
+                max,
                 "memory stays past listen.max_memory with no connection to cut, and every request is refused: raise listen.max_memory (the config itself may need more)"
             );
         }
-        if look.pressed != under_pressure() {
-            UNDER_PRESSURE.store(look.pressed, Ordering::Relaxed);
+        UNDER_PRESSURE.store(look.pressed, Ordering::Relaxed);
+        let waiting = WAITING.load(Ordering::Relaxed);
+        if !look.pressed && waiting > 0 {
+            RELIEVED.fetch_add(1, Ordering::Relaxed);
+            wake((waiting / WAKE_SHARE).max(WAKE_AT_LEAST).min(waiting));
+        } else if look.pressed && pressed_for > STALLED_LOOKS {
+            wake(
+                (waiting / LET_THROUGH_SHARE)
+                    .max(LET_THROUGH_AT_LEAST)
+                    .min(waiting),
+            );
+        }
+        if look.pressed != told {
+            told = look.pressed;
             match look.pressed {
                 true => tracing::warn!(
                     in_use = look.in_use,
-                    max = max(),
+                    max,
                     "memory under pressure: new requests refused, callers that read nothing cut"
                 ),
                 false => tracing::info!(in_use = look.in_use, "memory pressure over"),
@@ -375,7 +548,9 @@ pub async fn guard(
         }
         report(look);
     }
+    BOUND.store(0, Ordering::Relaxed);
     UNDER_PRESSURE.store(false, Ordering::Relaxed);
+    RELIEF.notify_waiters();
 }
 
 #[cfg(test)]

@@ -167,12 +167,7 @@ impl Endpoint {
             return Err(bad());
         };
         let transport = if scheme == Scheme::HTTP && config.http2 != Http2Mode::Always {
-            Transport::Pool(H1Pool::new(
-                authority.clone(),
-                config.connect_timeout,
-                config.pool_idle_timeout,
-                config.pool_max_idle,
-            ))
+            Transport::Pool(H1Pool::new(authority.clone(), config))
         } else {
             Transport::Client(client()?)
         };
@@ -888,6 +883,7 @@ fn client(name: &str, config: &UpstreamConfig) -> Result<HttpClient, UpstreamErr
     http.set_nodelay(true);
     http.set_connect_timeout(Some(config.connect_timeout));
     http.set_keepalive(Some(std::time::Duration::from_secs(60)));
+    http.set_recv_buffer_size(pool::receive_buffer(config));
 
     let tls = tls_config(name, config)?;
     let builder = HttpsConnectorBuilder::new()

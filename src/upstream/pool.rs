@@ -49,7 +49,7 @@ use super::body::RequestBody;
 /// at once (its default is about 400 KB): an upstream that answers without
 /// reading the request's body would otherwise have each connection hold
 /// that much of it (300 uploads to one took the process past 200 MiB).
-pub(crate) const UPSTREAM_BUFFER: usize = 64 * 1024;
+pub(crate) const UPSTREAM_BUFFER: usize = 16 * 1024;
 
 /// Why a request got no response from the pool.
 #[derive(Debug, thiserror::Error)]
@@ -196,9 +196,19 @@ fn is_quiet(socket: socket2::SockRef<'_>) -> bool {
     matches!(socket.peek(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
 }
 
+/// An upstream's `receive_buffer`, if it is not left to the kernel.
+pub(crate) fn receive_buffer(config: &crate::config::UpstreamConfig) -> Option<usize> {
+    match config.receive_buffer {
+        0 => None,
+        size => Some(usize::try_from(size).unwrap_or(usize::MAX)),
+    }
+}
+
 pub struct H1Pool {
     authority: Authority,
     connect_timeout: Duration,
+    /// Each connection's `SO_RCVBUF` (`None`: the kernel's autotuning).
+    receive_buffer: Option<usize>,
     idle_timeout: Duration,
     /// Idle connections kept at most.
     max_idle: usize,
@@ -210,17 +220,13 @@ pub struct H1Pool {
 }
 
 impl H1Pool {
-    pub fn new(
-        authority: Authority,
-        connect_timeout: Duration,
-        idle_timeout: Duration,
-        max_idle: usize,
-    ) -> Self {
+    pub fn new(authority: Authority, config: &crate::config::UpstreamConfig) -> Self {
         Self {
             authority,
-            connect_timeout,
-            idle_timeout,
-            max_idle,
+            connect_timeout: config.connect_timeout,
+            receive_buffer: receive_buffer(config),
+            idle_timeout: config.pool_idle_timeout,
+            max_idle: config.pool_max_idle,
             idle: Arc::default(),
             staleness: Staleness::default(),
             epoch: Instant::now(),
@@ -464,6 +470,9 @@ impl H1Pool {
                 source,
             })?;
         let _ = stream.set_nodelay(true);
+        if let Some(size) = self.receive_buffer {
+            let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&stream, size);
+        }
         let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
         let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
         let stream = stream.into_std().map_err(|source| PoolError::Connect {

@@ -2,6 +2,7 @@
 //! new file, or nothing changed.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tracing::{error, info, warn};
@@ -48,7 +49,16 @@ impl Reloader {
         } else {
             warn_of_kept_listeners(&current.config, config.config());
             let config = config.keep_listeners(&current.config);
-            Runtime::rebuild(config, proxy.metrics(), Some(&current))
+            let max = current.config.listen.max_memory;
+            let before = crate::listen::pressure::in_use();
+            let replaced = self.shared.runtime_memory.load(Ordering::Relaxed);
+            let mut built = 0;
+            let room = || super::room_for_reload(max, before, replaced, &mut built);
+            let runtime = Runtime::rebuild(config, proxy.metrics(), Some(&current), room);
+            if runtime.is_ok() {
+                self.shared.runtime_memory.store(built, Ordering::Relaxed);
+            }
+            runtime
         };
         match built {
             Ok(runtime) => {

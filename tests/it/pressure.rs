@@ -444,6 +444,68 @@ async fn a_caller_that_reads_nothing_holds_one_send_buffer_in_the_kernel() {
     }
 }
 
+/// A reload to a config whose own state would fill the bound (hundreds of
+/// routes in 16 MiB) is refused as the start is, and the running config
+/// goes on serving; one that fits is applied after it, and so is a config
+/// as large as the first once the bound is raised.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_the_bound_has_no_room_for_is_refused() {
+    let up = ok_upstream("ok").await;
+    let routes = |n: usize| {
+        let mut toml = format!("[upstreams.u]\nendpoints = [\"{}\"]\n", up.url());
+        for i in 0..n {
+            toml.push_str(&format!(
+                "[[routes]]\nname = \"r{i}\"\nupstream = \"u\"\nmatch = {{ path_prefix = \"/r{i}/\" }}\n"
+            ));
+        }
+        toml
+    };
+    let hg = Binary::start_with("max_memory = \"16MiB\"", &routes(3)).await;
+    let (ok, refused) = (
+        r#"herdguard_config_reloads_total{result="ok"}"#,
+        r#"herdguard_config_reloads_total{result="error"}"#,
+    );
+    for (i, n) in [1_000usize, 700].into_iter().enumerate() {
+        hg.reload_with("max_memory = \"16MiB\"", &routes(n));
+        eventually(Duration::from_secs(20), "the reload refused", || async {
+            hg.metric(refused).await >= (i + 1) as f64
+        })
+        .await;
+        assert_eq!(hg.metric(ok).await, 0.0);
+        // The refused build itself held memory past the bound a moment.
+        eventually(Duration::from_secs(5), "the old config serves", || async {
+            get_at(&hg.listen, "/r2/a").await.0 == StatusCode::OK
+        })
+        .await;
+        let (status, _, _) = get_at(&hg.listen, &format!("/r{}/a", n - 1)).await;
+        assert_eq!(
+            status,
+            StatusCode::NOT_FOUND,
+            "the new config is not in force"
+        );
+    }
+    hg.reload_with("max_memory = \"16MiB\"", &routes(20));
+    eventually(
+        Duration::from_secs(20),
+        "a small config reloaded",
+        || async { hg.metric(ok).await >= 1.0 },
+    )
+    .await;
+    assert_eq!(get_at(&hg.listen, "/r19/a").await.0, StatusCode::OK);
+    hg.terminate().await;
+    // The same large config fits a larger bound, on reload.
+    let hg = Binary::start_with("max_memory = \"256MiB\"", &routes(3)).await;
+    hg.reload_with("max_memory = \"256MiB\"", &routes(1_000));
+    eventually(
+        Duration::from_secs(20),
+        "the large config reloaded",
+        || async { hg.metric(ok).await >= 1.0 },
+    )
+    .await;
+    assert_eq!(get_at(&hg.listen, "/r999/a").await.0, StatusCode::OK);
+    hg.terminate().await;
+}
+
 /// A bound the config's own state already fills (a thousand routes in
 /// 16 MiB) would refuse every request for as long as the process ran: the
 /// binary says so at start, with the key, and does not start.

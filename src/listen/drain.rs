@@ -140,7 +140,7 @@ pub struct Conduct {
     open: std::sync::atomic::AtomicU32,
     /// It speaks HTTP/2.
     h2: AtomicBool,
-    /// HTTP/2 answers whose bodies are still being sent (see
+    /// Answers whose bodies are still being sent (see
     /// `listen::pressure::Streaming`).
     streaming: std::sync::atomic::AtomicU32,
     /// Of those, the ones whose body waits on its upstream for more (none
@@ -324,7 +324,7 @@ impl Conduct {
         self.h2.store(true, Ordering::Relaxed);
     }
 
-    /// HTTP/2 answers whose bodies are still being sent.
+    /// Answers whose bodies are still being sent.
     pub fn streaming(&self) -> u32 {
         self.streaming.load(Ordering::Relaxed)
     }

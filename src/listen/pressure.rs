@@ -16,7 +16,9 @@
 //!   thousands opened within one look would otherwise pass the bound;
 //! - connections whose caller has read nothing for [`STALLED`] while an
 //!   answer waits are closed outright: every one whose writes are blocked
-//!   (its socket full), and, oldest first, a share of the HTTP/2
+//!   (its socket full; HTTP/1 ones once less than 4 KiB a look went out
+//!   for two seconds, as callers that read in bursts leave their windows
+//!   shut for over a second), and, oldest first, a share of the HTTP/2
 //!   connections with streams open and nothing written (their windows
 //!   shut), or less than 40 KiB a second a stream for a second (windows
 //!   granted a trickle at a time). A request still waiting for its
@@ -66,6 +68,10 @@ const STUCK_LOOKS: u32 = 100;
 /// row, trickles: it is cut as one with its windows shut is.
 const TRICKLE_PER_STREAM: u64 = 4 * 1024;
 const SLOW_LOOKS: u32 = 10;
+
+/// An HTTP/1 connection whose writes wait is cut once this many looks in a
+/// row found less than [`TRICKLE_PER_STREAM`] written: two seconds.
+const H1_SLOW_LOOKS: u32 = 20;
 
 /// The share of idle connections asked to close per tick (at least one).
 const IDLE_SHARE: usize = 4;
@@ -250,19 +256,35 @@ impl Pressure {
                 // bytes of window at a time) hold as much as shut ones.
                 // (Looked at on every connection: with no stream, the count
                 // starts again.)
-                let trickling = written.slow_looks(TRICKLE_PER_STREAM * u64::from(streams))
-                    >= SLOW_LOOKS
-                    && streams > 0;
+                let h2 = conduct.speaks_h2();
+                let slow = written.slow_looks(match h2 {
+                    true => TRICKLE_PER_STREAM * u64::from(streams),
+                    false => TRICKLE_PER_STREAM,
+                });
+                let trickling = slow >= SLOW_LOOKS && streams > 0;
                 if written.is_cut() || (now.saturating_duration_since(last) < STALLED && !trickling)
                 {
                     continue;
                 }
                 if written.blocked() {
-                    conduct.cut();
-                    cut += 1;
+                    // An HTTP/1 caller that reads in bursts (64 KiB at a
+                    // time) may leave its window shut for over a second: it
+                    // is cut only after two seconds with less than 4 KiB a
+                    // look out.
+                    if h2 || slow >= H1_SLOW_LOOKS {
+                        conduct.cut();
+                        cut += 1;
+                    }
                 } else if streams > 0 {
-                    windows_shut.push((last, conduct));
-                } else if conduct.requests_open() == 0 && conduct.quiet_for() >= STALLED {
+                    // HTTP/1 writes nothing, unblocked, only while its
+                    // answer waits on its upstream or for memory.
+                    if h2 {
+                        windows_shut.push((last, conduct));
+                    }
+                } else if conduct.streaming() == 0
+                    && conduct.requests_open() == 0
+                    && conduct.quiet_for() >= STALLED
+                {
                     idle.push((conduct.quiet_for(), conduct));
                 }
             }
@@ -288,10 +310,10 @@ impl Pressure {
 }
 
 pin_project_lite::pin_project! {
-    /// The body of an answer on an HTTP/2 connection, counted in its
-    /// [`Conduct`] while it is being sent: a connection with such answers
-    /// and nothing written has them queued for a caller that gives no
-    /// window.
+    /// The body of an answer, counted in its connection's [`Conduct`]
+    /// while it is being sent: an HTTP/2 connection with such answers and
+    /// nothing written has them queued for a caller that gives no window;
+    /// an HTTP/1 one is not idle, however long its upstream takes.
     pub struct Streaming<B> {
         #[pin]
         body: B,
@@ -320,12 +342,9 @@ fn ended(conduct: &mut Option<Arc<Conduct>>, awaiting: &mut bool) {
 }
 
 impl<B: http_body::Body> Streaming<B> {
-    /// `resp`'s body, counted in `conduct` if it speaks HTTP/2 and the
-    /// body is not empty.
+    /// `resp`'s body, counted in `conduct` if the body is not empty.
     pub fn of(resp: http::Response<B>, conduct: Option<&Arc<Conduct>>) -> http::Response<Self> {
-        let counted = conduct
-            .filter(|c| c.speaks_h2() && !resp.body().is_end_stream())
-            .cloned();
+        let counted = conduct.filter(|_| !resp.body().is_end_stream()).cloned();
         if let Some(c) = &counted {
             c.streams(true);
         }

@@ -147,6 +147,66 @@ async fn a_burst_of_callers_that_read_nothing_stays_near_the_bound() {
     }
 }
 
+/// An HTTP/1 caller that reads its answer in bursts (all there is, every
+/// 1.3 s, with a 64 KiB receive buffer: its window stays shut for over a
+/// second between them) while memory is short is not taken for one that
+/// reads nothing: its answer ends whole, while the callers that read
+/// nothing are cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http1_caller_reading_in_bursts_is_not_cut_while_memory_is_short() {
+    use tokio::io::AsyncWriteExt as _;
+    let _heavy = heavy().await;
+    raise_open_files();
+    let size = 640usize << 10;
+    let (_up, toml) = big_answers(size, 4).await;
+    let hg = Binary::start_with("max_memory = \"24MiB\"", &toml).await;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(64 << 10).unwrap();
+    let mut reader = socket.connect(hg.listen.parse().unwrap()).await.unwrap();
+    reader
+        .write_all(b"GET /r0/bursts HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let bursts = tokio::spawn(async move {
+        let mut got = 0usize;
+        let until = tokio::time::Instant::now() + Duration::from_secs(40);
+        let mut buf = vec![0u8; 256 << 10];
+        while tokio::time::Instant::now() < until {
+            // The caller's pace, not a wait for an event.
+            tokio::time::sleep(Duration::from_millis(1300)).await;
+            loop {
+                match reader.try_read(&mut buf) {
+                    Ok(0) => return got,
+                    Ok(n) => got += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(_) => return got,
+                }
+            }
+        }
+        got
+    });
+    let held = futures_util::future::join_all((0..1200).map(|i| {
+        let (listen, path) = (hg.listen.clone(), format!("/r{}/big", i % 4));
+        async move { unread_get(&listen, &path).await }
+    }))
+    .await;
+    eventually(Duration::from_secs(10), "memory short", || async {
+        hg.metric(PRESSURE).await == 1.0
+    })
+    .await;
+    let got = bursts.await.unwrap();
+    assert!(
+        hg.metric(CUT).await >= 1.0,
+        "no caller that reads nothing was cut"
+    );
+    assert!(
+        got > size,
+        "the bursty caller got {got} bytes of {size} and a head"
+    );
+    drop(held);
+    hg.terminate().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_streams_given_no_window_are_cut_when_memory_runs_short() {
     let _heavy = heavy().await;
@@ -666,11 +726,27 @@ async fn slow_upstreams_answers_are_not_cut_for_their_callers_while_memory_is_sh
             Some(got)
         }));
     }
+    // And HTTP/1 ones: a connection whose answer waits on its upstream is
+    // not idle.
+    let h1: Vec<_> = (0..4)
+        .map(|s| {
+            let listen = hg.listen.clone();
+            tokio::spawn(async move { get_at(&listen, &format!("/slow/h1-{s}")).await.2.len() })
+        })
+        .collect();
     let uploads = stalled_uploads(&hg.listen, 384, 64 << 10).await;
     eventually(Duration::from_secs(20), "memory under pressure", || async {
         hg.metric(PRESSURE).await == 1.0
     })
     .await;
+    for answer in h1 {
+        let got = tokio::time::timeout(Duration::from_secs(20), answer).await;
+        assert_eq!(
+            got.unwrap().ok(),
+            Some(15 * 1024),
+            "an HTTP/1 answer cut short"
+        );
+    }
     for answer in answers {
         let got = tokio::time::timeout(Duration::from_secs(20), answer).await;
         assert_eq!(

@@ -389,7 +389,7 @@ fn guard_memory(proxy: &Arc<Proxy>, stop: watch::Receiver<bool>) -> Arc<Pressure
 }
 
 /// The memory bound of `config`: `listen.max_memory`, and what the kernel
-/// holds for each caller that does not read (its send buffer, and the
+/// may hold for each answer on its way (its caller's send buffer, and the
 /// largest receive buffer of an upstream connection behind it; each
 /// doubled, as the kernel counts them).
 fn memory_bound(config: &Config) -> crate::listen::pressure::Bound {

@@ -95,9 +95,8 @@ pub fn in_use() -> Option<usize> {
 /// The bound in force (0: none), for the look every admission takes.
 static BOUND: AtomicUsize = AtomicUsize::new(0);
 
-/// What the kernel holds for each connection whose caller does not read
-/// (its send buffer, and its upstream connection's receive buffer), as
-/// the bound counts it.
+/// What the kernel may hold for each answer on its way (see
+/// [`Bound::per_stalled`]), as the bound counts it.
 static PER_STALLED: AtomicUsize = AtomicUsize::new(0);
 
 /// The bound on memory, from the running config.
@@ -105,16 +104,30 @@ static PER_STALLED: AtomicUsize = AtomicUsize::new(0);
 pub struct Bound {
     /// Bytes in use past which memory is short (0: none).
     pub max: u64,
-    /// Kernel bytes counted in use for each connection whose caller does
-    /// not read: the container's limit counts its socket buffers too.
+    /// Kernel bytes counted in use for each answer whose last data waits
+    /// to be written (its caller's send buffer and its upstream
+    /// connection's receive buffer, full at worst): the container's limit
+    /// counts socket buffers too.
     pub per_stalled: usize,
 }
 
 /// Bytes in use as the bound counts them: allocated, and the kernel
-/// buffers of the connections whose callers do not read.
+/// buffers behind each answer that holds some for its caller.
 fn counted(measure: fn() -> usize) -> usize {
-    let stalled = crate::listen::stall::stalled_now();
-    measure().saturating_add(stalled.saturating_mul(PER_STALLED.load(Ordering::Relaxed)))
+    let answers = HOLDING.load(Ordering::Relaxed);
+    measure().saturating_add(answers.saturating_mul(PER_STALLED.load(Ordering::Relaxed)))
+}
+
+/// Answers whose last frame went to their connection and that have not
+/// been asked for the next: it waits to be written (a caller that reads
+/// slowly or not at all, or one being served now).
+static HOLDING: AtomicUsize = AtomicUsize::new(0);
+
+fn hold(holds: bool) {
+    match holds {
+        true => HOLDING.fetch_add(1, Ordering::Relaxed),
+        false => HOLDING.fetch_sub(1, Ordering::Relaxed),
+    };
 }
 
 /// Whether memory is under pressure: new connections and requests are
@@ -321,12 +334,17 @@ pin_project_lite::pin_project! {
         // Its last poll found nothing yet from the upstream.
         awaiting: bool,
         waiting: Waiting,
+        // Its last frame was data, not yet written (see `HOLDING`).
+        holding: bool,
     }
 
     impl<B> PinnedDrop for Streaming<B> {
         fn drop(this: Pin<&mut Self>) {
             let this = this.project();
             ended(this.conduct, this.awaiting);
+            if *this.holding {
+                hold(false);
+            }
         }
     }
 }
@@ -353,6 +371,7 @@ impl<B: http_body::Body> Streaming<B> {
             conduct: counted,
             awaiting: false,
             waiting: Waiting::default(),
+            holding: false,
         })
     }
 }
@@ -384,6 +403,11 @@ impl<B: http_body::Body> http_body::Body for Streaming<B> {
                 conduct.awaits_upstream(false);
             }
             _ => {}
+        }
+        let holds = matches!(&polled, Poll::Ready(Some(Ok(frame))) if frame.is_data());
+        if holds != *this.holding {
+            *this.holding = holds;
+            hold(holds);
         }
         polled
     }

@@ -10,7 +10,7 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -156,16 +156,6 @@ const SENT: usize = 1;
 /// Bytes a connection counts before it adds them to its listener's.
 const FLUSH_AT: u64 = 64 * 1024;
 
-/// Connections whose latest write is pending, all listeners together: each
-/// holds about its whole kernel send buffer (what the memory bound adds
-/// for them, see `listen::pressure`).
-static STALLED_NOW: AtomicUsize = AtomicUsize::new(0);
-
-/// Connections whose latest write waits for their caller to read.
-pub fn stalled_now() -> usize {
-    STALLED_NOW.load(Ordering::Relaxed)
-}
-
 pin_project! {
     pub struct WriteStall<T> {
         #[pin]
@@ -175,14 +165,6 @@ pin_project! {
         // Armed while a write is pending; made on the first stall only.
         timer: Option<Pin<Box<Sleep>>>,
         stalled: bool,
-    }
-
-    impl<T> PinnedDrop for WriteStall<T> {
-        fn drop(this: Pin<&mut Self>) {
-            if *this.project().stalled {
-                STALLED_NOW.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
     }
 }
 
@@ -215,7 +197,6 @@ fn watch<R>(
         if *stalled {
             *stalled = false;
             writes.blocked.store(false, Ordering::Relaxed);
-            STALLED_NOW.fetch_sub(1, Ordering::Relaxed);
         }
         return polled;
     }
@@ -231,7 +212,6 @@ fn watch<R>(
     if !*stalled {
         *stalled = true;
         writes.blocked.store(true, Ordering::Relaxed);
-        STALLED_NOW.fetch_add(1, Ordering::Relaxed);
         timer.as_mut().reset(deadline);
     }
     match timer.as_mut().poll(cx) {

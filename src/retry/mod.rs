@@ -911,9 +911,10 @@ impl Guards {
     /// Tells the breakers how an admitted attempt on `path` ended: the
     /// path's, and the route's unless the path's holds it failing alone.
     pub fn record(&self, probe: Probe, outcome: BreakerOutcome, path: PathKey) {
-        let (for_route, transition) =
-            self.paths
-                .record(path, probe.path, outcome, Instant::now(), &mut rand::rng());
+        // One clock read and one handle on the thread's generator for both
+        // breakers.
+        let (now, rng) = (Instant::now(), &mut rand::rng());
+        let (for_route, transition) = self.paths.record(path, probe.path, outcome, now, rng);
         if let Some(t) = transition {
             self.metrics.path_breaker(t.to);
             tracing::info!(route = %self.route, upstream = %self.upstream, to = t.to.as_str(), "circuit breaker of a path");
@@ -923,15 +924,11 @@ impl Guards {
             false => BreakerOutcome::Unknown,
         };
         if for_route || probe.route {
-            self.record_route(probe.route, outcome);
+            let transition = self
+                .breaker
+                .with(|b| b.record(now, probe.route, outcome, rng));
+            self.transitioned(transition);
         }
-    }
-
-    fn record_route(&self, probe: bool, outcome: BreakerOutcome) {
-        let transition = self
-            .breaker
-            .with(|b| b.record(Instant::now(), probe, outcome, &mut rand::rng()));
-        self.transitioned(transition);
     }
 
     /// Whether the breaker is open now (without admitting anything).

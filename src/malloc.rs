@@ -48,6 +48,12 @@ fn signed(size: usize) -> isize {
     isize::try_from(size).unwrap_or(isize::MAX)
 }
 
+/// What malloc takes for a block besides its size, on average: its
+/// 8-byte header and the rounding to 16. Counted with each block, as
+/// `mallinfo2` counts them: a config's thousands of small blocks (metric
+/// series' labels) take half again their size.
+const PER_BLOCK: isize = 16;
+
 // SAFETY: every call goes to the system allocator unchanged; the count is
 // only arithmetic on thread-local and atomic integers, which allocate
 // nothing.
@@ -56,7 +62,7 @@ unsafe impl GlobalAlloc for Counted {
         // SAFETY: the caller's layout, passed on.
         let ptr = unsafe { System.alloc(layout) };
         if !ptr.is_null() {
-            count(signed(layout.size()));
+            count(signed(layout.size()).saturating_add(PER_BLOCK));
         }
         ptr
     }
@@ -65,7 +71,7 @@ unsafe impl GlobalAlloc for Counted {
         // SAFETY: as `alloc`.
         let ptr = unsafe { System.alloc_zeroed(layout) };
         if !ptr.is_null() {
-            count(signed(layout.size()));
+            count(signed(layout.size()).saturating_add(PER_BLOCK));
         }
         ptr
     }
@@ -73,7 +79,7 @@ unsafe impl GlobalAlloc for Counted {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: the caller's block and layout, passed on.
         unsafe { System.dealloc(ptr, layout) };
-        count(-signed(layout.size()));
+        count(-(signed(layout.size()).saturating_add(PER_BLOCK)));
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -192,4 +198,28 @@ pub fn trim_freed_memory() {
             }
         })
         .ok();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every block given out and freed is counted back (a sign slip once
+    /// counted each free 32 bytes short: 40 MiB "in use" after a reload
+    /// from 1,000 routes back to 3, and more with every request).
+    #[test]
+    fn what_is_freed_is_counted_back() {
+        let before = counted();
+        for i in 0..100_000usize {
+            let small = std::hint::black_box(vec![0u8; 1 + i % 200]);
+            let mut grown = Vec::with_capacity(4);
+            grown.extend_from_slice(&small);
+            drop(std::hint::black_box(grown));
+            drop(small);
+        }
+        let after = counted();
+        // Other tests allocate meanwhile; a slip of a byte a block would
+        // be 200,000 bytes.
+        assert!(after.abs_diff(before) < 100_000, "{before} -> {after}");
+    }
 }

@@ -71,31 +71,6 @@ fn room_to_serve(max: u64) -> Result<(), StartError> {
     }
 }
 
-/// Whether memory has room for a config whose build began with `before`
-/// bytes in use and replaces one whose build took `replaced`: what is in
-/// use now, less what the running config frees as it goes, must leave the
-/// quarter of `max` that [`room_to_serve`] leaves. `built` is set to what
-/// the new build took. Nothing is asked when memory is not measured.
-fn room_for_reload(
-    max: u64,
-    before: Option<usize>,
-    replaced: usize,
-    built: &mut usize,
-) -> Result<(), BuildError> {
-    let (Some(before), Some(now)) = (before, crate::listen::pressure::in_use()) else {
-        return Ok(());
-    };
-    *built = now.saturating_sub(before);
-    let after = now.saturating_sub(replaced) as u64;
-    match max != 0 && after >= max / 4 * 3 {
-        true => Err(BuildError::NoRoom {
-            max: max >> 20,
-            in_use: after >> 20,
-        }),
-        false => Ok(()),
-    }
-}
-
 /// State shared by the proxy and admin listeners.
 pub struct Shared {
     pub proxy: Arc<Proxy>,
@@ -105,9 +80,6 @@ pub struct Shared {
     /// never builds on a runtime another is about to replace.
     reloading: std::sync::Mutex<()>,
     /// Held while `/metrics` is rendered: one scrape at a time.
-    /// Bytes in use that the running config's build added (its routes'
-    /// state and series), as measured: what a reload frees of it.
-    runtime_memory: std::sync::atomic::AtomicUsize,
     /// One `/metrics` render at a time, and the last page rendered.
     /// When the newest was rendered, the newest and the one before.
     pub(crate) rendering:
@@ -141,11 +113,7 @@ impl Server {
                 tracing::error!(error = %e, "tracing is off: its exporter could not start");
                 None
             });
-        let before = crate::listen::pressure::in_use().unwrap_or(0);
         let runtime = Runtime::build(config, &metrics)?;
-        let runtime_memory = crate::listen::pressure::in_use()
-            .unwrap_or(0)
-            .saturating_sub(before);
         let config = runtime.config.clone();
         room_to_serve(config.listen.max_memory)?;
         let proxy = Arc::new(Proxy::new(runtime, metrics).traced(tracing));
@@ -169,7 +137,6 @@ impl Server {
             proxy,
             draining: AtomicBool::new(false),
             reloading: std::sync::Mutex::new(()),
-            runtime_memory: runtime_memory.into(),
             rendering: Arc::default(),
         });
         let (shutdown, shutdown_rx) = watch::channel(false);

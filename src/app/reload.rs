@@ -2,7 +2,6 @@
 //! new file, or nothing changed.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tracing::{error, info, warn};
@@ -44,21 +43,23 @@ impl Reloader {
             .unwrap_or_else(|e| e.into_inner());
         let proxy = &self.shared.proxy;
         let current = proxy.runtime();
+        let (max, own) = (
+            config.config().listen.max_memory,
+            config.config().own_memory(),
+        );
         let built = if config.config().routes.is_empty() && !current.config.routes.is_empty() {
             Err(BuildError::NoRoutes)
+        } else if max != 0 && own >= max / 4 * 3 {
+            // What start refuses (measured there), refused before anything
+            // is built: a build alone would put memory under pressure.
+            Err(BuildError::NoRoom {
+                max: max >> 20,
+                in_use: own >> 20,
+            })
         } else {
             warn_of_kept_listeners(&current.config, config.config());
             let config = config.keep_listeners(&current.config);
-            let max = current.config.listen.max_memory;
-            let before = crate::listen::pressure::in_use();
-            let replaced = self.shared.runtime_memory.load(Ordering::Relaxed);
-            let mut built = 0;
-            let room = || super::room_for_reload(max, before, replaced, &mut built);
-            let runtime = Runtime::rebuild(config, proxy.metrics(), Some(&current), room);
-            if runtime.is_ok() {
-                self.shared.runtime_memory.store(built, Ordering::Relaxed);
-            }
-            runtime
+            Runtime::rebuild(config, proxy.metrics(), Some(&current))
         };
         match built {
             Ok(runtime) => {

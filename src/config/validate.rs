@@ -510,7 +510,16 @@ fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) 
         }
     }
     positive(report, &path.key("connect_timeout"), u.connect_timeout);
-    socket_buffer(report, path.key("receive_buffer"), u.receive_buffer);
+    // Under 16 KiB a loopback upstream's segments (64 KiB) no longer fit
+    // the window, and data moves only on the kernel's probe timer.
+    if u.receive_buffer != 0 && u.receive_buffer < 16 << 10 {
+        report(
+            path.key("receive_buffer"),
+            "must be 0 (the kernel's autotuning) or from 16KiB to 64MiB: a smaller window stalls a local upstream's answers".into(),
+        );
+    } else {
+        socket_buffer(report, path.key("receive_buffer"), u.receive_buffer);
+    }
     positive(
         report,
         &path.key("tunnel_idle_timeout"),
@@ -923,6 +932,17 @@ fn memory_warnings(config: &Config, report: &mut Report<'_>) {
             format!(
                 "{} is more than a sidecar is given: probably a typo (\"0\" turns the bound off)",
                 bytesize::ByteSize(max)
+            ),
+        );
+    }
+    let own = config.own_memory();
+    if max != 0 && own >= max / 4 * 3 {
+        report(
+            listen.key("max_memory"),
+            format!(
+                "{}: the config's own state (its routes' and upstreams' series, about {}) takes three quarters of it or more; start and reload refuse it",
+                bytesize::ByteSize(max),
+                bytesize::ByteSize(own)
             ),
         );
     }

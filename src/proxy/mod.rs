@@ -47,7 +47,7 @@ pub enum BuildError {
     NoRoutes,
     #[error("{0}")]
     Dns(String),
-    #[error("listen.max_memory ({max} MiB) leaves no room: with the new config {in_use} MiB would be in use, past three quarters of the bound (every request would be refused); the running config stays")]
+    #[error("listen.max_memory ({max} MiB) leaves no room: the new config's own state takes about {in_use} MiB, past three quarters of the bound (every request would be refused); the running config stays")]
     NoRoom { max: u64, in_use: u64 },
 }
 
@@ -83,7 +83,7 @@ pub struct Route {
 
 impl Runtime {
     pub fn build(config: Validated, registry: &Arc<Metrics>) -> Result<Self, BuildError> {
-        Self::rebuild(config, registry, None, || Ok(()))
+        Self::rebuild(config, registry, None)
     }
 
     /// Builds the runtime of a new config, keeping from `previous` what the
@@ -94,14 +94,11 @@ impl Runtime {
     ///
     /// Nothing of `previous` changes unless the whole build succeeds: only
     /// the upstreams can fail to build (their files), and they are built
-    /// first; `room` (whether memory has room for the new config) is asked
-    /// once everything is built; a kept breaker takes its new thresholds
-    /// last.
+    /// first; a kept breaker takes its new thresholds last.
     pub fn rebuild(
         config: Validated,
         registry: &Arc<Metrics>,
         previous: Option<&Runtime>,
-        room: impl FnOnce() -> Result<(), BuildError>,
     ) -> Result<Self, BuildError> {
         let (config, compiled) = config.into_parts();
         let resolver = resolver(&config, previous)?;
@@ -131,9 +128,6 @@ impl Runtime {
             &config.access_log,
             registry.counter(crate::observe::access_log::DROPPED, &[]),
         );
-        // Built: whether memory has room for it is asked before anything of
-        // `previous` changes.
-        room()?;
         // The build has succeeded: kept breakers take their new thresholds.
         let now = Instant::now();
         for (shared, fresh) in adopt {
@@ -1299,7 +1293,7 @@ mod tests {
         std::fs::write(&ca, cert.cert.pem()).unwrap();
         let broken = config(Some(&ca), 50);
         std::fs::write(&ca, "not a certificate\n").unwrap();
-        match Runtime::rebuild(broken, &registry, Some(&running), || Ok(())) {
+        match Runtime::rebuild(broken, &registry, Some(&running)) {
             Err(BuildError::Upstream(_)) => {}
             Err(e) => panic!("failed, but not at the upstream: {e}"),
             Ok(_) => panic!("a CA file with no certificate built"),
@@ -1307,8 +1301,7 @@ mod tests {
         assert_eq!(state(&running), before);
 
         // The same change without the broken upstream applies it.
-        let rebuilt =
-            Runtime::rebuild(config(None, 50), &registry, Some(&running), || Ok(())).unwrap();
+        let rebuilt = Runtime::rebuild(config(None, 50), &registry, Some(&running)).unwrap();
         assert!(Arc::ptr_eq(&rebuilt.routes[0].upstream, &route.upstream));
         assert!(Arc::ptr_eq(
             &rebuilt.routes[0].guards.breaker,

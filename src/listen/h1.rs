@@ -60,6 +60,12 @@ pub struct Rewind<S> {
     inner: S,
 }
 
+impl<S: crate::listen::stall::Abort> crate::listen::stall::Abort for Rewind<S> {
+    fn abort_on_close(&self) {
+        self.inner.abort_on_close();
+    }
+}
+
 impl<S> Rewind<S> {
     pub fn new(prefix: Bytes, inner: S) -> Self {
         Self { prefix, inner }
@@ -120,7 +126,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
 
 /// A caller's stream that can wait for the caller's next bytes without a
 /// buffer of its own.
-pub trait Readable: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+pub trait Readable:
+    AsyncRead + AsyncWrite + crate::listen::stall::Abort + Unpin + Send + 'static
+{
     /// Ready once the caller sends again or closes. Bytes read to find out
     /// are returned, to be read again. Polled, not async: a connection
     /// waiting keeps no future's state for it.
@@ -135,7 +143,7 @@ impl Readable for tokio::net::TcpStream {
 
 impl<S> Readable for tokio_rustls::server::TlsStream<S>
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: AsyncRead + AsyncWrite + crate::listen::stall::Abort + Unpin + Send + 'static,
 {
     fn poll_readable(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<Bytes>> {
         // Decrypted bytes may wait in the TLS session, where the socket's

@@ -156,6 +156,27 @@ const SENT: usize = 1;
 /// Bytes a connection counts before it adds them to its listener's.
 const FLUSH_AT: u64 = 64 * 1024;
 
+/// A caller's transport whose close can drop what the caller has not read.
+pub trait Abort {
+    /// Makes the coming close abortive (`SO_LINGER` 0: a reset): a
+    /// connection cut for reading nothing would otherwise keep its whole
+    /// send queue in the kernel, closing, for as long as its caller keeps
+    /// its end open (250 KiB a connection, outside any count).
+    fn abort_on_close(&self);
+}
+
+impl Abort for tokio::net::TcpStream {
+    fn abort_on_close(&self) {
+        let _ = socket2::SockRef::from(self).set_linger(Some(Duration::ZERO));
+    }
+}
+
+impl<S: Abort> Abort for tokio_rustls::server::TlsStream<S> {
+    fn abort_on_close(&self) {
+        self.get_ref().0.abort_on_close();
+    }
+}
+
 pin_project! {
     pub struct WriteStall<T> {
         #[pin]
@@ -192,6 +213,7 @@ fn watch<R>(
     stalled: &mut bool,
     writes: &Writes,
     cx: &mut Context<'_>,
+    abort: impl FnOnce(),
 ) -> Poll<io::Result<R>> {
     if polled.is_ready() {
         if *stalled {
@@ -203,6 +225,7 @@ fn watch<R>(
     // Registered before the flag is read: a cut made in between wakes it.
     writes.waker.register(cx.waker());
     if writes.is_cut() {
+        abort();
         return Poll::Ready(Err(io::Error::other(
             "cut: the caller read nothing while memory ran short",
         )));
@@ -243,14 +266,14 @@ impl<T: AsyncRead> AsyncRead for WriteStall<T> {
     }
 }
 
-impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
+impl<T: AsyncWrite + Abort> AsyncWrite for WriteStall<T> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let this = self.project();
-        let polled = this.inner.poll_write(cx, buf);
+        let mut this = self.project();
+        let polled = this.inner.as_mut().poll_write(cx, buf);
         if let Poll::Ready(Ok(n @ 1..)) = polled {
             this.writes.last.touch();
             this.writes.count(SENT, n);
@@ -262,6 +285,7 @@ impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
             this.stalled,
             this.writes,
             cx,
+            || this.inner.as_ref().get_ref().abort_on_close(),
         )
     }
 
@@ -270,8 +294,8 @@ impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        let this = self.project();
-        let polled = this.inner.poll_write_vectored(cx, bufs);
+        let mut this = self.project();
+        let polled = this.inner.as_mut().poll_write_vectored(cx, bufs);
         if let Poll::Ready(Ok(n @ 1..)) = polled {
             this.writes.last.touch();
             this.writes.count(SENT, n);
@@ -283,6 +307,7 @@ impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
             this.stalled,
             this.writes,
             cx,
+            || this.inner.as_ref().get_ref().abort_on_close(),
         )
     }
 
@@ -291,8 +316,8 @@ impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = self.project();
-        let polled = this.inner.poll_flush(cx);
+        let mut this = self.project();
+        let polled = this.inner.as_mut().poll_flush(cx);
         watch(
             polled,
             *this.timeout,
@@ -300,6 +325,7 @@ impl<T: AsyncWrite> AsyncWrite for WriteStall<T> {
             this.stalled,
             this.writes,
             cx,
+            || this.inner.as_ref().get_ref().abort_on_close(),
         )
     }
 

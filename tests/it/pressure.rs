@@ -105,11 +105,20 @@ async fn http1_callers_that_read_nothing_are_cut_when_memory_runs_short() {
         }
         pressure_came_and_went(&hg, "/r0/after").await;
         let peak_mib = hg.peak_rss_kib() / 1024;
+        // The cut connections were reset: their send queues are gone from
+        // the kernel though their callers hold their ends open.
+        let listen: std::net::SocketAddr = hg.listen.parse().unwrap();
+        let queued_kib: u64 = held
+            .iter()
+            .filter_map(|s| send_queue(listen.port(), s.local_addr().ok()?.port()))
+            .sum::<u64>()
+            / 1024;
         eprintln!(
-            "{callers} callers of {size} B: peak RSS {peak_mib} MiB, {} cut, {refused} refused under pressure",
+            "{callers} callers of {size} B: peak RSS {peak_mib} MiB, {} cut, {refused} refused under pressure, {queued_kib} KiB still queued",
             hg.metric(CUT).await
         );
         assert!(peak_mib <= 64, "peak RSS {peak_mib} MiB");
+        assert!(queued_kib < 16 << 10, "{queued_kib} KiB queued for callers");
         drop(held);
         hg.terminate().await;
     }

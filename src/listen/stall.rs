@@ -336,6 +336,10 @@ impl<T: AsyncWrite + Abort> AsyncWrite for WriteStall<T> {
 
 #[cfg(test)]
 mod tests {
+    impl super::Abort for tokio::io::DuplexStream {
+        fn abort_on_close(&self) {}
+    }
+
     use super::*;
     use tokio::io::AsyncWriteExt;
 

@@ -17,7 +17,7 @@
 //! - connections whose caller has read nothing for [`STALLED`] while an
 //!   answer waits are closed outright: every one whose writes are blocked
 //!   (its socket full; HTTP/1 ones once less than 4 KiB a look went out
-//!   for three seconds, as callers that read in bursts leave their windows
+//!   for two seconds, as callers that read in bursts leave their windows
 //!   shut for over a second), and, oldest first, a share of the HTTP/2
 //!   connections with streams open and nothing written (their windows
 //!   shut), or less than 40 KiB a second a stream for a second (windows
@@ -70,11 +70,11 @@ const TRICKLE_PER_STREAM: u64 = 4 * 1024;
 const SLOW_LOOKS: u32 = 10;
 
 /// An HTTP/1 connection whose writes wait is cut once this many looks in a
-/// row found less than [`TRICKLE_PER_STREAM`] written: three seconds. The
+/// row found less than [`TRICKLE_PER_STREAM`] written: two seconds. The
 /// kernel wakes a waiting write only once a third of the send buffer is
-/// free (85 KiB of the default's 256): a caller reading 64 KiB every 1.5 s
-/// lets a write through every 3 s.
-const H1_SLOW_LOOKS: u32 = 30;
+/// free: a caller that reads less than that within two seconds is cut.
+/// (Three seconds let through-answers fill past a 24 MiB bound by half.)
+const H1_SLOW_LOOKS: u32 = 20;
 
 /// The share of idle connections asked to close per tick (at least one).
 const IDLE_SHARE: usize = 4;
@@ -285,8 +285,8 @@ impl Pressure {
                 if written.blocked() {
                     // An HTTP/1 caller that reads in bursts (64 KiB at a
                     // time) may leave its window shut for over a second: it
-                    // is cut only after three seconds with less than 4 KiB
-                    // a look out.
+                    // is cut only after two seconds with less than 4 KiB a
+                    // look out.
                     if h2 || slow >= H1_SLOW_LOOKS {
                         conduct.cut();
                         cut += 1;

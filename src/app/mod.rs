@@ -376,7 +376,7 @@ fn memory_bound(config: &Config) -> crate::listen::pressure::Bound {
     let (send_max, receive_max) = *autotuned_buffers();
     crate::listen::pressure::Bound {
         max: config.listen.max_memory,
-        per_stalled: kernel(config.listen.send_buffer, send_max)
+        per_answer: kernel(config.listen.send_buffer, send_max)
             .saturating_add(kernel(receive, receive_max)),
     }
 }

@@ -99,8 +99,8 @@ pub fn in_use() -> Option<usize> {
 static BOUND: AtomicUsize = AtomicUsize::new(0);
 
 /// What the kernel may hold for each answer on its way (see
-/// [`Bound::per_stalled`]), as the bound counts it.
-static PER_STALLED: AtomicUsize = AtomicUsize::new(0);
+/// [`Bound::per_answer`]), as the bound counts it.
+static PER_ANSWER: AtomicUsize = AtomicUsize::new(0);
 
 /// The bound on memory, from the running config.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -111,14 +111,14 @@ pub struct Bound {
     /// to be written (its caller's send buffer and its upstream
     /// connection's receive buffer, full at worst): the container's limit
     /// counts socket buffers too.
-    pub per_stalled: usize,
+    pub per_answer: usize,
 }
 
 /// Bytes in use as the bound counts them: allocated, and the kernel
 /// buffers behind each answer that holds some for its caller.
 fn counted(measure: fn() -> usize) -> usize {
     let answers = HOLDING.load(Ordering::Relaxed);
-    measure().saturating_add(answers.saturating_mul(PER_STALLED.load(Ordering::Relaxed)))
+    measure().saturating_add(answers.saturating_mul(PER_ANSWER.load(Ordering::Relaxed)))
 }
 
 /// Answers whose last frame went to their connection and that have not
@@ -432,11 +432,11 @@ static RELIEF: Notify = Notify::const_new();
 static RELIEVED: AtomicU64 = AtomicU64::new(0);
 
 /// Answers let through per look while memory stays short for longer than
-/// [`STALLED`]: a thirty-second of those waiting, at least 4. The waiting
+/// [`STALLED`]: a 128th of those waiting, at least 4. The waiting
 /// ones themselves may be what holds it (each its upstream's first read
 /// and a chunk: a thousand of them 30 MiB), and only once let through can
 /// a caller that reads nothing be told from one that reads, and cut.
-const LET_THROUGH_SHARE: usize = 32;
+const LET_THROUGH_SHARE: usize = 128;
 const LET_THROUGH_AT_LEAST: usize = 4;
 
 /// Whether an answer must wait before it takes more from its upstream:
@@ -541,8 +541,8 @@ pub async fn guard(
             _ = crate::listen::stopped(&mut stop) => break,
             _ = tick.tick() => {}
         }
-        let Bound { max, per_stalled } = bound();
-        PER_STALLED.store(per_stalled, Ordering::Relaxed);
+        let Bound { max, per_answer } = bound();
+        PER_ANSWER.store(per_answer, Ordering::Relaxed);
         BOUND.store(
             usize::try_from(max).unwrap_or(usize::MAX),
             Ordering::Relaxed,

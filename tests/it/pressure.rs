@@ -277,6 +277,29 @@ fn a_bound_too_small_is_refused_and_zero_is_none() {
     herdguard::config::Config::parse("[listen]\nmax_memory = \"0\"\n").unwrap();
 }
 
+/// An upstream's receive buffer under 16 KiB (a window that stalls a local
+/// upstream) or past 64 MiB is refused with its key and line; 0 is the
+/// kernel's autotuning.
+#[test]
+fn a_receive_buffer_out_of_range_is_refused() {
+    let config = |size: &str| {
+        format!(
+            "[upstreams.u]\nendpoints = [\"http://127.0.0.1:9\"]\nreceive_buffer = \"{size}\"\n\
+             [[routes]]\nname = \"r\"\nupstream = \"u\"\n"
+        )
+    };
+    for bad in ["8KiB", "100", "128MiB"] {
+        let err = herdguard::config::Config::parse(&config(bad))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("upstreams.u.receive_buffer"), "{bad}: {err}");
+        assert!(err.contains("line 3"), "{bad}: {err}");
+    }
+    for good in ["0", "16KiB", "64MiB"] {
+        herdguard::config::Config::parse(&config(good)).unwrap();
+    }
+}
+
 /// Callers that behave (each asks once and reads its answer) but keep many
 /// HTTP/2 connections open and idle: their buffers alone hold memory past
 /// the bound, and refusing their requests would free none of it. The

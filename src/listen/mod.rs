@@ -37,11 +37,15 @@ const H2_MIN_STREAMS: u32 = 8;
 const H2_SEND_BUFFER: usize = 64 * 1024;
 
 /// What a caller may send on an HTTP/2 stream, and on all of a
-/// connection's streams together, before the proxy reads it.
+/// connection's streams together, before the proxy reads it: HTTP/2's own
+/// initial window for both, which a caller may fill before it has read the
+/// proxy's settings anyway. At 128 KiB a connection, 250 connections of
+/// uploads stalled behind busy upstream slots held 5 MiB more.
 const H2_STREAM_WINDOW: u32 = 64 * 1024;
-const H2_CONNECTION_WINDOW: u32 = 128 * 1024;
-/// What all HTTP/2 connections of a listener may hold together: past 64
-/// of them, each gets its share, down to [`H2_MIN_WINDOW`].
+const H2_CONNECTION_WINDOW: u32 = 64 * 1024;
+/// What all HTTP/2 connections of a listener may hold together: past 128
+/// of them, each new one gets its share, down to [`H2_MIN_WINDOW`] (once
+/// its first 64 KiB is read: HTTP/2 lets a connection's window only grow).
 const H2_WINDOWS: u32 = 8 << 20;
 const H2_MIN_WINDOW: u32 = 8 * 1024;
 
@@ -378,11 +382,9 @@ impl Builders {
         // One connection's streams may each hold an upstream slot: at most
         // 100 at once (nginx allows 128; h2's default is no limit).
         // Flow-control windows bound what a caller can make one connection
-        // hold of bodies not yet read: a stream 64 KiB (HTTP/2's own
-        // default), a connection two streams' worth (hyper's default is
-        // 1 MiB for each stream and the connection: 100 MiB over 100 stalled
-        // connections; at 512 KiB, 40 connections of stalled uploads took
-        // the process 13 MiB higher than at 128 KiB).
+        // hold of bodies not yet read: 64 KiB for a stream and for the
+        // connection (hyper's default is 1 MiB for each stream and the
+        // connection: 100 MiB over 100 stalled connections).
         // What a stream may have queued for a caller that does not read
         // (hyper's default is about 400 KB: 20 connections of GETs for
         // large bodies, never read, held 150-210 MiB).

@@ -378,6 +378,7 @@ fn memory_bound(config: &Config) -> crate::listen::pressure::Bound {
         max: config.listen.max_memory,
         per_answer: kernel(config.listen.send_buffer, send_max)
             .saturating_add(kernel(receive, receive_max)),
+        per_waiting: kernel(receive, receive_max),
     }
 }
 

@@ -7,8 +7,9 @@
 //!
 //! What Envoy's overload manager does for its heap, for this one resource:
 //! the bytes allocated and not freed are read at every new connection and
-//! request, and every [`TICK`]; past the bound, memory is under pressure
-//! until they are back under nine tenths of it. Under pressure:
+//! request, and every [`TICK`], with what the kernel holds behind answers
+//! (see [`Bound`]); past the bound, memory is under pressure until they are
+//! back under nine tenths of it. Under pressure:
 //! - new requests are answered 503 at once (`overloaded`, marked
 //!   [`Crowded::Memory`](crate::wire::Crowded)) and count nothing upstream;
 //! - new connections are refused at the door (`refuse_at_the_door`):
@@ -84,6 +85,12 @@ static MEASURE: OnceLock<fn() -> usize> = OnceLock::new();
 /// Memory is under pressure now: the one flag every request reads.
 static UNDER_PRESSURE: AtomicBool = AtomicBool::new(false);
 
+/// Memory is short for the answers already admitted: they take nothing
+/// more from their upstreams ([`wait_for_memory`]). Pressure counts, on
+/// top, what the kernel holds behind the answers that wait: it refuses
+/// new work until they are through, but waking them is what frees it.
+static SHORT: AtomicBool = AtomicBool::new(false);
+
 /// Installs how the bytes the process has in use are read (the binary:
 /// its allocator's count). Until then, nothing is bounded.
 pub fn measure_with(measure: fn() -> usize) {
@@ -102,6 +109,10 @@ static BOUND: AtomicUsize = AtomicUsize::new(0);
 /// [`Bound::per_answer`]), as the bound counts it.
 static PER_ANSWER: AtomicUsize = AtomicUsize::new(0);
 
+/// What the kernel may hold for each answer waiting for memory (see
+/// [`Bound::per_waiting`]).
+static PER_WAITING: AtomicUsize = AtomicUsize::new(0);
+
 /// The bound on memory, from the running config.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Bound {
@@ -112,13 +123,23 @@ pub struct Bound {
     /// connection's receive buffer, full at worst): the container's limit
     /// counts socket buffers too.
     pub per_answer: usize,
+    /// Kernel bytes counted in use for each answer waiting for memory: its
+    /// upstream connection's receive buffer, full at worst (or twice what
+    /// is left of its body, if less).
+    pub per_waiting: usize,
 }
 
-/// Bytes in use as the bound counts them: allocated, and the kernel
-/// buffers behind each answer that holds some for its caller.
+/// Bytes in use as answers count them: allocated, and the kernel buffers
+/// behind each answer that holds some for its caller.
 fn counted(measure: fn() -> usize) -> usize {
     let answers = HOLDING.load(Ordering::Relaxed);
     measure().saturating_add(answers.saturating_mul(PER_ANSWER.load(Ordering::Relaxed)))
+}
+
+/// Bytes in use as admission counts them: [`counted`], and the upstream
+/// receive queues behind the answers waiting for memory.
+fn committed(counted: usize) -> usize {
+    counted.saturating_add(WAITING_BYTES.load(Ordering::Relaxed))
 }
 
 /// Answers whose last frame went to their connection and that have not
@@ -138,20 +159,35 @@ fn hold(holds: bool) {
 /// burst of callers admitted between two ticks (a thousand in 100 ms) took
 /// the process twice past the bound before the next tick saw it.
 pub fn under_pressure() -> bool {
-    UNDER_PRESSURE.load(Ordering::Relaxed) || past_the_bound()
+    UNDER_PRESSURE.load(Ordering::Relaxed) || past_the_bound(false)
 }
 
-/// Memory past the bound now: pressure starts at once, the next tick cuts.
-fn past_the_bound() -> bool {
+/// Whether memory is short for the answers already admitted (see
+/// [`SHORT`]); looks at the bytes in use too.
+fn memory_short() -> bool {
+    SHORT.load(Ordering::Relaxed) || past_the_bound(true)
+}
+
+/// Memory past the bound now, as admission counts it (or as answers do,
+/// `for_answers`): pressure starts at once, the next tick cuts.
+fn past_the_bound(for_answers: bool) -> bool {
     let bound = BOUND.load(Ordering::Relaxed);
-    let past = bound != 0
-        && MEASURE
-            .get()
-            .is_some_and(|&measure| counted(measure) > bound);
+    let Some(&measure) = MEASURE.get().filter(|_| bound != 0) else {
+        return false;
+    };
+    let counted = counted(measure);
+    let short = counted > bound;
+    if short {
+        SHORT.store(true, Ordering::Relaxed);
+    }
+    let past = short || committed(counted) > bound;
     if past {
         UNDER_PRESSURE.store(true, Ordering::Relaxed);
     }
-    past
+    match for_answers {
+        true => short,
+        false => past,
+    }
 }
 
 /// The answer to an HTTP/1 connection refused at the door.
@@ -218,6 +254,17 @@ pub struct Look {
     pub cut: usize,
 }
 
+/// Whether `in_use` bytes are past a bound of `max` (0: none): from past
+/// it until back under nine tenths of it, `was` saying which side.
+fn pressed(in_use: usize, max: u64, was: bool) -> bool {
+    let max = usize::try_from(max).unwrap_or(usize::MAX);
+    max > 0
+        && match was {
+            true => in_use >= max / 10 * 9,
+            false => in_use > max,
+        }
+}
+
 /// The connections of the listeners a bound watches over.
 #[derive(Default)]
 pub struct Pressure {
@@ -237,12 +284,7 @@ impl Pressure {
     /// One look with `in_use` bytes in use and a bound of `max` (0: none):
     /// sets the flag, and under pressure cuts what holds unread answers.
     pub fn look(&self, in_use: usize, max: u64, was: bool) -> Look {
-        let max = usize::try_from(max).unwrap_or(usize::MAX);
-        let pressed = max > 0
-            && match was {
-                true => in_use >= max / 10 * 9,
-                false => in_use > max,
-            };
+        let pressed = pressed(in_use, max, was);
         let cut = if pressed { self.cut_stalled() } else { 0 };
         Look {
             in_use,
@@ -389,7 +431,11 @@ impl<B: http_body::Body> http_body::Body for Streaming<B> {
     ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
         use std::task::Poll;
         let this = self.project();
-        let polled = match !this.waiting.let_through && wait_for_memory(this.waiting, cx) {
+        let waits = !this.waiting.let_through && {
+            let left = this.body.size_hint().upper();
+            wait_for_memory(this.waiting, left, cx)
+        };
+        let polled = match waits {
             true => Poll::Pending,
             false => this.body.poll_frame(cx),
         };
@@ -446,16 +492,20 @@ const LET_THROUGH_AT_LEAST: usize = 4;
 /// memory no longer short; or, while it stays short with nothing to cut,
 /// a few at a time, oldest first, `let_through` for good: a caller that
 /// reads nothing is seen only once its answer flows. Costs one measure
-/// when memory is not short.
-fn wait_for_memory(waiting: &mut Waiting, cx: &mut std::task::Context<'_>) -> bool {
+/// when memory is not short. `left`: what is left of its body, if known.
+fn wait_for_memory(
+    waiting: &mut Waiting,
+    left: Option<u64>,
+    cx: &mut std::task::Context<'_>,
+) -> bool {
     if waiting.relief.is_none() {
-        if !under_pressure() {
+        if !memory_short() {
             return false;
         }
-        // Taken into the list before pressure is asked again, so that the
-        // look that ends it cannot be missed.
-        waiting.begin();
-        if !under_pressure() {
+        // Taken into the list before memory is asked again, so that the
+        // look that ends the shortage cannot be missed.
+        waiting.begin(left);
+        if !memory_short() {
             waiting.end();
             return false;
         }
@@ -474,6 +524,11 @@ fn wait_for_memory(waiting: &mut Waiting, cx: &mut std::task::Context<'_>) -> bo
 /// Answers waiting for memory now.
 static WAITING: AtomicUsize = AtomicUsize::new(0);
 
+/// What the kernel may hold behind the answers waiting for memory: each
+/// one's [`Bound::per_waiting`], or twice what is left of its body if less
+/// (a receive queue's bytes cost the kernel up to twice their size).
+static WAITING_BYTES: AtomicUsize = AtomicUsize::new(0);
+
 /// An answer's wait for memory.
 #[derive(Default)]
 struct Waiting {
@@ -482,19 +537,27 @@ struct Waiting {
     since: u64,
     // Let through while memory stayed short: it waits no more.
     let_through: bool,
+    // What it counts in `WAITING_BYTES`.
+    bytes: usize,
 }
 
 impl Waiting {
-    fn begin(&mut self) {
+    fn begin(&mut self, left: Option<u64>) {
         self.since = RELIEVED.load(Ordering::Relaxed);
         let notified = self.relief.insert(Box::pin(RELIEF.notified()));
         notified.as_mut().enable();
+        let most = PER_WAITING.load(Ordering::Relaxed);
+        self.bytes = left.map_or(most, |left| {
+            usize::try_from(left.saturating_mul(2)).map_or(most, |twice| twice.min(most))
+        });
         WAITING.fetch_add(1, Ordering::Relaxed);
+        WAITING_BYTES.fetch_add(self.bytes, Ordering::Relaxed);
     }
 
     fn end(&mut self) {
         if self.relief.take().is_some() {
             WAITING.fetch_sub(1, Ordering::Relaxed);
+            WAITING_BYTES.fetch_sub(std::mem::take(&mut self.bytes), Ordering::Relaxed);
         }
     }
 }
@@ -530,73 +593,95 @@ pub async fn guard(
     };
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Looks in a row under pressure with nothing to cut.
-    let mut stuck = 0u32;
-    // Looks in a row under pressure.
-    let mut pressed_for = 0u32;
-    // Pressure as last told.
-    let mut told = false;
+    let mut guard = Guard::default();
     loop {
         tokio::select! {
             _ = crate::listen::stopped(&mut stop) => break,
             _ = tick.tick() => {}
         }
-        let Bound { max, per_answer } = bound();
-        PER_ANSWER.store(per_answer, Ordering::Relaxed);
+        let bound = bound();
+        PER_ANSWER.store(bound.per_answer, Ordering::Relaxed);
+        PER_WAITING.store(bound.per_waiting, Ordering::Relaxed);
         BOUND.store(
-            usize::try_from(max).unwrap_or(usize::MAX),
+            usize::try_from(bound.max).unwrap_or(usize::MAX),
             Ordering::Relaxed,
         );
-        let look = pressure.look(
-            counted(measure),
-            max,
-            UNDER_PRESSURE.load(Ordering::Relaxed),
-        );
-        pressed_for = match look.pressed {
-            true => pressed_for.saturating_add(1),
+        report(guard.look(&pressure, measure, bound.max));
+    }
+    BOUND.store(0, Ordering::Relaxed);
+    UNDER_PRESSURE.store(false, Ordering::Relaxed);
+    SHORT.store(false, Ordering::Relaxed);
+    RELIEF.notify_waiters();
+}
+
+/// What the guard remembers from one look to the next.
+#[derive(Default)]
+struct Guard {
+    // Looks in a row under pressure with nothing to cut.
+    stuck: u32,
+    // Looks in a row with memory short for answers.
+    short_for: u32,
+    // Pressure as last told.
+    told: bool,
+}
+
+impl Guard {
+    /// One look: pressure (admission, cuts) on what is committed, the
+    /// answers' shortage on what is held, and the waiting answers woken
+    /// or let through.
+    fn look(&mut self, pressure: &Pressure, measure: fn() -> usize, max: u64) -> Look {
+        let held = counted(measure);
+        let look = pressure.look(committed(held), max, UNDER_PRESSURE.load(Ordering::Relaxed));
+        let short = pressed(held, max, SHORT.load(Ordering::Relaxed));
+        SHORT.store(short, Ordering::Relaxed);
+        UNDER_PRESSURE.store(look.pressed, Ordering::Relaxed);
+        self.short_for = match short {
+            true => self.short_for.saturating_add(1),
             false => 0,
         };
-        stuck = match look.pressed && look.cut == 0 {
-            true => stuck.saturating_add(1),
+        let waiting = WAITING.load(Ordering::Relaxed);
+        self.stuck = match look.pressed && look.cut == 0 && waiting == 0 {
+            true => self.stuck.saturating_add(1),
             false => 0,
         };
         // Ten seconds past the bound with no connection to cut: what holds
         // the memory is the config itself (its routes' series), not callers.
-        if stuck == STUCK_LOOKS {
+        if self.stuck == STUCK_LOOKS {
             tracing::error!(
                 in_use = look.in_use,
                 max,
                 "memory stays past listen.max_memory with no connection to cut, and every request is refused: raise listen.max_memory (the config itself may need more)"
             );
         }
-        UNDER_PRESSURE.store(look.pressed, Ordering::Relaxed);
-        let waiting = WAITING.load(Ordering::Relaxed);
-        if !look.pressed && waiting > 0 {
+        if !short && waiting > 0 {
             RELIEVED.fetch_add(1, Ordering::Relaxed);
             wake((waiting / WAKE_SHARE).max(WAKE_AT_LEAST).min(waiting));
-        } else if look.pressed && pressed_for > STALLED_LOOKS {
+        } else if short && self.short_for > STALLED_LOOKS {
             wake(
                 (waiting / LET_THROUGH_SHARE)
                     .max(LET_THROUGH_AT_LEAST)
                     .min(waiting),
             );
         }
-        if look.pressed != told {
-            told = look.pressed;
-            match look.pressed {
-                true => tracing::warn!(
-                    in_use = look.in_use,
-                    max,
-                    "memory under pressure: new requests refused, callers that read nothing cut"
-                ),
-                false => tracing::info!(in_use = look.in_use, "memory pressure over"),
-            }
-        }
-        report(look);
+        self.tell(look, max);
+        look
     }
-    BOUND.store(0, Ordering::Relaxed);
-    UNDER_PRESSURE.store(false, Ordering::Relaxed);
-    RELIEF.notify_waiters();
+
+    /// Logs where pressure starts and ends.
+    fn tell(&mut self, look: Look, max: u64) {
+        if look.pressed == self.told {
+            return;
+        }
+        self.told = look.pressed;
+        match look.pressed {
+            true => tracing::warn!(
+                in_use = look.in_use,
+                max,
+                "memory under pressure: new requests refused, callers that read nothing cut"
+            ),
+            false => tracing::info!(in_use = look.in_use, "memory pressure over"),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -614,6 +699,24 @@ mod tests {
             .map(|v| v.parse::<usize>().unwrap());
         assert_eq!(length, Some(body.len()));
         assert!(head.lines().all(|l| !l.starts_with(' ')), "{head}");
+    }
+
+    #[test]
+    fn an_answer_waiting_for_memory_counts_its_upstream_receive_queue() {
+        // The library's tests install no measure: nothing else waits.
+        PER_WAITING.store(128 << 10, Ordering::Relaxed);
+        let before = committed(0);
+        let (mut small, mut large, mut unknown) = Default::default();
+        Waiting::begin(&mut small, Some(1000));
+        Waiting::begin(&mut large, Some(10 << 20));
+        Waiting::begin(&mut unknown, None);
+        assert_eq!(committed(0) - before, 2000 + 2 * (128 << 10));
+        drop(large);
+        Waiting::end(&mut small);
+        Waiting::end(&mut small);
+        assert_eq!(committed(0) - before, 128 << 10);
+        drop(unknown);
+        assert_eq!(committed(0), before);
     }
 
     #[test]

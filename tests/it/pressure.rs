@@ -5,6 +5,7 @@
 //! the proxy answers as before. Without the bound, the first round of each
 //! test held 246 MB (HTTP/1) and 98 MB (HTTP/2) in use.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -135,8 +136,9 @@ async fn a_burst_of_callers_that_read_nothing_stays_near_the_bound() {
     let _heavy = heavy().await;
     raise_open_files();
     for (callers, size) in [(1200usize, 1usize << 20), (2400, 2 << 20)] {
-        let (_up, toml) = big_answers(size, 8).await;
+        let (up, toml) = big_answers(size, 8).await;
         let hg = Binary::start_with("max_memory = \"24MiB\"", &toml).await;
+        let kernel = KernelQueues::sample(&hg.listen, &up.url());
         let held = futures_util::future::join_all((0..callers).map(|i| {
             let (listen, path) = (hg.listen.clone(), format!("/r{}/big", i % 8));
             async move { unread_get(&listen, &path).await }
@@ -145,15 +147,61 @@ async fn a_burst_of_callers_that_read_nothing_stays_near_the_bound() {
         let reached = held.iter().flatten().count();
         pressure_came_and_went(&hg, "/r0/after").await;
         let peak_mib = hg.peak_rss_kib() / 1024;
+        let (sent, received) = kernel.peak();
         eprintln!(
-            "a burst of {callers} callers ({reached} connected) of {size} B: peak RSS {peak_mib} MiB, {} cut",
-            hg.metric(CUT).await
+            "a burst of {callers} callers ({reached} connected) of {size} B: peak RSS {peak_mib} MiB, {} cut, kernel queues at most {} MiB to callers, {} MiB from upstreams",
+            hg.metric(CUT).await, sent >> 20, received >> 20
         );
         assert!(reached > callers / 2, "only {reached} connected");
         assert!(peak_mib <= 64, "peak RSS {peak_mib} MiB");
         drop(held);
         hg.terminate().await;
     }
+}
+
+/// A second wave of callers that read nothing, come as soon as the
+/// first one's pressure is over, is refused in turn: pressure ends only
+/// once what the kernel holds behind answers waiting for memory (their
+/// upstreams' receive queues, counted) is through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_wave_is_refused_while_the_first_waits_for_memory() {
+    let _heavy = heavy().await;
+    raise_open_files();
+    let (up, toml) = big_answers(1 << 20, 8).await;
+    let hg = Binary::start_with("max_memory = \"24MiB\"", &toml).await;
+    let kernel = KernelQueues::sample(&hg.listen, &up.url());
+    let wave = || {
+        futures_util::future::join_all((0..1200).map(|i| {
+            let (listen, path) = (hg.listen.clone(), format!("/r{}/big", i % 8));
+            async move { unread_get(&listen, &path).await }
+        }))
+    };
+    let first = wave().await;
+    eventually(Duration::from_secs(10), "memory short", || async {
+        hg.metric(PRESSURE).await == 1.0
+    })
+    .await;
+    eventually(Duration::from_secs(30), "the pressure over", || async {
+        hg.metric(PRESSURE).await == 0.0
+    })
+    .await;
+    let after_first = kernel.peak();
+    let now = queues(port(&hg.listen), port(&up.url()));
+    let hits = up.hits();
+    let second = wave().await;
+    pressure_came_and_went(&hg, "/r0/after").await;
+    let (sent, received) = kernel.peak();
+    eprintln!(
+        "first wave: {} MiB from upstreams, {} to callers, at its end {} and {}; both: {} and {}; second wave: {} reached the upstream, {} refused at the door",
+        after_first.1 >> 20, after_first.0 >> 20, now.1 >> 20, now.0 >> 20, received >> 20, sent >> 20,
+        up.hits() - hits, hg.metric(REFUSED).await
+    );
+    let reached = up.hits() - hits;
+    assert!(
+        reached <= 120,
+        "{reached} of the second wave reached the upstream"
+    );
+    drop((first, second));
 }
 
 /// An HTTP/1 caller that reads its answer in bursts (all there is, every
@@ -502,6 +550,70 @@ fn send_queue(listen: u16, caller: u16) -> Option<u64> {
             u64::from_str_radix(queue, 16).ok()
         })?
     })
+}
+
+/// The bytes the proxy's sockets have queued in the kernel, sampled
+/// every 50 ms (for a minute at most): sent to its callers and not yet
+/// acknowledged, received from its upstream and not yet read.
+struct KernelQueues {
+    peak: Arc<[std::sync::atomic::AtomicU64; 2]>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl KernelQueues {
+    fn sample(listen: &str, upstream: &str) -> Self {
+        let (listen, upstream) = (port(listen), port(upstream));
+        let peak: Arc<[std::sync::atomic::AtomicU64; 2]> = Arc::default();
+        let seen = peak.clone();
+        let task = tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_millis(50));
+            for _ in 0..1200 {
+                every.tick().await;
+                let (sent, received) = queues(listen, upstream);
+                seen[0].fetch_max(sent, std::sync::atomic::Ordering::Relaxed);
+                seen[1].fetch_max(received, std::sync::atomic::Ordering::Relaxed);
+            }
+        });
+        Self { peak, task }
+    }
+
+    /// The most queued so far: to callers, from upstreams.
+    fn peak(&self) -> (u64, u64) {
+        let load = |i: usize| self.peak[i].load(std::sync::atomic::Ordering::Relaxed);
+        (load(0), load(1))
+    }
+}
+
+impl Drop for KernelQueues {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The port of `host:port` or `http://host:port`.
+fn port(addr: &str) -> u16 {
+    addr.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// The send queues of the sockets on port `listen` and the receive queues
+/// of those connected to port `upstream`, summed.
+fn queues(listen: u16, upstream: u16) -> (u64, u64) {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    let (mut sent, mut received) = (0, 0);
+    for line in table.lines().skip(1) {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let port = |addr: &str| u16::from_str_radix(addr.rsplit(':').next().unwrap_or(""), 16).ok();
+        let Some((tx, rx)) = fields.get(4).and_then(|q| q.split_once(':')) else {
+            continue;
+        };
+        let hex = |q: &str| u64::from_str_radix(q, 16).unwrap_or(0);
+        if port(fields[1]) == Some(listen) {
+            sent += hex(tx);
+        } else if port(fields[2]) == Some(upstream) {
+            received += hex(rx);
+        }
+    }
+    (sent, received)
 }
 
 /// A caller that reads nothing of a large answer holds in the kernel what

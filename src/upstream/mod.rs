@@ -7,6 +7,7 @@ pub(crate) mod attempt;
 pub(crate) mod body;
 pub(crate) mod classify;
 pub(crate) mod discovery;
+pub(crate) mod heads;
 pub(crate) mod pool;
 pub mod replay;
 pub(crate) mod tunnel;
@@ -99,6 +100,10 @@ impl SendError {
             SendError::Client(e) => Some(e),
         };
         while let Some(s) = source {
+            // Informational answers without end: it would only send them again.
+            if heads::EndlessInformational::is(s) {
+                return UpstreamFault::BadResponse;
+            }
             if let Some(h) = s.downcast_ref::<hyper::Error>() {
                 // The request was never written: its pooled connection closed first.
                 if h.is_canceled() {

@@ -44,6 +44,7 @@ use tokio::time::Instant;
 use tracing::debug;
 
 use super::body::RequestBody;
+use super::heads::{HeadWait, Metered};
 
 /// The most hyper keeps queued to write to an upstream, or read from it
 /// at once (its default is about 400 KB): an upstream that answers without
@@ -149,6 +150,8 @@ pub struct Pooled {
     probe: std::net::TcpStream,
     /// The task that drives the connection.
     task: Option<tokio::task::AbortHandle>,
+    /// Tells the connection when a response's head is awaited.
+    head: HeadWait,
     /// Tells the task to put the socket back in the list once hyper's
     /// connection has ended (`None`: an upgradable connection, never parked).
     park: Option<tokio::sync::oneshot::Sender<Instant>>,
@@ -300,7 +303,10 @@ impl H1Pool {
                 }
                 None => (self.connect(upgrade).await?, None),
             };
-            match conn.sender.try_send_request(req).await {
+            conn.head.begin();
+            let sent = conn.sender.try_send_request(req).await;
+            conn.head.end();
+            match sent {
                 Ok(resp) => Ok((resp, conn)),
                 // On the heap: rare, and the request's future would
                 // otherwise keep room for it.
@@ -326,11 +332,10 @@ impl H1Pool {
         let source = failed.into_error();
         debug!(upstream = %self.authority, error = %source, "pooled connection closed before the request was written; sending it on a new one");
         let mut conn = self.connect(false).await?;
-        let resp = conn
-            .sender
-            .send_request(req)
-            .await
-            .map_err(|source| self.request_error(source, false, None))?;
+        conn.head.begin();
+        let sent = conn.sender.send_request(req).await;
+        conn.head.end();
+        let resp = sent.map_err(|source| self.request_error(source, false, None))?;
         Ok((resp, conn))
     }
 
@@ -492,6 +497,7 @@ impl H1Pool {
             authority: self.authority.clone(),
             source,
         })?;
+        let (stream, head) = Metered::new(stream);
         let (sender, conn) = http1::Builder::new()
             .max_buf_size(UPSTREAM_BUFFER)
             .handshake(TokioIo::new(stream))
@@ -512,6 +518,7 @@ impl H1Pool {
                 sender,
                 probe,
                 task: Some(task),
+                head,
                 park: None,
             });
         }
@@ -531,7 +538,7 @@ impl H1Pool {
             let Ok(last_used) = parked.try_recv() else {
                 return;
             };
-            let Ok(stream) = parts.io.into_inner().into_std() else {
+            let Ok(stream) = parts.io.into_inner().into_inner().into_std() else {
                 return;
             };
             if !parts.read_buf.is_empty() || !is_quiet(socket2::SockRef::from(&stream)) {
@@ -550,6 +557,7 @@ impl H1Pool {
             sender,
             probe,
             task: Some(task),
+            head,
             park: Some(park),
         })
     }

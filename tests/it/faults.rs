@@ -982,3 +982,53 @@ async fn shed_streams_do_not_shield_a_rapid_reset() {
     );
     hg.terminate().await;
 }
+
+/// An upstream that answers informational heads (`103 Early Hints`)
+/// without end is cut once it has sent 64 KiB of them: 502
+/// `bad-response`, not retried, well before the attempt's timeout; a few
+/// of them before the answer are read past.
+#[tokio::test]
+async fn informational_answers_without_end_are_a_bad_response() {
+    let hint = b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n";
+    for (hints, answered) in [(10usize, true), (1_000_000, false)] {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let seen = Arc::new(AtomicUsize::new(0));
+        let count = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let count = count.clone();
+                tokio::spawn(async move {
+                    if !read_head(&mut stream).await {
+                        return;
+                    }
+                    count.fetch_add(1, Ordering::SeqCst);
+                    let many = hint.repeat(100);
+                    for _ in 0..hints / 100 {
+                        if stream.write_all(&many).await.is_err() {
+                            return;
+                        }
+                    }
+                    let _ = stream
+                        .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                        .await;
+                });
+            }
+        });
+        let hg = Binary::start(&config(&url).replace(
+            "retry = {",
+            "retry = { timeout = \"120s\", per_try_timeout = \"60s\", ",
+        ))
+        .await;
+        let (status, headers, body) = get(&hg, "/hints").await;
+        match answered {
+            true => assert_eq!((status, &body[..]), (StatusCode::OK, &b"ok"[..])),
+            false => {
+                assert_eq!(status, StatusCode::BAD_GATEWAY, "{body:?}");
+                assert_eq!(headers.get("x-herdguard-error").unwrap(), "bad-response");
+                assert_eq!(seen.load(Ordering::SeqCst), 1, "not retried");
+            }
+        }
+        hg.terminate().await;
+    }
+}

@@ -54,15 +54,24 @@ fn memory(config: &Config, listen: &KeyPath, report: &mut Report<'_>) {
             "must be 0 (no bound) or at least 16MiB: the process itself uses a few MiB".into(),
         );
     }
-    socket_buffer(report, listen.key("send_buffer"), config.listen.send_buffer);
+    socket_buffer(
+        report,
+        listen.key("send_buffer"),
+        config.listen.send_buffer,
+        (4 << 10, ""),
+    );
 }
 
-/// A socket's buffer size: 0 (the kernel's autotuning) or 4 KiB to 64 MiB.
-fn socket_buffer(report: &mut Report<'_>, key: KeyPath, size: u64) {
-    if size != 0 && !(4 << 10..=64 << 20).contains(&size) {
+/// A socket's buffer size: 0 (the kernel's autotuning) or from `least`
+/// (`why` that floor) to 64 MiB.
+fn socket_buffer(report: &mut Report<'_>, key: KeyPath, size: u64, (least, why): (u64, &str)) {
+    if size != 0 && !(least..=64 << 20).contains(&size) {
         report(
             key,
-            "must be 0 (the kernel's autotuning) or from 4KiB to 64MiB".into(),
+            format!(
+                "must be 0 (the kernel's autotuning) or from {}KiB to 64MiB{why}",
+                least >> 10
+            ),
         );
     }
 }
@@ -512,14 +521,15 @@ fn upstream_config(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) 
     positive(report, &path.key("connect_timeout"), u.connect_timeout);
     // Under 16 KiB a loopback upstream's segments (64 KiB) no longer fit
     // the window, and data moves only on the kernel's probe timer.
-    if u.receive_buffer != 0 && u.receive_buffer < 16 << 10 {
-        report(
-            path.key("receive_buffer"),
-            "must be 0 (the kernel's autotuning) or from 16KiB to 64MiB: a smaller window stalls a local upstream's answers".into(),
-        );
-    } else {
-        socket_buffer(report, path.key("receive_buffer"), u.receive_buffer);
-    }
+    socket_buffer(
+        report,
+        path.key("receive_buffer"),
+        u.receive_buffer,
+        (
+            16 << 10,
+            ": a smaller window stalls a local upstream's answers",
+        ),
+    );
     positive(
         report,
         &path.key("tunnel_idle_timeout"),

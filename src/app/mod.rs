@@ -373,28 +373,35 @@ fn memory_bound(config: &Config) -> crate::listen::pressure::Bound {
         };
         usize::try_from(size).unwrap_or(usize::MAX)
     };
-    let (send_max, receive_max) = *autotuned_buffers();
+    let (send_max, receive_max, receive_first) = *autotuned_buffers();
     crate::listen::pressure::Bound {
         max: config.listen.max_memory,
         per_answer: kernel(config.listen.send_buffer, send_max)
             .saturating_add(kernel(receive, receive_max)),
         per_waiting: kernel(receive, receive_max),
+        per_upload: usize::try_from(receive_first).unwrap_or(usize::MAX),
     }
 }
 
 /// The largest send and receive buffers the kernel's autotuning gives a
-/// TCP connection (`net.ipv4.tcp_wmem` and `tcp_rmem`, their last field;
-/// Linux's defaults if they cannot be read).
-fn autotuned_buffers() -> &'static (u64, u64) {
-    static SIZES: std::sync::OnceLock<(u64, u64)> = std::sync::OnceLock::new();
+/// TCP connection (`net.ipv4.tcp_wmem` and `tcp_rmem`, their last field),
+/// and the receive buffer a connection starts with (`tcp_rmem`'s middle
+/// field: what a caller's socket holds of a body nobody reads); Linux's
+/// defaults if they cannot be read.
+fn autotuned_buffers() -> &'static (u64, u64, u64) {
+    static SIZES: std::sync::OnceLock<(u64, u64, u64)> = std::sync::OnceLock::new();
     SIZES.get_or_init(|| {
-        let largest = |name: &str, default: u64| {
+        let field = |name: &str, at: usize, default: u64| {
             std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}"))
                 .ok()
-                .and_then(|text| text.split_whitespace().last()?.parse().ok())
+                .and_then(|text| text.split_whitespace().nth(at)?.parse().ok())
                 .unwrap_or(default)
         };
-        (largest("tcp_wmem", 4 << 20), largest("tcp_rmem", 6 << 20))
+        (
+            field("tcp_wmem", 2, 4 << 20),
+            field("tcp_rmem", 2, 6 << 20),
+            field("tcp_rmem", 1, 128 << 10),
+        )
     })
 }
 

@@ -210,8 +210,25 @@ impl Cycle {
 
     /// The latest request is read: bytes from here on are the next one's.
     fn read(&self) {
-        self.unread.store(false, Ordering::Release);
+        self.set_unread(false);
         self.writes.unhear();
+    }
+
+    /// Whether the latest request's body is still to be read: while it
+    /// is, the caller's socket may hold a receive buffer of it in the
+    /// kernel, which the memory bound counts.
+    fn set_unread(&self, unread: bool) {
+        if self.unread.load(Ordering::Acquire) != unread
+            && self.unread.swap(unread, Ordering::AcqRel) != unread
+        {
+            crate::listen::pressure::uploading(unread);
+        }
+    }
+}
+
+impl Drop for Cycle {
+    fn drop(&mut self) {
+        self.set_unread(false);
     }
 }
 
@@ -279,7 +296,7 @@ where
         let cycle = &self.cycle;
         cycle.answered.store(false, Ordering::Relaxed);
         let unread = !req.body().is_end_stream();
-        cycle.unread.store(unread, Ordering::Release);
+        cycle.set_unread(unread);
         cycle.writes.unhear();
         let held = match HeadHeld::take(detach_head(&mut req)) {
             Ok(held) => held,

@@ -113,6 +113,22 @@ static PER_ANSWER: AtomicUsize = AtomicUsize::new(0);
 /// [`Bound::per_waiting`]).
 static PER_WAITING: AtomicUsize = AtomicUsize::new(0);
 
+/// What the kernel may hold for each HTTP/1 request body not yet read (see
+/// [`Bound::per_upload`]).
+static PER_UPLOAD: AtomicUsize = AtomicUsize::new(0);
+
+/// HTTP/1 requests whose bodies are not yet read to their end. (HTTP/2
+/// callers send only what their windows allow.)
+static UPLOADS: AtomicUsize = AtomicUsize::new(0);
+
+/// An HTTP/1 request's body is now to be read (or no longer).
+pub(crate) fn uploading(unread: bool) {
+    match unread {
+        true => UPLOADS.fetch_add(1, Ordering::Relaxed),
+        false => UPLOADS.fetch_sub(1, Ordering::Relaxed),
+    };
+}
+
 /// The bound on memory, from the running config.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Bound {
@@ -127,6 +143,10 @@ pub struct Bound {
     /// upstream connection's receive buffer, full at worst (or twice what
     /// is left of its body, if less).
     pub per_waiting: usize,
+    /// Kernel bytes counted in use for each HTTP/1 request body not yet
+    /// read: its caller connection's receive buffer, full at worst (an
+    /// upstream that does not read, or a request waiting for a slot).
+    pub per_upload: usize,
 }
 
 /// Bytes in use as answers count them: allocated, and the kernel buffers
@@ -136,10 +156,14 @@ fn counted(measure: fn() -> usize) -> usize {
     measure().saturating_add(answers.saturating_mul(PER_ANSWER.load(Ordering::Relaxed)))
 }
 
-/// Bytes in use as admission counts them: [`counted`], and the upstream
-/// receive queues behind the answers waiting for memory.
+/// Bytes in use as admission counts them: [`counted`], the upstream
+/// receive queues behind the answers waiting for memory, and the caller
+/// receive queues of the HTTP/1 request bodies not yet read.
 fn committed(counted: usize) -> usize {
-    counted.saturating_add(WAITING_BYTES.load(Ordering::Relaxed))
+    let uploads = UPLOADS.load(Ordering::Relaxed);
+    counted
+        .saturating_add(WAITING_BYTES.load(Ordering::Relaxed))
+        .saturating_add(uploads.saturating_mul(PER_UPLOAD.load(Ordering::Relaxed)))
 }
 
 /// Answers whose last frame went to their connection and that have not
@@ -602,6 +626,7 @@ pub async fn guard(
         let bound = bound();
         PER_ANSWER.store(bound.per_answer, Ordering::Relaxed);
         PER_WAITING.store(bound.per_waiting, Ordering::Relaxed);
+        PER_UPLOAD.store(bound.per_upload, Ordering::Relaxed);
         BOUND.store(
             usize::try_from(bound.max).unwrap_or(usize::MAX),
             Ordering::Relaxed,

@@ -948,3 +948,63 @@ async fn scrapes_leave_the_memory_count_where_it_was() {
     assert!(after - before < 4e6, "{before} -> {after}");
     hg.terminate().await;
 }
+
+/// HTTP/1 uploads that nobody reads (sent to an upstream that neither
+/// reads nor answers, or waiting for a slot of it) each hold their caller
+/// socket's receive buffer in the kernel: counted, they bring memory under
+/// pressure and new callers are refused at the door, though the heap holds
+/// little of them (the review's flood of 2,000 such uploads: 245 MiB in the
+/// kernel at 59 MiB RSS, uncounted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_nobody_reads_count_their_receive_buffers() {
+    use tokio::io::AsyncWriteExt as _;
+    let _heavy = heavy().await;
+    raise_open_files();
+    // An upstream that takes connections and never reads nor answers.
+    let sink = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", sink.local_addr().unwrap());
+    let sinking = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = sink.accept().await {
+            held.push(stream);
+        }
+    });
+    let toml = format!(
+        "[upstreams.u]\nendpoints = [\"{url}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n\
+         retry = {{ per_try_timeout = \"30s\", timeout = \"30s\" }}\n"
+    );
+    let hg = Binary::start_with("max_memory = \"24MiB\"\nmax_body_memory = \"1MiB\"", &toml).await;
+    let len = 1usize << 20;
+    let uploads: Vec<_> = (0..400)
+        .map(|_| {
+            let listen = hg.listen.clone();
+            tokio::spawn(async move {
+                let mut s = tokio::net::TcpStream::connect(&listen).await.ok()?;
+                let head = format!("PUT /up HTTP/1.1\r\nHost: a\r\nContent-Length: {len}\r\n\r\n");
+                s.write_all(head.as_bytes()).await.ok()?;
+                // Blocks once the proxy takes no more: held until aborted.
+                s.write_all(&vec![b'x'; len]).await.ok()?;
+                std::future::pending::<Option<()>>().await
+            })
+        })
+        .collect();
+    eventually(Duration::from_secs(20), "new callers refused", || async {
+        hg.metric(REFUSED).await >= 1.0
+    })
+    .await;
+    eprintln!(
+        "400 uploads nobody reads: {} MiB in use as counted, {} MiB RSS, {} refused at the door",
+        hg.metric("herdguard_memory_in_use_bytes").await as u64 >> 20,
+        hg.rss_kib() >> 10,
+        hg.metric(REFUSED).await
+    );
+    for upload in uploads {
+        upload.abort();
+    }
+    eventually(Duration::from_secs(30), "the pressure over", || async {
+        hg.metric(PRESSURE).await == 0.0
+    })
+    .await;
+    sinking.abort();
+    hg.terminate().await;
+}

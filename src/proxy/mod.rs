@@ -1322,7 +1322,9 @@ mod tests {
     /// What each request in flight costs before it allocates anything: the
     /// request goes down boxed (an `async fn` keeps room for each argument
     /// twice, the argument and the local it is moved into, for as long as
-    /// it runs), and the future stays within a budget of its own.
+    /// it runs), and the future stays within a budget of its own (raised
+    /// by 64 bytes for the pooled connection's count of what comes before
+    /// a response's head: eight bytes in each state that holds one).
     #[test]
     #[allow(unreachable_code)]
     fn a_request_in_flight_fits_its_budget() {
@@ -1335,6 +1337,6 @@ mod tests {
         let size =
             size_of_future(|| proxy.handle(unreachable!("only its type is needed"), &caller));
         eprintln!("a request's future: {size} bytes");
-        assert!(size <= 4_352, "a request's future grew to {size} bytes");
+        assert!(size <= 4_416, "a request's future grew to {size} bytes");
     }
 }

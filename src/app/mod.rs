@@ -84,6 +84,26 @@ pub struct Shared {
     /// When the newest was rendered, the newest and the one before.
     pub(crate) rendering:
         Arc<tokio::sync::Mutex<Option<(std::time::Instant, admin::PageRef, admin::PageRef)>>>,
+    /// The config file as the last reload from it found it, before reading
+    /// it: the watcher does not reload again what a SIGHUP reloaded.
+    read: std::sync::Mutex<Option<Fingerprint>>,
+}
+
+impl Shared {
+    /// The config file as the last reload from it found it.
+    fn last_read(&self) -> Option<Fingerprint> {
+        *self.read.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A reload is about to read the config file, found as `stamp`.
+    fn read_as(&self, stamp: Option<Fingerprint>) {
+        *self.read.lock().unwrap_or_else(|e| e.into_inner()) = stamp;
+    }
+
+    /// A reload is about to read the config file at `path`.
+    pub(super) fn reading(&self, path: &Path) {
+        self.read_as(fingerprint(path));
+    }
 }
 
 /// A running proxy.
@@ -138,6 +158,7 @@ impl Server {
             draining: AtomicBool::new(false),
             reloading: std::sync::Mutex::new(()),
             rendering: Arc::default(),
+            read: std::sync::Mutex::new(None),
         });
         let (shutdown, shutdown_rx) = watch::channel(false);
         let drain_rx = shutdown_rx.clone();
@@ -211,9 +232,9 @@ impl Server {
     pub fn watch(&self, path: PathBuf, every: Duration, loaded: FileStamp) -> JoinHandle<()> {
         let reloader = self.reloader();
         let mut stop = self.shutdown.subscribe();
-        let mut loaded = loaded.0;
+        reloader.shared.read_as(loaded.0);
         tokio::spawn(async move {
-            let mut seen = loaded;
+            let mut seen = loaded.0;
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -226,10 +247,9 @@ impl Server {
                     .await
                     .ok()
                     .flatten();
-                if now.is_some() && now == seen && now != loaded {
+                if now.is_some() && now == seen && now != reloader.shared.last_read() {
                     info!(path = %path.display(), "config file changed");
                     let _ = reloader.reload_file_in_background(path.clone()).await;
-                    loaded = now;
                 }
                 seen = now;
             }

@@ -104,6 +104,7 @@ impl Reloader {
     /// Reads, checks and applies a config file. A file with errors changes
     /// nothing: the running config keeps serving; the error is logged and counted.
     pub fn reload_file(&self, path: &Path) -> Result<(), String> {
+        self.shared.reading(path);
         match Config::check_file_for_reload(path) {
             Ok(checked) => {
                 for w in &checked.warnings {

@@ -491,3 +491,34 @@ async fn a_config_that_fails_its_checks_never_reaches_the_runtime() {
     assert!(err.contains("routes[0].upstream"), "{err}");
     assert_eq!(get(&server, "/a").await.0, StatusCode::OK);
 }
+
+/// A file edited and then signalled (SIGHUP) is reloaded once: the
+/// watcher, which looks every second, does not reload again what the
+/// signal's reload read (it once did, so every edit and signal rebuilt
+/// the config twice).
+#[tokio::test]
+async fn an_edit_and_a_sighup_reload_once() {
+    let up = ok_upstream("ok").await;
+    let routes = |n: usize| {
+        let mut toml = format!("[upstreams.u]\nendpoints = [\"{}\"]\n", up.url());
+        for i in 0..n {
+            toml.push_str(&format!(
+                "[[routes]]\nname = \"r{i}\"\nupstream = \"u\"\nmatch = {{ path_prefix = \"/r{i}/\" }}\n"
+            ));
+        }
+        toml
+    };
+    let hg = crate::common::process::Binary::start(&routes(1)).await;
+    let ok = r#"herdguard_config_reloads_total{result="ok"}"#;
+    hg.reload(&routes(2));
+    eventually(Duration::from_secs(10), "reloaded", || async {
+        hg.metric(ok).await >= 1.0
+    })
+    .await;
+    // The watcher's two looks (changed, then unchanged for a second)
+    // come within two and a half seconds: the window to see a second
+    // reload, not a wait for one.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(hg.metric(ok).await, 1.0, "reloaded again");
+    hg.terminate().await;
+}

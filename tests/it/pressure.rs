@@ -160,9 +160,11 @@ async fn a_burst_of_callers_that_read_nothing_stays_near_the_bound() {
 }
 
 /// A second wave of callers that read nothing, come as soon as the
-/// first one's pressure is over, is refused in turn: pressure ends only
-/// once what the kernel holds behind answers waiting for memory (their
-/// upstreams' receive queues, counted) is through.
+/// first one's pressure is over, is refused in turn: at most a tenth of it
+/// reaches the upstream, and the kernel's queues are sampled throughout.
+/// (That the upstream receive queues behind answers waiting for memory
+/// count is `listen::pressure`'s unit test: this wave is refused with or
+/// without them.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_wave_is_refused_while_the_first_waits_for_memory() {
     let _heavy = heavy().await;

@@ -129,17 +129,25 @@ async fn random_errors_the_retries_absorb_never_open_the_breaker() {
         resp
     })
     .await;
-    let hg = Binary::start(&config(&up.url(), "")).await;
+    // The adaptive limit off: on a loaded machine it sheds requests
+    // (503 `overloaded`) for latency that is the machine's, not the
+    // upstream's, and this is about the retries and the breaker.
+    let hg = Binary::start(&config(&up.url(), "").replace(
+        "[[routes]]",
+        "adaptive_concurrency = { enabled = false }\n[[routes]]",
+    ))
+    .await;
     // 200 requests a second for five seconds.
     let sent = paced(&hg.listen, 1000, Duration::from_millis(5)).await;
-    let mut ok = 0;
+    let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
     for r in sent {
-        ok += usize::from(r.await.unwrap() == 200);
+        *statuses.entry(r.await.unwrap()).or_default() += 1;
     }
+    let ok = statuses.get(&200).copied().unwrap_or(0);
     // Three attempts against 20% errors fail 0.8% of requests, and more
     // where the budget runs short: 20% errors need 24 retries per 100
     // requests, the budget gives 20 (plus 1/s): about 96%.
-    assert!(ok >= 940, "{ok} of 1000 succeeded");
+    assert!(ok >= 940, "{ok} of 1000 succeeded: {statuses:?}");
     assert_eq!(hg.metric(OPENED).await, 0.0, "the breaker never opened");
     hg.terminate().await;
 }

@@ -170,13 +170,16 @@ impl Policy {
     pub fn facts(&self, method: &Method, headers: &HeaderMap, inner_hop: bool) -> RequestFacts {
         // One key, and not blank: with two (two fields, or a list in one),
         // the upstream may read either.
-        let mut keys = headers.get_all(&self.idempotency_header).iter();
-        let keyed = match (keys.next(), keys.next()) {
-            (Some(key), None) => one_key(key.as_bytes()),
-            _ => false,
+        // Looked up only for a method not safe to repeat by itself.
+        let keyed = || {
+            let mut keys = headers.get_all(&self.idempotency_header).iter();
+            match (keys.next(), keys.next()) {
+                (Some(key), None) => one_key(key.as_bytes()),
+                _ => false,
+            }
         };
         RequestFacts {
-            idempotent: self.all_idempotent || self.methods.contains(method) || keyed,
+            idempotent: self.all_idempotent || self.methods.contains(method) || keyed(),
             inner_hop,
             path: PathKey::NONE,
         }

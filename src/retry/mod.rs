@@ -191,6 +191,12 @@ pub async fn run<T: Attempts>(
 /// [`run`], with the request over at `deadline` (which the caller may have
 /// brought forward from the route's `timeout`: a gRPC caller's own
 /// `grpc-timeout`, say).
+/// A deadline this close to the request's start is checked against the
+/// clock before the first attempt. A later one has not passed, unless the
+/// body came in whole just as it did (the wait for a body ends at the
+/// deadline): the first attempt's own timer then ends that attempt at once.
+const NEAR: Duration = Duration::from_secs(1);
+
 pub async fn run_until<T: Attempts>(
     guards: &Guards,
     facts: RequestFacts,
@@ -214,8 +220,9 @@ pub async fn run_until<T: Attempts>(
         trace: explain.then(String::new),
     };
     // A caller's own deadline may be over before anything is sent (a
-    // gRPC `grpc-timeout` of 0): nothing goes upstream.
-    if deadline <= Instant::now() {
+    // gRPC `grpc-timeout` of 0): nothing goes upstream. The clock is read
+    // only for a deadline that near.
+    if deadline.saturating_duration_since(start) < NEAR && deadline <= Instant::now() {
         note(&mut books.trace, format_args!("1=deadline"));
         let over = End::Failed {
             outcome: Outcome::Deadline,
@@ -406,12 +413,16 @@ fn next<A>(
         retry_after: attempt.retry_after,
         replayable,
     };
-    let now = Instant::now();
+    // The time is needed only where a retry could follow: an answer that
+    // ends the request never looks at what is left (see `decide`).
+    let now = wanted.then(Instant::now);
     let gates = Gates {
         breaker_open: guards.breaker_open(),
-        budget_has_token: wanted && guards.budget.has_token(now),
+        budget_has_token: now.is_some_and(|now| guards.budget.has_token(now)),
     };
-    let left = deadline.saturating_duration_since(now);
+    let left = now.map_or(Duration::ZERO, |now| {
+        deadline.saturating_duration_since(now)
+    });
     match decide(
         policy,
         facts,
@@ -422,7 +433,7 @@ fn next<A>(
         &mut rand::rng(),
     ) {
         // Another request may have taken the last token since.
-        Decision::Retry { .. } if !guards.budget.withdraw(now) => {
+        Decision::Retry { .. } if !now.is_some_and(|now| guards.budget.withdraw(now)) => {
             Decision::Stop(Stop::Skip(SkipReason::Budget))
         }
         decision => decision,

@@ -63,6 +63,67 @@ pub static X_HERDGUARD_ERROR: HeaderName = HeaderName::from_static("x-herdguard-
 pub static X_HERDGUARD_EXPLAIN: HeaderName = HeaderName::from_static("x-herdguard-explain");
 pub static X_HERDGUARD_FAULT: HeaderName = HeaderName::from_static("x-herdguard-fault");
 
+/// Which of the fields the proxy reads a message carries, found in one pass
+/// over its names. Most messages carry none of them, and a look-up hashes
+/// its name (a custom one byte by byte) where the pass compares small
+/// values: a field that is absent is not looked up at all. Two bytes, as
+/// every request's future keeps it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Present(u16);
+
+impl Present {
+    pub const CONNECTION: u16 = 1;
+    pub const UPGRADE: u16 = 1 << 1;
+    pub const TRANSFER_ENCODING: u16 = 1 << 2;
+    pub const TE: u16 = 1 << 3;
+    pub const TRAILER: u16 = 1 << 4;
+    pub const CONTENT_TYPE: u16 = 1 << 5;
+    /// `x-herdguard-explain`.
+    pub const EXPLAIN: u16 = 1 << 6;
+    /// `x-herdguard-attempt`: an outer hop numbers its attempts.
+    pub const ATTEMPT: u16 = 1 << 7;
+    /// `x-herdguard-error`.
+    pub const ERROR: u16 = 1 << 8;
+    /// `x-herdguard-fault`.
+    pub const FAULT: u16 = 1 << 9;
+
+    pub fn of(headers: &HeaderMap) -> Self {
+        const STANDARD: [(HeaderName, u16); 6] = [
+            (header::CONNECTION, Present::CONNECTION),
+            (header::UPGRADE, Present::UPGRADE),
+            (header::TRANSFER_ENCODING, Present::TRANSFER_ENCODING),
+            (header::TE, Present::TE),
+            (header::TRAILER, Present::TRAILER),
+            (header::CONTENT_TYPE, Present::CONTENT_TYPE),
+        ];
+        let mut found = 0;
+        for name in headers.keys() {
+            // Standard names compare as small numbers; of the custom ones,
+            // only those of the proxy's prefix are compared further.
+            if let Some((_, bit)) = STANDARD.iter().find(|(n, _)| n == name) {
+                found |= bit;
+            } else if name.as_str().starts_with("x-herdguard-") {
+                for (ours, bit) in [
+                    (&X_HERDGUARD_EXPLAIN, Self::EXPLAIN),
+                    (&X_HERDGUARD_ATTEMPT, Self::ATTEMPT),
+                    (&X_HERDGUARD_ERROR, Self::ERROR),
+                    (&X_HERDGUARD_FAULT, Self::FAULT),
+                ] {
+                    if ours == name {
+                        found |= bit;
+                    }
+                }
+            }
+        }
+        Self(found)
+    }
+
+    /// Whether any of `fields` (bits of this type) is there.
+    pub fn any(self, fields: u16) -> bool {
+        self.0 & fields != 0
+    }
+}
+
 /// Removes hop-by-hop fields and every field the `Connection` header names.
 /// With `upgrade`, the `Connection: upgrade` and `Upgrade` pair is kept so an
 /// HTTP/1.1 upgrade can pass through.
@@ -404,6 +465,46 @@ pub fn ip_value(ip: IpAddr) -> HeaderValue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// The one pass finds a field exactly when a look-up would: over
+        /// maps of the fields it looks for, look-alikes (`x-herdguard-`
+        /// names it does not know, names that only begin alike) and others,
+        /// each on one line or several.
+        #[test]
+        fn present_finds_what_a_look_up_finds(
+            picks in proptest::collection::vec((0usize..17, 1usize..3), 0..12)
+        ) {
+            let names = [
+                "connection", "upgrade", "transfer-encoding", "te", "trailer",
+                "content-type", "x-herdguard-explain", "x-herdguard-attempt",
+                "x-herdguard-error", "x-herdguard-fault", "x-herdguard-attempts",
+                "x-herdguard-", "x-herdguard-errors", "host", "tea",
+                "x-request-id", "content-length",
+            ];
+            let mut h = HeaderMap::new();
+            for (i, lines) in picks {
+                for _ in 0..lines {
+                    h.append(HeaderName::from_static(names[i]), HeaderValue::from_static("v"));
+                }
+            }
+            let present = Present::of(&h);
+            for (name, bit) in [
+                (header::CONNECTION, Present::CONNECTION),
+                (header::UPGRADE, Present::UPGRADE),
+                (header::TRANSFER_ENCODING, Present::TRANSFER_ENCODING),
+                (header::TE, Present::TE),
+                (header::TRAILER, Present::TRAILER),
+                (header::CONTENT_TYPE, Present::CONTENT_TYPE),
+                (X_HERDGUARD_EXPLAIN.clone(), Present::EXPLAIN),
+                (X_HERDGUARD_ATTEMPT.clone(), Present::ATTEMPT),
+                (X_HERDGUARD_ERROR.clone(), Present::ERROR),
+                (X_HERDGUARD_FAULT.clone(), Present::FAULT),
+            ] {
+                proptest::prop_assert_eq!(present.any(bit), h.contains_key(&name), "{}", name);
+            }
+        }
+    }
 
     #[test]
     fn host_is_checked_as_rfc_9112_asks() {

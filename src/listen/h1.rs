@@ -283,7 +283,12 @@ where
         let connect =
             req.method() == http::Method::CONNECT && req.version() == http::Version::HTTP_11;
         cycle.connect.store(connect, Ordering::Relaxed);
-        if connect || crate::wire::headers::requested_upgrade(req.version(), req.headers()) {
+        let upgrade = || {
+            use crate::wire::headers::{requested_upgrade, Present};
+            Present::of(req.headers()).any(Present::UPGRADE)
+                && requested_upgrade(req.version(), req.headers())
+        };
+        if connect || upgrade() {
             let (tx, rx) = oneshot::channel();
             *cycle.upgrade.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
             req.extensions_mut().insert(CallerUpgrade::new(rx));

@@ -1056,7 +1056,7 @@ fn head_rules(
         && present.any(Present::CONTENT_TYPE)
         && headers::is_grpc(h)
         && headers::lists(h, &http::header::TE, "trailers");
-    headers::strip_hop_by_hop(h, upgrade);
+    headers::strip_hop_by_hop_found(h, upgrade, present);
     headers::decrement_max_forwards(&parts.method, h);
     // What makes a request safe to repeat is read from what the upstream
     // will see: a key named in `Connection` was just dropped, and counts not.
@@ -1248,10 +1248,11 @@ fn finish_headers(h: &mut http::HeaderMap, upgrade: bool, attempts: HeaderValue)
     h.reserve(2);
     // Only the proxy speaks for itself: an upstream's own copy would pose
     // as the proxy's error.
-    if Present::of(h).any(Present::ERROR) {
+    let found = Present::of(h);
+    if found.any(Present::ERROR) {
         h.remove(&headers::X_HERDGUARD_ERROR);
     }
-    headers::strip_hop_by_hop(h, upgrade);
+    headers::strip_hop_by_hop_found(h, upgrade, found);
     headers::add_via(h, Version::HTTP_11);
     h.insert(&headers::X_HERDGUARD_ATTEMPTS, attempts);
 }

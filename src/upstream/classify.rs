@@ -108,7 +108,8 @@ fn answer(
     if status == StatusCode::SWITCHING_PROTOCOLS && !judge.upgrade {
         return (bad, Why::UnaskedSwitch);
     }
-    if crate::wire::headers::check_framing(headers).is_err() {
+    use crate::wire::headers::{check_framing, Present};
+    if Present::of(headers).any(Present::TRANSFER_ENCODING) && check_framing(headers).is_err() {
         return (bad, Why::TransferCoding);
     }
     if status.as_u16() > 599 {

@@ -65,57 +65,44 @@ pub static X_HERDGUARD_FAULT: HeaderName = HeaderName::from_static("x-herdguard-
 
 /// Which of the fields the proxy reads a message carries, found in one pass
 /// over its names. Most messages carry none of them, and a look-up hashes
-/// its name (a custom one byte by byte) where the pass compares small
-/// values: a field that is absent is not looked up at all. Two bytes, as
-/// every request's future keeps it.
+/// its name (a custom one byte by byte) where the pass looks at each name's
+/// length and compares only names of a length it knows: a field that is
+/// absent is not looked up at all. Two bytes, as every request's future
+/// keeps it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Present(u16);
 
 impl Present {
     pub const CONNECTION: u16 = 1;
-    pub const UPGRADE: u16 = 1 << 1;
-    pub const TRANSFER_ENCODING: u16 = 1 << 2;
+    pub const KEEP_ALIVE: u16 = 1 << 1;
+    pub const PROXY_CONNECTION: u16 = 1 << 2;
     pub const TE: u16 = 1 << 3;
-    pub const TRAILER: u16 = 1 << 4;
-    pub const CONTENT_TYPE: u16 = 1 << 5;
+    pub const TRANSFER_ENCODING: u16 = 1 << 4;
+    pub const UPGRADE: u16 = 1 << 5;
+    pub const HTTP2_SETTINGS: u16 = 1 << 6;
+    pub const TRAILER: u16 = 1 << 7;
+    pub const CONTENT_TYPE: u16 = 1 << 8;
     /// `x-herdguard-explain`.
-    pub const EXPLAIN: u16 = 1 << 6;
+    pub const EXPLAIN: u16 = 1 << 9;
     /// `x-herdguard-attempt`: an outer hop numbers its attempts.
-    pub const ATTEMPT: u16 = 1 << 7;
+    pub const ATTEMPT: u16 = 1 << 10;
     /// `x-herdguard-error`.
-    pub const ERROR: u16 = 1 << 8;
+    pub const ERROR: u16 = 1 << 11;
     /// `x-herdguard-fault`.
-    pub const FAULT: u16 = 1 << 9;
+    pub const FAULT: u16 = 1 << 12;
+    /// The hop-by-hop fields, in the order of [`HOP_BY_HOP`].
+    const HOPS: [u16; HOPS] = [
+        Self::CONNECTION,
+        Self::KEEP_ALIVE,
+        Self::PROXY_CONNECTION,
+        Self::TE,
+        Self::TRANSFER_ENCODING,
+        Self::UPGRADE,
+        Self::HTTP2_SETTINGS,
+    ];
 
     pub fn of(headers: &HeaderMap) -> Self {
-        const STANDARD: [(HeaderName, u16); 6] = [
-            (header::CONNECTION, Present::CONNECTION),
-            (header::UPGRADE, Present::UPGRADE),
-            (header::TRANSFER_ENCODING, Present::TRANSFER_ENCODING),
-            (header::TE, Present::TE),
-            (header::TRAILER, Present::TRAILER),
-            (header::CONTENT_TYPE, Present::CONTENT_TYPE),
-        ];
-        let mut found = 0;
-        for name in headers.keys() {
-            // Standard names compare as small numbers; of the custom ones,
-            // only those of the proxy's prefix are compared further.
-            if let Some((_, bit)) = STANDARD.iter().find(|(n, _)| n == name) {
-                found |= bit;
-            } else if name.as_str().starts_with("x-herdguard-") {
-                for (ours, bit) in [
-                    (&X_HERDGUARD_EXPLAIN, Self::EXPLAIN),
-                    (&X_HERDGUARD_ATTEMPT, Self::ATTEMPT),
-                    (&X_HERDGUARD_ERROR, Self::ERROR),
-                    (&X_HERDGUARD_FAULT, Self::FAULT),
-                ] {
-                    if ours == name {
-                        found |= bit;
-                    }
-                }
-            }
-        }
-        Self(found)
+        Self(headers.keys().fold(0, |found, name| found | bit_of(name)))
     }
 
     /// Whether any of `fields` (bits of this type) is there.
@@ -124,18 +111,42 @@ impl Present {
     }
 }
 
+/// The bit of [`Present`] that stands for `name`, or 0.
+fn bit_of(name: &HeaderName) -> u16 {
+    // Names come lower-case; each length known has one or two candidates.
+    let name = name.as_str();
+    match (name.len(), name) {
+        (2, "te") => Present::TE,
+        (7, "upgrade") => Present::UPGRADE,
+        (7, "trailer") => Present::TRAILER,
+        (10, "connection") => Present::CONNECTION,
+        (10, "keep-alive") => Present::KEEP_ALIVE,
+        (12, "content-type") => Present::CONTENT_TYPE,
+        (14, "http2-settings") => Present::HTTP2_SETTINGS,
+        (16, "proxy-connection") => Present::PROXY_CONNECTION,
+        (17, "transfer-encoding") => Present::TRANSFER_ENCODING,
+        (17, "x-herdguard-error") => Present::ERROR,
+        (17, "x-herdguard-fault") => Present::FAULT,
+        (19, "x-herdguard-explain") => Present::EXPLAIN,
+        (19, "x-herdguard-attempt") => Present::ATTEMPT,
+        _ => 0,
+    }
+}
+
 /// Removes hop-by-hop fields and every field the `Connection` header names.
 /// With `upgrade`, the `Connection: upgrade` and `Upgrade` pair is kept so an
 /// HTTP/1.1 upgrade can pass through.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
+    strip_hop_by_hop_found(headers, upgrade, Present::of(headers));
+}
+
+/// [`strip_hop_by_hop`], for a message whose fields were looked for
+/// already (`found`, taken since nothing but fields outside [`Present`]
+/// changed).
+pub fn strip_hop_by_hop_found(headers: &mut HeaderMap, upgrade: bool, found: Present) {
     // Each removal hashes its name, and most messages carry one hop-by-hop
     // field or none: look at the few fields there are first.
-    let mut present = [false; HOPS];
-    for name in headers.keys() {
-        if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
-            present[i] = true;
-        }
-    }
+    let present = Present::HOPS.map(|bit| found.any(bit));
     if present == [false; HOPS] {
         if upgrade {
             headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
@@ -473,14 +484,15 @@ mod tests {
         /// each on one line or several.
         #[test]
         fn present_finds_what_a_look_up_finds(
-            picks in proptest::collection::vec((0usize..17, 1usize..3), 0..12)
+            picks in proptest::collection::vec((0usize..20, 1usize..3), 0..12)
         ) {
             let names = [
                 "connection", "upgrade", "transfer-encoding", "te", "trailer",
                 "content-type", "x-herdguard-explain", "x-herdguard-attempt",
                 "x-herdguard-error", "x-herdguard-fault", "x-herdguard-attempts",
                 "x-herdguard-", "x-herdguard-errors", "host", "tea",
-                "x-request-id", "content-length",
+                "x-request-id", "content-length", "keep-alive", "proxy-connection",
+                "http2-settings",
             ];
             let mut h = HeaderMap::new();
             for (i, lines) in picks {
@@ -500,6 +512,9 @@ mod tests {
                 (X_HERDGUARD_ATTEMPT.clone(), Present::ATTEMPT),
                 (X_HERDGUARD_ERROR.clone(), Present::ERROR),
                 (X_HERDGUARD_FAULT.clone(), Present::FAULT),
+                (HOP_BY_HOP[1].clone(), Present::KEEP_ALIVE),
+                (HOP_BY_HOP[2].clone(), Present::PROXY_CONNECTION),
+                (HOP_BY_HOP[6].clone(), Present::HTTP2_SETTINGS),
             ] {
                 proptest::prop_assert_eq!(present.any(bit), h.contains_key(&name), "{}", name);
             }

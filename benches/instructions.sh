@@ -28,6 +28,7 @@
 #   PROXIES=herdguard benches/instructions.sh   # only herdguard, while iterating
 #   PROXIES="herdguard herdguard-access-log" benches/instructions.sh   # the access log's cost
 #   PROXIES="herdguard herdguard-hedge" benches/instructions.sh   # hedging on, never triggered
+#   PROXIES="herdguard herdguard-no-retry" benches/instructions.sh   # retries configured, not triggered
 #   PROXIES="herdguard herdguard-no-id herdguard-tracing" benches/instructions.sh
 #       # the request id's cost (on by default), and tracing on at 100% sampling
 #
@@ -125,6 +126,9 @@ CONF
 # so no hedge is sent; what is measured is the timer each attempt arms.
 sed 's/^retry = { attempts = 3 }$/retry = { attempts = 3, hedge_after = "50ms" }/' "$WORK/herdguard.toml" > "$WORK/herdguard-hedge.toml"
 grep -q hedge_after "$WORK/herdguard-hedge.toml"
+# Retries off (attempts = 1): what retries configured but not triggered cost.
+sed 's/^retry = { attempts = 3 }$/retry = { attempts = 1 }/' "$WORK/herdguard.toml" > "$WORK/herdguard-no-retry.toml"
+grep -q 'attempts = 1 }' "$WORK/herdguard-no-retry.toml"
 # Without the request id (on by default).
 { cat "$WORK/herdguard.toml"; printf '[request_id]\nenabled = false\n'; } > "$WORK/herdguard-no-id.toml"
 # Tracing on, every request sampled, spans exported to the upstream nginx
@@ -197,8 +201,8 @@ run() {
 
 for proxy in $PROXIES; do
   case $proxy in
-    nginx|haproxy|herdguard|herdguard-access-log|herdguard-hedge|herdguard-no-id|herdguard-tracing) ;;
-    *) echo "unknown proxy $proxy (nginx, haproxy, herdguard, herdguard-access-log, herdguard-hedge, herdguard-no-id, herdguard-tracing)" >&2; exit 2 ;;
+    nginx|haproxy|herdguard|herdguard-access-log|herdguard-hedge|herdguard-no-retry|herdguard-no-id|herdguard-tracing) ;;
+    *) echo "unknown proxy $proxy (nginx, haproxy, herdguard, herdguard-access-log, herdguard-hedge, herdguard-no-retry, herdguard-no-id, herdguard-tracing)" >&2; exit 2 ;;
   esac
 done
 for workload in $WORKLOADS; do

@@ -88,7 +88,8 @@ struct Cli {
     #[arg(long, value_name = "ADDR")]
     admin: Option<SocketAddr>,
 
-    /// Tokio worker threads (default: the cores this process may use).
+    /// Tokio worker threads (default: one per core given to the process by a
+    /// CPU limit or CPU set, else one per two of the machine's cores).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
     threads: Option<u16>,
 
@@ -251,12 +252,12 @@ fn run(cli: Cli) -> ExitCode {
         warn!(warning = %w, "config");
     }
 
-    // The cores this process may use: its CPU affinity and cgroup quota, so a
-    // sidecar limited to one core or less counts one.
-    let threads = cli.threads.map_or_else(
-        || std::thread::available_parallelism().map_or(1, |n| n.get()),
-        usize::from,
-    );
+    // A thread per core given to the process (its CPU affinity and cgroup
+    // quota, so a sidecar limited to one core or less counts one), one per
+    // two of a machine's cores it shares (see `app::threads`).
+    let threads = cli
+        .threads
+        .map_or_else(herdguard::app::threads::for_this_process, usize::from);
     // One thread: the lighter current-thread scheduler does the same work
     // with no cross-thread queues.
     let mut rt = match threads {

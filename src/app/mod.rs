@@ -28,6 +28,7 @@ use crate::wire::CallerBody;
 
 mod admin;
 mod reload;
+pub mod threads;
 
 pub use reload::Reloader;
 

@@ -211,26 +211,64 @@ async fn sighup_reloads_the_config_file() {
     assert!(rest.iter().any(|l| l.contains("SIGTERM")), "{rest:?}");
 }
 
+/// Without `--threads`: a thread per core given to the process (a CPU set
+/// narrower than the machine, or a CPU limit), one per two of a machine's
+/// cores it shares with everything else (see `app::threads`).
 #[tokio::test]
-async fn the_default_runtime_has_a_thread_per_core_it_may_use() {
+async fn the_default_runtime_has_a_thread_per_core_given_and_one_per_two_shared() {
     let up = ok_upstream("x").await;
     let args = |cmd: &mut Command| {
         cmd.args(["--upstream", &up.url(), "--listen", "127.0.0.1:0"])
             .args(["--admin", "127.0.0.1:0", "--log-format", "json"]);
     };
-    let cores = std::thread::available_parallelism().unwrap().get();
+    // Counted as the kernel lists them: `0-3,6`.
+    let count = |list: &str| -> usize {
+        list.trim()
+            .split(',')
+            .map(|part| match part.split_once('-') {
+                Some((a, b)) => b.parse::<usize>().unwrap() - a.parse::<usize>().unwrap() + 1,
+                None => 1,
+            })
+            .sum()
+    };
+    let online = count(&std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap());
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let allowed = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .map(count)
+        .unwrap();
+    let given = std::thread::available_parallelism().unwrap().get();
+    let taskset = |cpus: &str| {
+        let mut cmd = Command::new("taskset");
+        cmd.args(["-c", cpus, BIN]);
+        args(&mut cmd);
+        cmd
+    };
     let mut free = Command::new(BIN);
     args(&mut free);
-    // Held to one core (as a sidecar with a CPU limit of one or less): the
-    // single-threaded scheduler.
-    let mut pinned = Command::new("taskset");
-    pinned.args(["-c", "0", BIN]);
-    args(&mut pinned);
+    // As this test runs (on the whole of a machine it shares: one thread
+    // per two cores). Held to one core (as a sidecar with a CPU limit of
+    // one or less): one, and the single-threaded scheduler. Held to two of
+    // three or more: two.
+    let mut cases = vec![
+        (
+            free,
+            herdguard::app::threads::default_threads(given, allowed, online),
+        ),
+        (taskset("0"), 1),
+    ];
+    if online >= 3 && allowed == online && given >= 2 {
+        cases.push((taskset("0,1"), 2));
+    }
+    if allowed == online && given == online {
+        assert_eq!(cases[0].1, (online / 2).max(1));
+    }
     let scheduler = |threads| match threads {
         1 => "current-thread",
         _ => "multi-thread",
     };
-    for (cmd, threads) in [(free, cores), (pinned, 1)] {
+    for (cmd, threads) in cases {
         let running = start(cmd).await;
         let serving = running.serving.clone();
         running.terminate().await;

@@ -959,45 +959,48 @@ async fn forward(
         declare_grpc_trailers,
     } = head_rules(route, &mut parts, present, caller, (upgrade, original_host));
     let policy = &route.guards.policy;
-    let mut attempts = attempt::Forward::new(attempt::Outbound {
-        upstream: &route.upstream,
-        method: parts.method,
-        path_and_query: parts.uri.path_and_query(),
-        headers: parts.headers,
-        body,
-        retrying: policy.may_retry(&facts),
-        repeatable: facts.idempotent,
-        inner_hop,
-        max_replay_body: policy.max_replay_body,
-        body_memory,
-        timeout: policy.timeout,
-        upgrade,
-    });
-    attempts.host_rewrite(route.host_rewrite.clone());
-    attempts.log_into(log.as_deref_mut());
-    attempts.trace_into(trace);
-    attempts.grpc(grpc, grpc_timeout.and_then(|t| start.checked_add(t)));
-    // A gRPC caller's own deadline, when sooner than the route's.
-    let deadline = match grpc_timeout {
-        Some(t) => retry::deadline(start, policy.timeout.min(t)),
-        None => retry::deadline(start, policy.timeout),
+    // In a block of its own, so that the attempts are dropped where they
+    // are (a `drop` call would first copy them, a few hundred bytes).
+    let sent = {
+        let mut attempts = attempt::Forward::new(attempt::Outbound {
+            upstream: &route.upstream,
+            method: parts.method,
+            path_and_query: parts.uri.path_and_query(),
+            headers: parts.headers,
+            body,
+            retrying: policy.may_retry(&facts),
+            repeatable: facts.idempotent,
+            inner_hop,
+            max_replay_body: policy.max_replay_body,
+            body_memory,
+            timeout: policy.timeout,
+            upgrade,
+        });
+        attempts.host_rewrite(route.host_rewrite.clone());
+        attempts.log_into(log.as_deref_mut());
+        attempts.trace_into(trace);
+        attempts.grpc(grpc, grpc_timeout.and_then(|t| start.checked_add(t)));
+        // A gRPC caller's own deadline, when sooner than the route's.
+        let deadline = match grpc_timeout {
+            Some(t) => retry::deadline(start, policy.timeout.min(t)),
+            None => retry::deadline(start, policy.timeout),
+        };
+        // The caller's own deadline (`grpc-timeout`) binds: when it runs out
+        // before the body is in, that is the deadline, not a stalled upload.
+        let callers_deadline = grpc_timeout.is_some_and(|t| t < policy.timeout);
+        if let Err((fault, detail)) = attempts.prefetch(deadline).await {
+            return body_not_in(fault, detail, callers_deadline);
+        }
+        retry::run_until(
+            &route.guards,
+            facts,
+            &mut attempts,
+            start,
+            deadline,
+            explain,
+        )
+        .await
     };
-    // The caller's own deadline (`grpc-timeout`) binds: when it runs out
-    // before the body is in, that is the deadline, not a stalled upload.
-    let callers_deadline = grpc_timeout.is_some_and(|t| t < policy.timeout);
-    if let Err((fault, detail)) = attempts.prefetch(deadline).await {
-        return body_not_in(fault, detail, callers_deadline);
-    }
-    let sent = retry::run_until(
-        &route.guards,
-        facts,
-        &mut attempts,
-        start,
-        deadline,
-        explain,
-    )
-    .await;
-    drop(attempts);
     if let (Some(trace), Some(skipped)) = (trace, sent.skipped) {
         trace.skipped(skipped.as_str());
     }

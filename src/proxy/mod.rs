@@ -1138,7 +1138,7 @@ fn respond(
         }
     };
     let (mut resp, slot) = match sent.end {
-        End::Answer(pair) => pair,
+        End::Answer(pair) => *pair,
         End::Failed {
             outcome,
             detail,
@@ -1349,7 +1349,8 @@ mod tests {
     /// by 64 bytes for the pooled connection's count of what comes before
     /// a response's head: eight bytes in each state that holds one; and by
     /// 8 for the fields found in the request's one pass over its names,
-    /// which spares it about 800 instructions of look-ups).
+    /// which spares it about 800 instructions of look-ups; then lowered by
+    /// 504 when an attempt's answer went on the heap).
     #[test]
     #[allow(unreachable_code)]
     fn a_request_in_flight_fits_its_budget() {
@@ -1362,6 +1363,6 @@ mod tests {
         let size =
             size_of_future(|| proxy.handle(unreachable!("only its type is needed"), &caller));
         eprintln!("a request's future: {size} bytes");
-        assert!(size <= 4_424, "a request's future grew to {size} bytes");
+        assert!(size <= 3_920, "a request's future grew to {size} bytes");
     }
 }

@@ -34,7 +34,10 @@ use crate::wire::error_chain;
 use crate::wire::headers::X_HERDGUARD_ATTEMPT;
 
 /// The upstream's response, with the slot it holds until its body is done.
-pub type Answer = (Response<Incoming>, InFlight);
+/// An upstream's answer and the in-flight slot it holds, on the heap: an
+/// attempt's end is moved a few times on its way to the caller, and one
+/// pointer moves where some 300 bytes would be copied.
+pub type Answer = Box<(Response<Incoming>, InFlight)>;
 
 /// An attempt ready to go: its in-flight slot, endpoint, request, and the
 /// progress of its body.
@@ -438,7 +441,7 @@ impl<'a> retry::Attempts for Forward<'a> {
                     if let Some(conn) = conn {
                         slot.hold(picked.endpoint_arc(), conn);
                     }
-                    (Some((resp, slot)), String::new())
+                    (Some(Box::new((resp, slot))), String::new())
                 }
                 Timed::Done(Ok((resp, _))) => (
                     None,
@@ -451,7 +454,7 @@ impl<'a> retry::Attempts for Forward<'a> {
             let note = picked.kind.note();
             // An answer whose body is still to come is the endpoint's success
             // only once the body ends whole: that is settled by the body.
-            match &mut answer {
+            match answer.as_deref_mut() {
                 Some((resp, slot))
                     if Verdict::of(outcome) == Verdict::Success
                         && !http_body::Body::is_end_stream(resp.body()) =>
@@ -464,11 +467,11 @@ impl<'a> retry::Attempts for Forward<'a> {
                 tracing::debug!(upstream = %name, outcome = outcome.label(), error = %detail, "upstream attempt failed");
             }
             if let Some(traced) = traced {
-                let status = answer.as_ref().map(|(resp, _)| resp.status().as_u16());
+                let status = answer.as_deref().map(|(resp, _)| resp.status().as_u16());
                 traced.ended(outcome.label(), status);
             }
             let retry_after = answer
-                .as_ref()
+                .as_deref()
                 .and_then(|(resp, _)| match judge.judge.grpc {
                     true => crate::wire::headers::grpc_pushback(resp.headers()),
                     false => retry_after(resp.headers()),

@@ -146,7 +146,7 @@ impl Passthrough {
         // Sent once: a mesh's proxy beside herdguard (Envoy) must not
         // repeat it either, whatever the caller asked.
         h.insert(
-            http::HeaderName::from_static("x-envoy-max-retries"),
+            &crate::wire::headers::X_ENVOY_MAX_RETRIES,
             http::HeaderValue::from_static("0"),
         );
         let path = parts

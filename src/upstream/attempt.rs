@@ -311,7 +311,7 @@ impl<'a> Forward<'a> {
                     // Envoy (Istio's sidecar) honours it from its own pod:
                     // one layer of retries, this one.
                     h.insert(
-                        http::HeaderName::from_static("x-envoy-max-retries"),
+                        &crate::wire::headers::X_ENVOY_MAX_RETRIES,
                         HeaderValue::from_static("0"),
                     );
                 }

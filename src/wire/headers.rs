@@ -62,6 +62,9 @@ pub static X_HERDGUARD_ATTEMPTS: HeaderName = HeaderName::from_static("x-herdgua
 pub static X_HERDGUARD_ERROR: HeaderName = HeaderName::from_static("x-herdguard-error");
 pub static X_HERDGUARD_EXPLAIN: HeaderName = HeaderName::from_static("x-herdguard-explain");
 pub static X_HERDGUARD_FAULT: HeaderName = HeaderName::from_static("x-herdguard-fault");
+/// Envoy's (Istio's sidecar's) retry count for the request, set to 0: one
+/// layer of retries.
+pub static X_ENVOY_MAX_RETRIES: HeaderName = HeaderName::from_static("x-envoy-max-retries");
 
 /// Which of the fields the proxy reads a message carries, found in one pass
 /// over its names. Most messages carry none of them, and a look-up hashes

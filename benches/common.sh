@@ -65,8 +65,10 @@ http {
 CONF
 }
 
-# haproxy_conf PORT UPSTREAM-PORT: writes $WORK/haproxy.cfg, one thread,
-# connections to the upstream reused.
+# haproxy_conf PORT UPSTREAM-PORT [FRONTEND-LINES [MORE-BACKENDS]]: writes
+# $WORK/haproxy.cfg, one thread, connections to the upstream reused; lines
+# for the frontend (before its default backend) and further backends, as
+# they go in the file.
 haproxy_conf() {
   cat > "$WORK/haproxy.cfg" <<CONF
 global
@@ -80,9 +82,11 @@ defaults
   http-reuse always
 frontend bench
   bind 127.0.0.1:$1
+${3:-}
   default_backend upstream
 backend upstream
   server up 127.0.0.1:$2
+${4:-}
 CONF
 }
 

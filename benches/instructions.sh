@@ -71,31 +71,14 @@ nginx_proxy_to $UP_PORT
 NGINX_HTTP_EXTRA="$NGINX_HTTP_EXTRA upstream flaky { server 127.0.0.1:$UP_PORT max_fails=0; server 127.0.0.1:$UP2_PORT max_fails=0; keepalive 128; }"
 NGINX_SERVER="location /retry { proxy_pass http://flaky; proxy_http_version 1.1; proxy_set_header Connection \"\"; proxy_next_upstream error timeout http_503; } $NGINX_SERVER"
 nginx_conf nginx $NGINX_PORT off "$NGINX_HTTP_EXTRA" "$NGINX_SERVER"
-cat > "$WORK/haproxy.cfg" <<CONF
-global
-  nbthread 1
-  maxconn 8192
-defaults
-  mode http
-  timeout connect 5s
-  timeout client 30s
-  timeout server 30s
-  http-reuse always
-frontend bench
-  bind 127.0.0.1:$HAPROXY_PORT
-  acl flaky path_beg /retry
-  use_backend flaky if flaky
-  default_backend upstream
-backend upstream
-  server up 127.0.0.1:$UP_PORT
-backend flaky
+haproxy_conf $HAPROXY_PORT $UP_PORT "  acl flaky path_beg /retry
+  use_backend flaky if flaky" "backend flaky
   balance roundrobin
   retry-on 503
   retries 1
   option redispatch 1
   server a 127.0.0.1:$UP_PORT
-  server b 127.0.0.1:$UP2_PORT
-CONF
+  server b 127.0.0.1:$UP2_PORT"
 # /retry, herdguard: retries as configured by default, with the budget and
 # the backoff opened up so that every 503 is retried at once, and the
 # failing endpoint never ejected: what is measured is the retry, not its

@@ -191,12 +191,6 @@ pub async fn run<T: Attempts>(
 /// [`run`], with the request over at `deadline` (which the caller may have
 /// brought forward from the route's `timeout`: a gRPC caller's own
 /// `grpc-timeout`, say).
-/// A deadline this close to the request's start is checked against the
-/// clock before the first attempt. A later one has not passed, unless the
-/// body came in whole just as it did (the wait for a body ends at the
-/// deadline): the first attempt's own timer then ends that attempt at once.
-const NEAR: Duration = Duration::from_secs(1);
-
 pub async fn run_until<T: Attempts>(
     guards: &Guards,
     facts: RequestFacts,
@@ -220,9 +214,9 @@ pub async fn run_until<T: Attempts>(
         trace: explain.then(String::new),
     };
     // A caller's own deadline may be over before anything is sent (a
-    // gRPC `grpc-timeout` of 0): nothing goes upstream. The clock is read
-    // only for a deadline that near.
-    if deadline.saturating_duration_since(start) < NEAR && deadline <= Instant::now() {
+    // gRPC `grpc-timeout` of 0, or a wait before the attempts: an injected
+    // delay, the body taken in): nothing goes upstream.
+    if deadline <= Instant::now() {
         note(&mut books.trace, format_args!("1=deadline"));
         let over = End::Failed {
             outcome: Outcome::Deadline,

@@ -139,6 +139,31 @@ async fn injected_delays_come_at_their_rate() {
     assert_eq!(up.hits(), n);
 }
 
+/// An injected delay that outlasts the route's timeout leaves the request
+/// nothing: no attempt is sent, picked or counted (the retry budget earns
+/// nothing for it), and the caller hears of its deadline.
+#[tokio::test]
+async fn a_delay_past_the_timeout_sends_no_attempt() {
+    let up = ok_upstream("ok").await;
+    let server = proxy(&with(
+        &up.url(),
+        "fault = { delay = \"1100ms\", delay_ratio = 1.0 }\nretry = { timeout = \"1s\" }",
+    ))
+    .await;
+    let (status, headers, _) = get(&server, "/").await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(headers["x-herdguard-attempts"], "0", "{headers:?}");
+    assert_eq!(up.hits(), 0);
+    let (_, metrics) = admin(&server, "/metrics").await;
+    let deadline =
+        r#"herdguard_upstream_attempts_total{route="r",upstream="u",outcome="deadline"}"#;
+    assert_eq!(
+        metric(&metrics, deadline).unwrap_or(0.0),
+        0.0,
+        "no attempt was counted"
+    );
+}
+
 #[test]
 fn fault_keys_are_validated() {
     let src = "[upstreams.u]\nendpoints = [\"http://127.0.0.1:1\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\nfault = { abort = 1.5, abort_status = 42 }\n";

@@ -284,9 +284,8 @@ where
             req.method() == http::Method::CONNECT && req.version() == http::Version::HTTP_11;
         cycle.connect.store(connect, Ordering::Relaxed);
         let upgrade = || {
-            use crate::wire::headers::{requested_upgrade, Present};
-            Present::of(req.headers()).any(Present::UPGRADE)
-                && requested_upgrade(req.version(), req.headers())
+            use crate::wire::headers::{requested_upgrade_found, Present};
+            requested_upgrade_found(req.version(), req.headers(), Present::of(req.headers()))
         };
         if connect || upgrade() {
             let (tx, rx) = oneshot::channel();

@@ -914,9 +914,7 @@ async fn forward(
     trace: Option<&RequestTrace>,
 ) -> Response<ResponseBody> {
     // Only a connection that can hand its caller's side over is upgraded.
-    let upgrade = present.any(Present::UPGRADE)
-        && present.any(Present::CONNECTION)
-        && headers::requested_upgrade(req.version(), req.headers())
+    let upgrade = headers::requested_upgrade_found(req.version(), req.headers(), present)
         && req.extensions().get::<CallerUpgrade>().is_some();
     let multiplexed = req.version() == Version::HTTP_2;
     // A request that asks to upgrade takes a tunnel place first: tunnels

@@ -230,6 +230,14 @@ pub fn requested_upgrade(version: Version, headers: &HeaderMap) -> bool {
         && lists(headers, &header::CONNECTION, "upgrade")
 }
 
+/// [`requested_upgrade`], looked into only when the scan `found` both
+/// fields it needs.
+pub fn requested_upgrade_found(version: Version, headers: &HeaderMap, found: Present) -> bool {
+    found.any(Present::UPGRADE)
+        && found.any(Present::CONNECTION)
+        && requested_upgrade(version, headers)
+}
+
 /// Whether `Upgrade` asks for WebSocket and nothing else: the one upgrade
 /// tunnelled. Any other token (`h2c`, `h2c-14`, `HTTP/2.0`, `h2`) would let
 /// the caller speak a protocol the header rules never see.

@@ -184,6 +184,18 @@ impl Cycle {
     fn read(&self) {
         self.set_unread(false);
         self.writes.unhear();
+        if self.answered.load(Ordering::SeqCst) {
+            self.writes.await_head(true);
+        }
+    }
+
+    /// The latest answer is written out: once its request is read too, what
+    /// comes next is a head.
+    fn answered(&self) {
+        self.answered.store(true, Ordering::SeqCst);
+        if !self.unread.load(Ordering::SeqCst) {
+            self.writes.await_head(true);
+        }
     }
 
     /// Whether the latest request's body is still to be read: while it
@@ -191,7 +203,7 @@ impl Cycle {
     /// kernel, which the memory bound counts.
     fn set_unread(&self, unread: bool) {
         if self.unread.load(Ordering::Acquire) != unread
-            && self.unread.swap(unread, Ordering::AcqRel) != unread
+            && self.unread.swap(unread, Ordering::SeqCst) != unread
         {
             crate::listen::pressure::uploading(unread);
         }
@@ -222,7 +234,7 @@ pin_project! {
     impl<B> PinnedDrop for Ending<B> {
         fn drop(this: Pin<&mut Self>) {
             if let Some(cycle) = this.project().cycle.take() {
-                cycle.answered.store(true, Ordering::Relaxed);
+                cycle.answered();
             }
         }
     }
@@ -270,6 +282,7 @@ where
         let unread = !req.body().is_end_stream();
         cycle.set_unread(unread);
         cycle.writes.unhear();
+        cycle.writes.await_head(false);
         let held = match HeadHeld::take(detach_head(&mut req)) {
             Ok(held) => held,
             Err(()) => {
@@ -556,6 +569,8 @@ pub struct Serving<'a> {
     pub conduct: &'a Arc<crate::listen::drain::Conduct>,
     pub write_timeout: Duration,
     pub idle_timeout: Duration,
+    /// How long a request's head may take to come whole, once it began.
+    pub header_read_timeout: Duration,
 }
 
 impl Serving<'_> {
@@ -578,7 +593,8 @@ impl Serving<'_> {
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         let cycle = self.cycle.clone();
-        let mut stream = WriteStall::new(stream, self.write_timeout, cycle.writes.clone());
+        let mut stream = WriteStall::new(stream, self.write_timeout, cycle.writes.clone())
+            .timing_heads(self.header_read_timeout);
         let mut service = Cycled {
             inner: service,
             cycle: cycle.clone(),
@@ -684,8 +700,9 @@ impl Serving<'_> {
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         // A new hyper connection is idle only once it has answered: a head
-        // that arrives in pieces is a request under way.
+        // that arrives in pieces is a request under way, and timed as one.
         cycle.answered.store(false, Ordering::Relaxed);
+        cycle.writes.await_head(true);
         Box::pin(Exchange {
             conn: Some(self.builder.serve_connection(TokioIo::new(stream), service)),
             cycle: cycle.clone(),

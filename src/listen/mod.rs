@@ -372,10 +372,11 @@ impl Drop for H2Open {
 }
 
 impl Builders {
-    fn new(header_read_timeout: Duration) -> Self {
+    fn new() -> Self {
         let mut h1 = http1::Builder::new();
-        h1.timer(TokioTimer::new())
-            .header_read_timeout(header_read_timeout)
+        // Heads are timed by the connection's stream (`WriteStall`), which
+        // arms a timer only for a head that does not come whole at once.
+        h1.header_read_timeout(None)
             .max_buf_size(MAX_REQUEST_HEAD)
             .keep_alive(true);
         let mut h2 = http2::Builder::new(TokioExecutor::new());
@@ -458,6 +459,7 @@ impl Serve<'_> {
             conduct: self.conduct,
             write_timeout: self.write_timeout,
             idle_timeout: self.conduct.idle_timeout,
+            header_read_timeout: self.header_read_timeout,
         };
         Some(serving.serve(stream, service).await.map_err(Into::into))
     }
@@ -648,7 +650,7 @@ pub(crate) async fn accept_loop<M, S, B>(
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let builders = Arc::new(Builders::new(limits.header_read_timeout));
+    let builders = Arc::new(Builders::new());
     let drain = Drain::new();
     // A connection holds a permit until it closes: when all are back, all
     // connections are closed.
@@ -684,9 +686,9 @@ pub(crate) async fn accept_loop<M, S, B>(
         // whole 128 for each connection (docs/memory.md). What a connection
         // needs besides goes in `conduct`.
         tokio::spawn(async move {
-            // A connection that says nothing must not hold its slot: hyper's
-            // header timer starts only once it knows the protocol, and it
-            // learns that from the first bytes.
+            // A connection that says nothing must not hold its slot: the
+            // head's timer starts only once the protocol is known, and that
+            // is learnt from the first bytes.
             // Nor its slot past a drain: with no request, there is nothing
             // to finish (bytes already there are served first).
             let opened = tokio::select! {

@@ -33,6 +33,9 @@ pub struct Writes {
     /// Bytes came in since the owner last cleared this: on an HTTP/1.1
     /// connection, the start of a request still under way.
     heard: AtomicBool,
+    /// The next bytes are a request's head: an HTTP/1.1 connection between
+    /// exchanges (see [`WriteStall`]'s head timer).
+    head_due: AtomicBool,
     /// The listener's counts of bytes in and out.
     pub traffic: Arc<Traffic>,
     /// Bytes in and out not yet added to `traffic`: the listener's counts
@@ -60,6 +63,7 @@ impl Writes {
             last: Stamp::default(),
             blocked: AtomicBool::new(false),
             heard: AtomicBool::new(false),
+            head_due: AtomicBool::new(false),
             traffic,
             unflushed: Default::default(),
             sent: AtomicU64::new(0),
@@ -87,6 +91,17 @@ impl Writes {
 
     pub fn unhear(&self) {
         self.heard.store(false, Ordering::Release);
+    }
+
+    /// Whether what the caller sends next is a request's head (`true`
+    /// between exchanges, `false` once a head is whole): a read left
+    /// waiting inside one counts toward `header_read_timeout`.
+    pub fn await_head(&self, due: bool) {
+        self.head_due.store(due, Ordering::SeqCst);
+    }
+
+    fn head_under_way(&self) -> bool {
+        self.head_due.load(Ordering::SeqCst) && self.heard()
     }
 
     /// Counts `n` bytes read (`SENT`: written) in the listener's traffic,
@@ -178,6 +193,11 @@ impl<S: Abort> Abort for tokio_rustls::server::TlsStream<S> {
 }
 
 pin_project! {
+    /// Also times a request's head on an HTTP/1.1 connection (see
+    /// [`WriteStall::timing_heads`]): hyper's own header timer is made anew
+    /// (a boxed timer in the runtime's wheel) for every request, read
+    /// whole in one go or not; this one is armed only for a head that did
+    /// not come whole, and is made once for a connection.
     pub struct WriteStall<T> {
         #[pin]
         inner: T,
@@ -186,6 +206,11 @@ pin_project! {
         // Armed while a write is pending; made on the first stall only.
         timer: Option<Pin<Box<Sleep>>>,
         stalled: bool,
+        // Armed while a read waits in the middle of a head; made on the
+        // first such wait only.
+        head_timer: Option<Pin<Box<Sleep>>>,
+        head_armed: bool,
+        head_timeout: Option<Duration>,
     }
 }
 
@@ -197,7 +222,20 @@ impl<T> WriteStall<T> {
             timeout,
             timer: None,
             stalled: false,
+            head_timer: None,
+            head_armed: false,
+            head_timeout: None,
         }
+    }
+
+    /// Fails a read once it has waited `header_read_timeout` inside one
+    /// request's head ([`Writes::await_head`] tells where heads are): the
+    /// clock starts at the first read of a head that waits, so a caller
+    /// sending a head a byte at a time, or part of one and then nothing,
+    /// is cut then; a head read whole arms nothing.
+    pub fn timing_heads(mut self, header_read_timeout: Duration) -> Self {
+        self.head_timeout = Some(header_read_timeout);
+        self
     }
 
     pub fn get_mut(&mut self) -> &mut T {
@@ -262,7 +300,42 @@ impl<T: AsyncRead> AsyncRead for WriteStall<T> {
             this.writes.heard.store(true, Ordering::Release);
             this.writes.count(RECEIVED, read);
         }
-        polled
+        match (polled, *this.head_timeout) {
+            (Poll::Pending, Some(timeout)) => {
+                head_wait(this.head_timer, this.head_armed, timeout, this.writes, cx)
+            }
+            (polled, _) => polled,
+        }
+    }
+}
+
+/// A read left pending: an error if it is inside a head that has waited
+/// `timeout` since its first pending read.
+fn head_wait(
+    timer: &mut Option<Pin<Box<Sleep>>>,
+    armed: &mut bool,
+    timeout: Duration,
+    writes: &Writes,
+    cx: &mut Context<'_>,
+) -> Poll<io::Result<()>> {
+    if !writes.head_under_way() {
+        *armed = false;
+        return Poll::Pending;
+    }
+    if !*armed {
+        *armed = true;
+        let deadline = Instant::now() + timeout;
+        match timer {
+            Some(timer) => timer.as_mut().reset(deadline),
+            None => *timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
+        }
+    }
+    match timer.as_mut().map(|timer| timer.as_mut().poll(cx)) {
+        Some(Poll::Ready(())) => Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "the request's head did not come whole within header_read_timeout",
+        ))),
+        _ => Poll::Pending,
     }
 }
 

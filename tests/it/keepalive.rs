@@ -235,6 +235,115 @@ async fn a_second_request_that_stalls_mid_head_is_cut_at_header_read_timeout() {
     );
 }
 
+/// A proxy to `up` whose callers have 1 s to finish a head once begun.
+async fn head_timed(up: &str) -> herdguard::app::Server {
+    let src = format!(
+        "[listen]\naddress = \"127.0.0.1:0\"\nheader_read_timeout = \"1s\"\n[admin]\naddress = \"127.0.0.1:0\"\n\
+         [upstreams.u]\nendpoints = [\"{up}\"]\n[[routes]]\nname = \"all\"\nupstream = \"u\"\n"
+    );
+    herdguard::app::Server::start(herdguard::config::Config::parse(&src).unwrap())
+        .await
+        .unwrap()
+}
+
+/// Sends `bytes` one at a time, 200 ms apart, until the proxy closes the
+/// connection; how long that took, or `None` if it never did.
+async fn trickle_until_closed(stream: &mut TcpStream, bytes: &[u8]) -> Option<Duration> {
+    let started = tokio::time::Instant::now();
+    for byte in bytes {
+        if stream.write_all(&[*byte]).await.is_err() {
+            return Some(started.elapsed());
+        }
+        let mut buf = [0u8; 256];
+        match tokio::time::timeout(Duration::from_millis(200), stream.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return Some(started.elapsed()),
+            Ok(Ok(n)) => panic!("answered {:?}", String::from_utf8_lossy(&buf[..n])),
+            Err(_) => {}
+        }
+    }
+    None
+}
+
+#[tokio::test]
+async fn a_head_trickled_a_byte_at_a_time_is_cut_at_header_read_timeout() {
+    // Each byte comes well within the head's second; the head never does.
+    // On a new connection, and on a busy one (two requests in a row keep
+    // its hyper connection up) the moment its answer is out.
+    let up = path_upstream().await;
+    let hg = head_timed(&up.url()).await;
+    let head = format!("GET /slow HTTP/1.1\r\nHost: a\r\nX-Pad: {}", "p".repeat(40));
+    for before in [0, 2] {
+        let mut stream = TcpStream::connect(hg.proxy_addr()).await.unwrap();
+        let mut buffered = Vec::new();
+        for i in 0..before {
+            let req = format!("GET /r{i} HTTP/1.1\r\nHost: a\r\n\r\n");
+            stream.write_all(req.as_bytes()).await.unwrap();
+            let (status, _) = response(&mut stream, &mut buffered).await.unwrap();
+            assert!(status.contains("200"), "{status}");
+        }
+        let took = trickle_until_closed(&mut stream, head.as_bytes())
+            .await
+            .unwrap_or_else(|| {
+                panic!("after {before} requests: the trickled head kept its connection")
+            });
+        assert!(
+            took >= Duration::from_millis(800) && took < Duration::from_millis(2500),
+            "after {before} requests: cut after {took:?}"
+        );
+    }
+    assert_eq!(up.hits(), 2);
+}
+
+#[tokio::test]
+async fn a_pipelined_head_left_unfinished_is_cut() {
+    // The start of the second head comes with the first request: it was
+    // read before the first was answered.
+    let up = path_upstream().await;
+    let hg = head_timed(&up.url()).await;
+    let mut stream = TcpStream::connect(hg.proxy_addr()).await.unwrap();
+    let mut buffered = Vec::new();
+    stream
+        .write_all(b"GET /one HTTP/1.1\r\nHost: a\r\n\r\nGET /two HTTP/1.1\r\nHo")
+        .await
+        .unwrap();
+    let (_, body) = response(&mut stream, &mut buffered).await.unwrap();
+    assert_eq!(body, "/one");
+    // Within the head's second, give or take the moment an idle connection
+    // is taken back (PARK_AFTER).
+    closes(&mut stream, Duration::from_secs(4)).await.unwrap();
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn a_slow_body_is_not_cut_by_the_head_timer() {
+    // The head comes whole; its body a byte every 300 ms, three times the
+    // head's second in all: the body's pace is not the head's.
+    let up = path_upstream().await;
+    let hg = head_timed(&up.url()).await;
+    for before in [0, 2] {
+        let mut stream = TcpStream::connect(hg.proxy_addr()).await.unwrap();
+        let mut buffered = Vec::new();
+        for i in 0..before {
+            let req = format!("GET /r{i} HTTP/1.1\r\nHost: a\r\n\r\n");
+            stream.write_all(req.as_bytes()).await.unwrap();
+            response(&mut stream, &mut buffered).await.unwrap();
+        }
+        stream
+            .write_all(b"POST /up HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\n")
+            .await
+            .unwrap();
+        for byte in b"0123456789" {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            stream.write_all(&[*byte]).await.unwrap();
+        }
+        let (status, body) = response(&mut stream, &mut buffered)
+            .await
+            .unwrap_or_else(|| panic!("after {before} requests: closed before the answer"));
+        assert!(status.contains("200"), "after {before} requests: {status}");
+        assert_eq!(body, "/up0123456789");
+    }
+}
+
 #[tokio::test]
 async fn a_head_that_arrives_in_pieces_keeps_its_connection() {
     let up = path_upstream().await;

@@ -141,6 +141,8 @@ pub struct Cycle {
     switched: AtomicBool,
     /// The latest request is a CONNECT: a 2xx answer hands the connection over.
     connect: AtomicBool,
+    /// The latest request's body was let go unread (see [`Cycle::let_go`]).
+    let_go: AtomicBool,
     /// Where the caller's side goes if the latest request is upgraded.
     upgrade: Mutex<Option<oneshot::Sender<Upgraded>>>,
 }
@@ -167,6 +169,7 @@ impl Cycle {
             unread: AtomicBool::new(false),
             switched: AtomicBool::new(false),
             connect: AtomicBool::new(false),
+            let_go: AtomicBool::new(false),
             upgrade: Mutex::new(None),
         })
     }
@@ -195,6 +198,8 @@ impl Cycle {
         self.answered.store(true, Ordering::SeqCst);
         if !self.unread.load(Ordering::SeqCst) {
             self.writes.await_head(true);
+        } else if self.let_go.load(Ordering::SeqCst) {
+            self.writes.await_rest();
         }
     }
 
@@ -219,6 +224,21 @@ impl Drop for Cycle {
 impl BodyEnd for Cycle {
     fn read_to_end(&self) {
         self.read();
+    }
+
+    /// A body the proxy let go unread (an answer made without it: a 404, a
+    /// refusal): hyper reads past what is left of it once the answer is out,
+    /// and the connection stays unfit to be taken back until it has (what
+    /// is left must never be read as a request). That wait is timed as a
+    /// head is, whether the caller sends or not: a caller that sends
+    /// nothing more is not waited for.
+    fn let_go(&self) {
+        if self.unread.load(Ordering::SeqCst) {
+            self.let_go.store(true, Ordering::SeqCst);
+            if self.answered.load(Ordering::SeqCst) {
+                self.writes.await_rest();
+            }
+        }
     }
 }
 
@@ -283,6 +303,7 @@ where
         cycle.set_unread(unread);
         cycle.writes.unhear();
         cycle.writes.await_head(false);
+        cycle.let_go.store(false, Ordering::SeqCst);
         let held = match HeadHeld::take(detach_head(&mut req)) {
             Ok(held) => held,
             Err(()) => {
@@ -662,6 +683,8 @@ fn resumed<I, S>(parts: Parts<I, S>) -> (Stream<I>, Cycled<S>) {
 /// stream back if no one takes it (to be closed).
 fn switched<I: Readable, S>(parts: Parts<I, S>, cycle: &Cycle) -> Option<Stream<I>> {
     let mut stream = parts.io.into_inner();
+    // What comes now is the new protocol's: no heads to time.
+    stream.untimed_heads();
     rewind(&mut stream, &parts.read_buf);
     let to = cycle
         .upgrade

@@ -33,9 +33,10 @@ pub struct Writes {
     /// Bytes came in since the owner last cleared this: on an HTTP/1.1
     /// connection, the start of a request still under way.
     heard: AtomicBool,
-    /// The next bytes are a request's head: an HTTP/1.1 connection between
-    /// exchanges (see [`WriteStall`]'s head timer).
-    head_due: AtomicBool,
+    /// What a read left waiting is, for [`WriteStall`]'s head timer: one of
+    /// `NO_HEAD`, `HEAD` (timed once bytes of it came) and `HEAD_NOW` (timed
+    /// whatever came).
+    head_due: std::sync::atomic::AtomicU8,
     /// The listener's counts of bytes in and out.
     pub traffic: Arc<Traffic>,
     /// Bytes in and out not yet added to `traffic`: the listener's counts
@@ -55,6 +56,9 @@ pub struct Writes {
     cut: AtomicBool,
     /// The task of the latest write left pending, to wake when cut.
     waker: atomic_waker::AtomicWaker,
+    /// The task of the latest read left waiting outside a head, to wake
+    /// when the wait becomes timed ([`Writes::await_rest`]).
+    reader: atomic_waker::AtomicWaker,
 }
 
 impl Writes {
@@ -63,7 +67,7 @@ impl Writes {
             last: Stamp::default(),
             blocked: AtomicBool::new(false),
             heard: AtomicBool::new(false),
-            head_due: AtomicBool::new(false),
+            head_due: std::sync::atomic::AtomicU8::new(NO_HEAD),
             traffic,
             unflushed: Default::default(),
             sent: AtomicU64::new(0),
@@ -71,6 +75,7 @@ impl Writes {
             slow_looks: Default::default(),
             cut: AtomicBool::new(false),
             waker: Default::default(),
+            reader: Default::default(),
         }
     }
 
@@ -97,11 +102,25 @@ impl Writes {
     /// between exchanges, `false` once a head is whole): a read left
     /// waiting inside one counts toward `header_read_timeout`.
     pub fn await_head(&self, due: bool) {
+        let due = if due { HEAD } else { NO_HEAD };
         self.head_due.store(due, Ordering::SeqCst);
     }
 
+    /// What the caller sends next is the rest of a body no one reads, and
+    /// then a head: timed as a head is, from the first read left waiting,
+    /// whether bytes came or not.
+    pub fn await_rest(&self) {
+        self.head_due.store(HEAD_NOW, Ordering::SeqCst);
+        // The read may be waiting already, untimed.
+        self.reader.wake();
+    }
+
     fn head_under_way(&self) -> bool {
-        self.head_due.load(Ordering::SeqCst) && self.heard()
+        match self.head_due.load(Ordering::SeqCst) {
+            HEAD => self.heard(),
+            HEAD_NOW => true,
+            _ => false,
+        }
     }
 
     /// Counts `n` bytes read (`SENT`: written) in the listener's traffic,
@@ -163,6 +182,11 @@ impl Drop for Writes {
         }
     }
 }
+
+/// [`Writes::head_due`]'s states.
+const NO_HEAD: u8 = 0;
+const HEAD: u8 = 1;
+const HEAD_NOW: u8 = 2;
 
 /// Which of [`Writes`]' unflushed counts.
 const RECEIVED: usize = 0;
@@ -236,6 +260,12 @@ impl<T> WriteStall<T> {
     pub fn timing_heads(mut self, header_read_timeout: Duration) -> Self {
         self.head_timeout = Some(header_read_timeout);
         self
+    }
+
+    /// Stops timing heads: the connection switched protocols.
+    pub fn untimed_heads(&mut self) {
+        self.head_timeout = None;
+        self.head_armed = false;
     }
 
     pub fn get_mut(&mut self) -> &mut T {
@@ -318,6 +348,8 @@ fn head_wait(
     writes: &Writes,
     cx: &mut Context<'_>,
 ) -> Poll<io::Result<()>> {
+    // Registered before the state is read: a change made in between wakes it.
+    writes.reader.register(cx.waker());
     if !writes.head_under_way() {
         *armed = false;
         return Poll::Pending;

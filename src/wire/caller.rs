@@ -19,6 +19,10 @@ use tokio::sync::oneshot;
 /// request.
 pub trait BodyEnd: Send + Sync {
     fn read_to_end(&self);
+
+    /// The body was let go, read to its end or not: what is left of it
+    /// is hyper's to read past, or the connection's end.
+    fn let_go(&self);
 }
 
 /// Byte streams an upgraded connection can run over.
@@ -75,6 +79,14 @@ pin_project! {
         // Bytes its `Content-Length` still promises.
         promised: Option<u64>,
     }
+
+    impl PinnedDrop for CallerBody {
+        fn drop(this: Pin<&mut Self>) {
+            if let Some(end) = this.project().end.take() {
+                end.let_go();
+            }
+        }
+    }
 }
 
 /// Why a caller's body could not be read.
@@ -92,9 +104,11 @@ impl CallerBody {
 
     /// A body that tells `end` once it has been read to its end.
     pub fn noting_end(inner: Incoming, end: Arc<dyn BodyEnd>) -> Self {
+        let promised = inner.size_hint().exact();
         Self {
+            inner,
             end: Some(end),
-            ..Self::new(inner)
+            promised,
         }
     }
 

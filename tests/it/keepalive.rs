@@ -345,6 +345,43 @@ async fn a_slow_body_is_not_cut_by_the_head_timer() {
 }
 
 #[tokio::test]
+async fn after_a_body_the_proxy_never_read_the_connection_is_still_timed() {
+    // No route: the answer (404) is made without reading the request's
+    // body. What the caller sends next (the start
+    // of a head, or nothing) is timed as a head is.
+    let src = "[listen]\naddress = \"127.0.0.1:0\"\nheader_read_timeout = \"1s\"\nidle_timeout = \"2s\"\n\
+               [admin]\naddress = \"127.0.0.1:0\"\n\
+               [upstreams.u]\nendpoints = [\"http://127.0.0.1:1\"]\n\
+               [[routes]]\nname = \"api\"\nupstream = \"u\"\nmatch = { path_prefix = \"/api\" }\n";
+    let hg = herdguard::app::Server::start(herdguard::config::Config::parse(src).unwrap())
+        .await
+        .unwrap();
+    for next in [&b"GET /next HT"[..], b""] {
+        let mut stream = TcpStream::connect(hg.proxy_addr()).await.unwrap();
+        let mut buffered = Vec::new();
+        stream
+            .write_all(b"POST /nowhere HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello")
+            .await
+            .unwrap();
+        let (status, _) = response(&mut stream, &mut buffered).await.unwrap();
+        assert!(status.contains("404"), "{status}");
+        stream.write_all(next).await.unwrap();
+        let started = tokio::time::Instant::now();
+        closes(&mut stream, Duration::from_secs(6))
+            .await
+            .unwrap_or_else(|e| panic!("then {:?}: {e}", String::from_utf8_lossy(next)));
+        // Within the head's second: the connection is not idle while what is
+        // left of the body may still come, so it is timed, whatever comes.
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_millis(3500),
+            "then {:?}: closed after {took:?}",
+            String::from_utf8_lossy(next)
+        );
+    }
+}
+
+#[tokio::test]
 async fn a_head_that_arrives_in_pieces_keeps_its_connection() {
     let up = path_upstream().await;
     let hg = proxy_to(&up.url()).await;

@@ -56,6 +56,34 @@ async fn websocket_echo_through_the_proxy() {
     ws.close(None).await.unwrap();
 }
 
+#[tokio::test]
+async fn a_websocket_talking_past_header_read_timeout_stays_open() {
+    // Once switched, the connection carries the new protocol: no head is
+    // timed on it.
+    let upstream = ws_echo_upstream().await;
+    let hg = common::process::Binary::start_with(
+        "header_read_timeout = \"300ms\"",
+        &tunnel_config(upstream, ""),
+    )
+    .await;
+    let (mut ws, _) = tokio_tungstenite::connect_async(format!("ws://{}/socket", hg.listen))
+        .await
+        .expect("upgraded");
+    // A message every 150 ms for 1.5 s: five header_read_timeouts.
+    for i in 0..10 {
+        ws.send(Message::text(format!("{i}"))).await.unwrap();
+        let echoed = tokio::time::timeout(std::time::Duration::from_secs(2), ws.next())
+            .await
+            .unwrap_or_else(|_| panic!("message {i}: no echo"))
+            .unwrap_or_else(|| panic!("message {i}: the tunnel closed"))
+            .unwrap_or_else(|e| panic!("message {i}: {e}"));
+        assert_eq!(echoed, Message::text(format!("{i}")));
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    }
+    ws.close(None).await.unwrap();
+    hg.terminate().await;
+}
+
 /// An upstream on 127.0.0.1:0 that echoes WebSocket messages and answers
 /// any other request `200 ok`.
 async fn ws_or_plain_upstream() -> std::net::SocketAddr {

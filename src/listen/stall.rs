@@ -54,11 +54,11 @@ pub struct Writes {
     slow_looks: std::sync::atomic::AtomicU32,
     /// Cut under memory pressure (see `listen::pressure`): its writes fail.
     cut: AtomicBool,
-    /// The task of the latest write left pending, to wake when cut.
+    /// The connection's task, as the latest write or read left pending
+    /// registered it: woken when cut, and when a read's wait becomes timed
+    /// ([`Writes::await_rest`]). Reads and writes are polled by the one
+    /// task that drives the connection.
     waker: atomic_waker::AtomicWaker,
-    /// The task of the latest read left waiting outside a head, to wake
-    /// when the wait becomes timed ([`Writes::await_rest`]).
-    reader: atomic_waker::AtomicWaker,
 }
 
 impl Writes {
@@ -75,7 +75,6 @@ impl Writes {
             slow_looks: Default::default(),
             cut: AtomicBool::new(false),
             waker: Default::default(),
-            reader: Default::default(),
         }
     }
 
@@ -112,7 +111,7 @@ impl Writes {
     pub fn await_rest(&self) {
         self.head_due.store(HEAD_NOW, Ordering::SeqCst);
         // The read may be waiting already, untimed.
-        self.reader.wake();
+        self.waker.wake();
     }
 
     fn head_under_way(&self) -> bool {
@@ -234,7 +233,9 @@ pin_project! {
         // first such wait only.
         head_timer: Option<Pin<Box<Sleep>>>,
         head_armed: bool,
-        head_timeout: Option<Duration>,
+        // `header_read_timeout` in milliseconds (0: heads not timed): small,
+        // as what every idle connection keeps is.
+        head_timeout_ms: u32,
     }
 }
 
@@ -248,7 +249,7 @@ impl<T> WriteStall<T> {
             stalled: false,
             head_timer: None,
             head_armed: false,
-            head_timeout: None,
+            head_timeout_ms: 0,
         }
     }
 
@@ -258,13 +259,16 @@ impl<T> WriteStall<T> {
     /// sending a head a byte at a time, or part of one and then nothing,
     /// is cut then; a head read whole arms nothing.
     pub fn timing_heads(mut self, header_read_timeout: Duration) -> Self {
-        self.head_timeout = Some(header_read_timeout);
+        let ms = header_read_timeout
+            .as_millis()
+            .clamp(1, u128::from(u32::MAX));
+        self.head_timeout_ms = u32::try_from(ms).unwrap_or(u32::MAX);
         self
     }
 
     /// Stops timing heads: the connection switched protocols.
     pub fn untimed_heads(&mut self) {
-        self.head_timeout = None;
+        self.head_timeout_ms = 0;
         self.head_armed = false;
     }
 
@@ -330,8 +334,9 @@ impl<T: AsyncRead> AsyncRead for WriteStall<T> {
             this.writes.heard.store(true, Ordering::Release);
             this.writes.count(RECEIVED, read);
         }
-        match (polled, *this.head_timeout) {
-            (Poll::Pending, Some(timeout)) => {
+        match (polled, *this.head_timeout_ms) {
+            (Poll::Pending, 1..) => {
+                let timeout = Duration::from_millis(u64::from(*this.head_timeout_ms));
                 head_wait(this.head_timer, this.head_armed, timeout, this.writes, cx)
             }
             (polled, _) => polled,
@@ -349,7 +354,7 @@ fn head_wait(
     cx: &mut Context<'_>,
 ) -> Poll<io::Result<()>> {
     // Registered before the state is read: a change made in between wakes it.
-    writes.reader.register(cx.waker());
+    writes.waker.register(cx.waker());
     if !writes.head_under_way() {
         *armed = false;
         return Poll::Pending;

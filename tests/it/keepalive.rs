@@ -98,6 +98,20 @@ async fn closes(stream: &mut TcpStream, within: Duration) -> Result<(), String> 
     }
 }
 
+/// Sends `GET /r0`, `/r1`… on `stream`, `n` of them one after the other,
+/// each answered 200 with its path (by [`path_upstream`]).
+async fn gets_answered(stream: &mut TcpStream, buffered: &mut Vec<u8>, n: usize) {
+    for i in 0..n {
+        let req = format!("GET /r{i} HTTP/1.1\r\nHost: a\r\n\r\n");
+        stream.write_all(req.as_bytes()).await.unwrap();
+        let (status, body) = response(stream, buffered).await.unwrap();
+        assert_eq!(
+            (status.as_str(), body),
+            ("HTTP/1.1 200 OK", format!("/r{i}"))
+        );
+    }
+}
+
 /// Past the point where an idle connection is taken back.
 async fn idle_past_parking() {
     tokio::time::sleep(PARK_AFTER + Duration::from_millis(700)).await;
@@ -275,12 +289,7 @@ async fn a_head_trickled_a_byte_at_a_time_is_cut_at_header_read_timeout() {
     for before in [0, 2] {
         let mut stream = TcpStream::connect(hg.proxy_addr()).await.unwrap();
         let mut buffered = Vec::new();
-        for i in 0..before {
-            let req = format!("GET /r{i} HTTP/1.1\r\nHost: a\r\n\r\n");
-            stream.write_all(req.as_bytes()).await.unwrap();
-            let (status, _) = response(&mut stream, &mut buffered).await.unwrap();
-            assert!(status.contains("200"), "{status}");
-        }
+        gets_answered(&mut stream, &mut buffered, before).await;
         let took = trickle_until_closed(&mut stream, head.as_bytes())
             .await
             .unwrap_or_else(|| {
@@ -323,11 +332,7 @@ async fn a_slow_body_is_not_cut_by_the_head_timer() {
     for before in [0, 2] {
         let mut stream = TcpStream::connect(hg.proxy_addr()).await.unwrap();
         let mut buffered = Vec::new();
-        for i in 0..before {
-            let req = format!("GET /r{i} HTTP/1.1\r\nHost: a\r\n\r\n");
-            stream.write_all(req.as_bytes()).await.unwrap();
-            response(&mut stream, &mut buffered).await.unwrap();
-        }
+        gets_answered(&mut stream, &mut buffered, before).await;
         stream
             .write_all(b"POST /up HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\n")
             .await
@@ -454,15 +459,7 @@ async fn an_idle_keep_alive_connection_closes_after_idle_timeout_not_header_read
     for requests in [1, 3] {
         let mut stream = TcpStream::connect(hg.proxy_addr()).await.unwrap();
         let mut buffered = Vec::new();
-        for i in 0..requests {
-            let req = format!("GET /r{i} HTTP/1.1\r\nHost: a\r\n\r\n");
-            stream.write_all(req.as_bytes()).await.unwrap();
-            let (status, body) = response(&mut stream, &mut buffered).await.unwrap();
-            assert_eq!(
-                (status.as_str(), body),
-                ("HTTP/1.1 200 OK", format!("/r{i}"))
-            );
-        }
+        gets_answered(&mut stream, &mut buffered, requests).await;
         let answered = tokio::time::Instant::now();
         closes(&mut stream, Duration::from_secs(10))
             .await

@@ -387,6 +387,45 @@ async fn after_a_body_the_proxy_never_read_the_connection_is_still_timed() {
 }
 
 #[tokio::test]
+async fn a_head_timed_in_pieces_leaves_no_timer_for_the_next() {
+    // A head's timer runs from its first wait: the next head (here after an
+    // answer made without reading the body, and after a plain answer) has
+    // its own whole second, not what the last one left.
+    let src = "[listen]\naddress = \"127.0.0.1:0\"\nheader_read_timeout = \"1s\"\n\
+               [admin]\naddress = \"127.0.0.1:0\"\n\
+               [upstreams.u]\nendpoints = [\"http://127.0.0.1:1\"]\n\
+               [[routes]]\nname = \"api\"\nupstream = \"u\"\nmatch = { path_prefix = \"/api\" }\n";
+    let hg = herdguard::app::Server::start(herdguard::config::Config::parse(src).unwrap())
+        .await
+        .unwrap();
+    for body in ["hello", ""] {
+        let mut stream = TcpStream::connect(hg.proxy_addr()).await.unwrap();
+        let mut buffered = Vec::new();
+        let head = format!(
+            "POST /nowhere HTTP/1.1\r\nHost: a\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let (first, rest) = head.as_bytes().split_at(10);
+        stream.write_all(first).await.unwrap();
+        // Most of the head's second goes by before the rest comes.
+        tokio::time::sleep(Duration::from_millis(750)).await;
+        stream.write_all(rest).await.unwrap();
+        let (status, _) = response(&mut stream, &mut buffered).await.unwrap();
+        assert!(status.contains("404"), "{status}");
+        // The next head starts past the first head's second, and comes in
+        // two pieces well within its own.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        stream.write_all(b"GET /nowhere HTT").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        stream.write_all(b"P/1.1\r\nHost: a\r\n\r\n").await.unwrap();
+        let answered = response(&mut stream, &mut buffered).await;
+        let (status, _) =
+            answered.unwrap_or_else(|| panic!("body {body:?}: cut before the second answer"));
+        assert!(status.contains("404"), "body {body:?}: {status}");
+    }
+}
+
+#[tokio::test]
 async fn a_head_that_arrives_in_pieces_keeps_its_connection() {
     let up = path_upstream().await;
     let hg = proxy_to(&up.url()).await;

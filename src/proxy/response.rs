@@ -10,13 +10,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
-use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 use tokio::sync::Notify;
 use tokio::time::Sleep;
 
 use crate::policy::paths::PathKey;
-use crate::upstream::{BoxError, InFlight};
+use crate::upstream::{BoxError, InFlight, UpstreamBody};
 use crate::wire::stamp::Stamp;
 
 pin_project! {
@@ -26,7 +25,7 @@ pin_project! {
     #[project = ResponseBodyProj]
     pub enum ResponseBody {
         Upstream {
-            #[pin] body: Incoming,
+            #[pin] body: UpstreamBody,
             slot: Slot,
             // Told when the upstream breaks the body off: a failure of the
             // route, for its breaker, though the attempt had answered.
@@ -45,7 +44,7 @@ impl ResponseBody {
     /// The upstream's body, cut with an error should the upstream send
     /// nothing more of it for `idle`.
     pub fn upstream(
-        body: Incoming,
+        body: UpstreamBody,
         slot: InFlight,
         idle: Duration,
         route: Option<(Arc<super::Route>, PathKey)>,
@@ -66,7 +65,7 @@ impl ResponseBody {
     /// A watchdog task frees the slot (and closes the upstream connection)
     /// when no frame went out for `idle`, however the body is polled.
     pub fn watched(
-        body: Incoming,
+        body: UpstreamBody,
         slot: InFlight,
         idle: Duration,
         route: Option<(Arc<super::Route>, PathKey)>,
@@ -92,9 +91,9 @@ impl ResponseBody {
     }
 
     /// A passed-through host's body: no slot, no route to tell.
-    pub fn passthrough(body: Incoming, idle: Duration) -> Self {
+    pub fn passthrough(body: hyper::body::Incoming, idle: Duration) -> Self {
         ResponseBody::Upstream {
-            body,
+            body: UpstreamBody::hyper(body),
             slot: Slot::Own(None),
             route: Pending(None),
             idle,

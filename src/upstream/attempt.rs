@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Version};
-use hyper::body::Incoming;
+use crate::upstream::UpstreamBody;
 
 use crate::wire::CallerBody;
 use tokio::time::Instant;
@@ -37,7 +37,7 @@ use crate::wire::headers::X_HERDGUARD_ATTEMPT;
 /// An upstream's answer and the in-flight slot it holds, on the heap: an
 /// attempt's end is moved a few times on its way to the caller, and one
 /// pointer moves where some 300 bytes would be copied.
-pub type Answer = Box<(Response<Incoming>, InFlight)>;
+pub type Answer = Box<(Response<UpstreamBody>, InFlight)>;
 
 /// An attempt ready to go: its in-flight slot, endpoint, request, and the
 /// progress of its body.

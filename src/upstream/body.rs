@@ -68,6 +68,11 @@ impl RequestBody {
         }
     }
 
+    /// A request with no body at all (not one that ends up empty).
+    pub fn is_empty(&self) -> bool {
+        matches!(self.inner, Inner::Empty)
+    }
+
     fn inner_end(inner: &Inner) -> bool {
         match inner {
             Inner::Empty => true,
@@ -124,6 +129,55 @@ impl Body for RequestBody {
             Inner::Empty => SizeHint::with_exact(0),
             Inner::Stream { body } => body.size_hint(),
             Inner::Replay { body } => body.size_hint(),
+        }
+    }
+}
+
+pin_project! {
+    /// An upstream's answer's body: read by hyper's connection, or by
+    /// herdguard's own exchange (see `plain.rs`).
+    #[project = UpstreamBodyProj]
+    pub enum UpstreamBody {
+        Hyper { #[pin] body: hyper::body::Incoming },
+        Plain { #[pin] body: super::plain::PlainBody },
+    }
+}
+
+impl UpstreamBody {
+    pub fn hyper(body: hyper::body::Incoming) -> Self {
+        UpstreamBody::Hyper { body }
+    }
+
+    pub fn plain(body: super::plain::PlainBody) -> Self {
+        UpstreamBody::Plain { body }
+    }
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.project() {
+            UpstreamBodyProj::Hyper { body } => body.poll_frame(cx).map_err(BoxError::from),
+            UpstreamBodyProj::Plain { body } => body.poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            UpstreamBody::Hyper { body } => body.is_end_stream(),
+            UpstreamBody::Plain { body } => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            UpstreamBody::Hyper { body } => body.size_hint(),
+            UpstreamBody::Plain { body } => body.size_hint(),
         }
     }
 }

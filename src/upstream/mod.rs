@@ -7,12 +7,14 @@ pub(crate) mod attempt;
 pub(crate) mod body;
 pub(crate) mod classify;
 pub(crate) mod discovery;
+pub(crate) mod framing;
 pub(crate) mod heads;
+pub(crate) mod plain;
 pub(crate) mod pool;
 pub mod replay;
 pub(crate) mod tunnel;
 
-pub use body::{caller_fault, BoxError, Progress, RequestBody};
+pub use body::{caller_fault, BoxError, Progress, RequestBody, UpstreamBody};
 pub use pool::{PoolError, Pooled};
 pub use replay::{BodyMemory, ReplayBody, BODY_MEMORY_HELD, BODY_MEMORY_REFUSED};
 
@@ -23,7 +25,6 @@ use std::time::Duration;
 
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderValue, Request, Response, Uri};
-use hyper::body::Incoming;
 use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -101,7 +102,7 @@ impl SendError {
         };
         while let Some(s) = source {
             // Informational answers without end: it would only send them again.
-            if heads::EndlessInformational::is(s) {
+            if heads::EndlessInformational::is(s) || s.is::<framing::Malformed>() {
                 return UpstreamFault::BadResponse;
             }
             if let Some(h) = s.downcast_ref::<hyper::Error>() {
@@ -197,34 +198,28 @@ impl Endpoint {
     /// as a local, for as long as the attempt lasts.)
     /// `careful`: the request cannot be repeated should it be lost in the
     /// close of an idle connection (see `pool.rs`).
-    pub fn send(
-        &self,
-        path_and_query: Option<&PathAndQuery>,
+    pub fn send<'a>(
+        &'a self,
+        path_and_query: Option<&'a PathAndQuery>,
         mut req: Request<RequestBody>,
         careful: bool,
-    ) -> Sending<impl Future<Output = Result<(Response<Incoming>, Pooled), PoolError>> + '_> {
-        let based;
+    ) -> Sending<impl Future<Output = Result<(Response<UpstreamBody>, Option<Pooled>), PoolError>> + 'a>
+    {
+        use std::borrow::Cow;
         let path_and_query = match (&self.base, path_and_query) {
             (Some(base), Some(pq)) if pq.path().starts_with('/') => {
-                based = with_base(base, pq);
-                based.as_ref().or(Some(pq))
+                Some(with_base(base, pq).map_or(Cow::Borrowed(pq), Cow::Owned))
             }
-            (Some(base), None) => {
-                based = with_base(base, &PathAndQuery::from_static("/"));
-                based.as_ref()
-            }
+            (Some(base), None) => with_base(base, &PathAndQuery::from_static("/")).map(Cow::Owned),
             // `OPTIONS *` asks about the server, not a path: no base.
-            _ => path_and_query,
+            _ => path_and_query.map(Cow::Borrowed),
         };
         match &self.transport {
-            Transport::Pool(pool) => {
-                *req.uri_mut() = pool::origin_form(path_and_query);
-                Sending::Pool {
-                    send: pool.send(req, careful),
-                }
-            }
+            Transport::Pool(pool) => Sending::Pool {
+                send: pool.send(req, path_and_query, careful),
+            },
             Transport::Client(client) => {
-                *req.uri_mut() = self.uri(path_and_query);
+                *req.uri_mut() = self.uri(path_and_query.as_deref());
                 Sending::Client {
                     send: client.request(req),
                 }
@@ -257,22 +252,20 @@ pin_project_lite::pin_project! {
 
 impl<P> Future for Sending<P>
 where
-    P: Future<Output = Result<(Response<Incoming>, Pooled), PoolError>>,
+    P: Future<Output = Result<(Response<UpstreamBody>, Option<Pooled>), PoolError>>,
 {
-    type Output = Result<(Response<Incoming>, Option<Pooled>), SendError>;
+    type Output = Result<(Response<UpstreamBody>, Option<Pooled>), SendError>;
 
     fn poll(
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Self::Output> {
         match self.project() {
-            SendingProj::Pool { send } => send.poll(cx).map(|sent| {
-                sent.map(|(resp, conn)| (resp, Some(conn)))
-                    .map_err(SendError::Pool)
+            SendingProj::Pool { send } => send.poll(cx).map(|sent| sent.map_err(SendError::Pool)),
+            SendingProj::Client { send } => send.poll(cx).map(|sent| {
+                sent.map(|resp| (resp.map(UpstreamBody::hyper), None))
+                    .map_err(SendError::Client)
             }),
-            SendingProj::Client { send } => send
-                .poll(cx)
-                .map(|sent| sent.map(|resp| (resp, None)).map_err(SendError::Client)),
         }
     }
 }

@@ -36,15 +36,15 @@ use std::time::Duration;
 
 use http::uri::{Authority, PathAndQuery};
 use http::{Request, Response};
-use hyper::body::Incoming;
 use hyper::client::conn::{http1, TrySendError};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tracing::debug;
 
-use super::body::RequestBody;
+use super::body::{BoxError, RequestBody, UpstreamBody};
 use super::heads::{HeadWait, Metered};
+use super::plain::{self, Raw};
 
 /// The most hyper keeps queued to write to an upstream, or read from it
 /// at once (its default is about 400 KB): an upstream that answers without
@@ -76,21 +76,21 @@ pub enum PoolError {
     Request {
         authority: Authority,
         #[source]
-        source: hyper::Error,
+        source: BoxError,
     },
     /// A reused connection closed before any byte of the answer came.
     #[error("request to {authority} failed: the reused connection closed before an answer")]
     Stale {
         authority: Authority,
         #[source]
-        source: hyper::Error,
+        source: BoxError,
     },
     /// The connection gave the request back unwritten: it never left.
     #[error("request to {authority} was not sent: the connection closed first")]
     Unsent {
         authority: Authority,
         #[source]
-        source: hyper::Error,
+        source: BoxError,
     },
 }
 
@@ -123,9 +123,39 @@ struct Conn {
     last_used: Instant,
 }
 
+/// The idle connections of a pool, shared with what returns them: hyper's
+/// connection tasks as they park, and answers' bodies as they end.
+pub(crate) struct Shelf {
+    idle: Mutex<Vec<Conn>>,
+    /// Idle connections kept at most.
+    max_idle: usize,
+}
+
+impl Shelf {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Conn>> {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps an idle connection, unless `max_idle` are kept already.
+    fn put(&self, state: Idle, last_used: Instant) {
+        let mut idle = self.lock();
+        if idle.len() < self.max_idle {
+            idle.push(Conn { state, last_used });
+        }
+    }
+
+    /// Takes back a socket whose answer was read whole.
+    pub(crate) fn put_plain(&self, raw: Box<Raw>) {
+        self.put(Idle::Plain(raw), Instant::now());
+    }
+}
+
 enum Idle {
     /// hyper's connection is up, ready for the next request.
     Live(Pooled),
+    /// A socket of herdguard's own exchange (see `plain.rs`), in the
+    /// reactor, with its read buffer.
+    Plain(Box<Raw>),
     /// Only the socket is kept, out of the reactor: a descriptor and
     /// nothing on the heap, so a burst's leftovers pin none of its pages.
     Parked(std::net::TcpStream),
@@ -134,6 +164,7 @@ enum Idle {
 /// A connection taken from the list.
 enum Taken {
     Live(Pooled),
+    Plain(Box<Raw>),
     Parked(std::net::TcpStream),
 }
 
@@ -194,7 +225,7 @@ impl Pooled {
 
 /// Whether a socket is open and has nothing to read: no end of stream and no
 /// stray bytes. Never blocks (the socket is non-blocking).
-fn is_quiet(socket: socket2::SockRef<'_>) -> bool {
+pub(super) fn is_quiet(socket: socket2::SockRef<'_>) -> bool {
     let mut byte = [std::mem::MaybeUninit::<u8>::uninit(); 1];
     matches!(socket.peek(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
 }
@@ -213,10 +244,7 @@ pub struct H1Pool {
     /// Each connection's `SO_RCVBUF` (`None`: the kernel's autotuning).
     receive_buffer: Option<usize>,
     idle_timeout: Duration,
-    /// Idle connections kept at most.
-    max_idle: usize,
-    /// Shared with the connection tasks, which park sockets in it.
-    idle: Arc<Mutex<Vec<Conn>>>,
+    shelf: Arc<Shelf>,
     staleness: Staleness,
     /// The clock `staleness` counts from.
     epoch: Instant,
@@ -229,8 +257,10 @@ impl H1Pool {
             connect_timeout: config.connect_timeout,
             receive_buffer: receive_buffer(config),
             idle_timeout: config.pool_idle_timeout,
-            max_idle: config.pool_max_idle,
-            idle: Arc::default(),
+            shelf: Arc::new(Shelf {
+                idle: Mutex::default(),
+                max_idle: config.pool_max_idle,
+            }),
             staleness: Staleness::default(),
             epoch: Instant::now(),
         }
@@ -270,9 +300,12 @@ impl H1Pool {
             .store(u64::try_from(now.as_nanos()).unwrap_or(u64::MAX), Relaxed);
     }
 
-    /// Sends `req` (origin-form URI, `Host` set) on an idle connection, or on
-    /// a new one. The connection comes back with the response: hand it to
-    /// [`H1Pool::put_back`] once the response body is done with.
+    /// Sends `req` (`Host` set) for `path_and_query` on an idle connection,
+    /// or on a new one. A connection of hyper's comes back with the
+    /// response: hand it to [`H1Pool::put_back`] once the response body is
+    /// done with. A request with no body and no upgrade goes by herdguard's
+    /// own exchange (see `plain.rs`): its answer's body takes the
+    /// connection back itself.
     ///
     /// A request that a pooled connection gives back unwritten (it found the
     /// connection closed by the upstream first) is sent again on a fresh
@@ -282,39 +315,100 @@ impl H1Pool {
     /// Not an `async fn`: one would keep the request twice, as its argument
     /// and as a local, for as long as the attempt lasts.
     #[allow(clippy::manual_async_fn)] // on purpose: see above
-    pub fn send(
-        &self,
+    pub fn send<'a>(
+        &'a self,
         req: Request<RequestBody>,
+        path_and_query: Option<std::borrow::Cow<'a, PathAndQuery>>,
         careful: bool,
-    ) -> impl Future<Output = Result<(Response<Incoming>, Pooled), PoolError>> + '_ {
+    ) -> impl Future<Output = Result<(Response<UpstreamBody>, Option<Pooled>), PoolError>> + 'a
+    {
         async move {
             // An upgrade takes a connection of its own, driven by hyper
             // until it is handed over: never pooled before, never parked
             // after.
             let upgrade = req.headers().contains_key(http::header::UPGRADE);
-            let taken = match upgrade {
-                true => None,
-                false => self.checkout(self.max_idle_for(careful)),
-            };
-            let (mut conn, idled) = match taken {
-                Some((Taken::Live(conn), idled)) => (conn, Some(idled)),
-                Some((Taken::Parked(stream), idled)) => {
-                    (self.handshake(stream, false).await?, Some(idled))
-                }
-                None => (self.connect(upgrade).await?, None),
-            };
-            conn.head.begin();
-            let sent = conn.sender.try_send_request(req).await;
-            conn.head.end();
-            match sent {
-                Ok(resp) => Ok((resp, conn)),
-                // On the heap: rare, and the request's future would
-                // otherwise keep room for it.
-                Err(failed) if idled.is_some() => Box::pin(self.resend(failed, idled)).await,
-                Err(mut failed) => {
-                    let unsent = failed.take_message().is_some();
-                    Err(self.request_error(failed.into_error(), unsent, None))
-                }
+            if !upgrade && req.body().is_empty() {
+                let target = path_and_query.as_deref().map_or("/", PathAndQuery::as_str);
+                let resp = self.send_plain(req, target, careful).await?;
+                return Ok((resp.map(UpstreamBody::plain), None));
+            }
+            let mut req = req;
+            *req.uri_mut() = origin_form(path_and_query.as_deref());
+            let (resp, conn) = self.send_hyper(req, upgrade, careful).await?;
+            Ok((resp.map(UpstreamBody::hyper), Some(conn)))
+        }
+    }
+
+    /// A request with no body, by herdguard's own exchange.
+    async fn send_plain(
+        &self,
+        req: Request<RequestBody>,
+        target: &str,
+        careful: bool,
+    ) -> Result<Response<plain::PlainBody>, PoolError> {
+        let (raw, idled) = match self.checkout(self.max_idle_for(careful), true) {
+            Some((Taken::Plain(raw), idled)) => (raw, Some(idled)),
+            Some((Taken::Parked(stream), idled)) => (self.plain_of(stream)?, Some(idled)),
+            Some((Taken::Live(_), _)) | None => (self.connect_plain().await?, None),
+        };
+        let (method, headers) = (req.method(), req.headers());
+        match plain::exchange(raw, method, target, headers).await {
+            Ok(resp) => Ok(resp),
+            Err(failed) if idled.is_some() && !failed.written => {
+                debug!(upstream = %self.authority, error = %failed.error, "pooled connection closed before the request was written; sending it on a new one");
+                let raw = self.connect_plain().await?;
+                plain::exchange(raw, method, target, headers)
+                    .await
+                    .map_err(|failed| self.plain_error(failed, None))
+            }
+            Err(failed) => Err(self.plain_error(failed, idled)),
+        }
+    }
+
+    /// Why an exchange on a connection idle for `idled` (if reused) failed.
+    fn plain_error(&self, failed: plain::Failed, idled: Idled) -> PoolError {
+        let authority = self.authority.clone();
+        let lost = failed.error.is_close() && !failed.heard;
+        let source = Box::new(failed.error);
+        match (failed.written, idled) {
+            (false, _) => PoolError::Unsent { authority, source },
+            (true, Some(idled)) if lost => {
+                self.lost(idled);
+                PoolError::Stale { authority, source }
+            }
+            (true, _) => PoolError::Request { authority, source },
+        }
+    }
+
+    /// A request by hyper's connection.
+    async fn send_hyper(
+        &self,
+        req: Request<RequestBody>,
+        upgrade: bool,
+        careful: bool,
+    ) -> Result<(Response<hyper::body::Incoming>, Pooled), PoolError> {
+        let taken = match upgrade {
+            true => None,
+            false => self.checkout(self.max_idle_for(careful), false),
+        };
+        let (mut conn, idled) = match taken {
+            Some((Taken::Live(conn), idled)) => (conn, Some(idled)),
+            Some((Taken::Parked(stream), idled)) => {
+                (self.handshake(stream, false).await?, Some(idled))
+            }
+            Some((Taken::Plain(_), _)) | None => (self.connect(upgrade).await?, None),
+        };
+        conn.head.begin();
+        let sent = conn.sender.try_send_request(req).await;
+        conn.head.end();
+        match sent {
+            Ok(resp) => Ok((resp, conn)),
+            // On the heap: rare, and the request's future would
+            // otherwise keep room for it.
+            Err(failed) if idled.is_some() => Box::pin(self.resend(failed, idled)).await,
+            Err(mut failed) => {
+                let unsent = failed.take_message().is_some();
+                Err(self.request_error(failed.into_error(), unsent, None))
             }
         }
     }
@@ -325,7 +419,7 @@ impl H1Pool {
         &self,
         mut failed: TrySendError<Request<RequestBody>>,
         idled: Idled,
-    ) -> Result<(Response<Incoming>, Pooled), PoolError> {
+    ) -> Result<(Response<hyper::body::Incoming>, Pooled), PoolError> {
         let Some(req) = failed.take_message() else {
             return Err(self.request_error(failed.into_error(), false, idled));
         };
@@ -343,16 +437,25 @@ impl H1Pool {
     fn request_error(&self, source: hyper::Error, unsent: bool, idled: Idled) -> PoolError {
         let authority = self.authority.clone();
         match (unsent, idled) {
-            (true, _) => PoolError::Unsent { authority, source },
+            (true, _) => PoolError::Unsent {
+                authority,
+                source: Box::new(source),
+            },
             // Closed with nothing of an answer, on a connection that had
             // served before: the upstream closed it as the request went out
             // (an end of stream; or a reset, when our bytes reached a
             // socket it had already closed).
             (false, Some(idled)) if source.is_incomplete_message() || reset_by_peer(&source) => {
                 self.lost(idled);
-                PoolError::Stale { authority, source }
+                PoolError::Stale {
+                    authority,
+                    source: Box::new(source),
+                }
             }
-            (false, _) => PoolError::Request { authority, source },
+            (false, _) => PoolError::Request {
+                authority,
+                source: Box::new(source),
+            },
         }
     }
 
@@ -360,9 +463,11 @@ impl H1Pool {
     /// the closed and the long idle ones on the way. A connection whose last
     /// response was read a moment ago may not be ready yet: it stays.
     /// Only a connection idle for less than `max_idle_for` is taken, if set.
-    fn checkout(&self, max_idle_for: Option<Duration>) -> Option<(Taken, Duration)> {
+    /// `plain`: for herdguard's own exchange, which leaves hyper's live
+    /// connections be; hyper's takes a plain socket as a parked one.
+    fn checkout(&self, max_idle_for: Option<Duration>, plain: bool) -> Option<(Taken, Duration)> {
         let now = Instant::now();
-        let mut idle = self.lock();
+        let mut idle = self.shelf.lock();
         let mut i = idle.len();
         while i > 0 {
             i -= 1;
@@ -375,30 +480,34 @@ impl H1Pool {
             if max_idle_for.is_some_and(|max| idled >= max) {
                 continue;
             }
-            match &conn.state {
+            let taken = match &conn.state {
                 Idle::Live(pooled) if pooled.sender.is_closed() => {
                     idle.swap_remove(i);
+                    continue;
                 }
-                Idle::Live(pooled) if pooled.sender.is_ready() => {
-                    let Idle::Live(pooled) = idle.swap_remove(i).state else {
-                        continue;
-                    };
-                    // The upstream closed it and hyper has not noticed yet: a
-                    // request written now would be lost in the close.
-                    if pooled.is_quiet() {
-                        return Some((Taken::Live(pooled), idled));
-                    }
+                Idle::Live(pooled) if !plain && pooled.sender.is_ready() => {
+                    idle.swap_remove(i).state
                 }
-                Idle::Live(_) => {}
-                Idle::Parked(_) => {
-                    let Idle::Parked(stream) = idle.swap_remove(i).state else {
-                        continue;
-                    };
-                    if is_quiet(socket2::SockRef::from(&stream)) {
-                        return Some((Taken::Parked(stream), idled));
-                    }
+                Idle::Live(_) => continue,
+                Idle::Plain(_) | Idle::Parked(_) => idle.swap_remove(i).state,
+            };
+            // The upstream may have closed it unseen: a request written now
+            // would be lost in the close.
+            let taken = match taken {
+                Idle::Live(pooled) if pooled.is_quiet() => Taken::Live(pooled),
+                Idle::Plain(raw) if raw.is_quiet() => match plain {
+                    true => Taken::Plain(raw),
+                    false => match raw.into_std() {
+                        Ok(stream) => Taken::Parked(stream),
+                        Err(_) => continue,
+                    },
+                },
+                Idle::Parked(stream) if is_quiet(socket2::SockRef::from(&stream)) => {
+                    Taken::Parked(stream)
                 }
-            }
+                _ => continue,
+            };
+            return Some((taken, idled));
         }
         None
     }
@@ -408,13 +517,7 @@ impl H1Pool {
     /// not all stay, each holding its buffers).
     pub fn put_back(&self, pooled: Pooled) {
         if !pooled.sender.is_closed() && pooled.park.is_some() {
-            let mut idle = self.lock();
-            if idle.len() < self.max_idle {
-                idle.push(Conn {
-                    state: Idle::Live(pooled),
-                    last_used: Instant::now(),
-                });
-            }
+            self.shelf.put(Idle::Live(pooled), Instant::now());
         }
     }
 
@@ -428,7 +531,7 @@ impl H1Pool {
         let now = Instant::now();
         let mut parking = Vec::new();
         {
-            let mut idle = self.lock();
+            let mut idle = self.shelf.lock();
             let mut i = idle.len();
             while i > 0 {
                 i -= 1;
@@ -436,7 +539,7 @@ impl H1Pool {
                 let closed = matches!(&conn.state, Idle::Live(p) if p.sender.is_closed());
                 if closed || self.expired(conn, now) {
                     idle.swap_remove(i);
-                } else if matches!(conn.state, Idle::Live(_))
+                } else if !matches!(conn.state, Idle::Parked(_))
                     && now.saturating_duration_since(conn.last_used) >= PARK_AFTER
                 {
                     parking.push(idle.swap_remove(i));
@@ -445,19 +548,23 @@ impl H1Pool {
         }
         // Outside the lock: the tasks take it to park what they are given.
         for conn in parking {
-            if let Idle::Live(pooled) = conn.state {
-                pooled.park(conn.last_used);
+            match conn.state {
+                Idle::Live(pooled) => {
+                    pooled.park(conn.last_used);
+                }
+                // Out of the reactor, its buffer freed.
+                Idle::Plain(raw) => {
+                    if let Ok(stream) = raw.into_std() {
+                        self.shelf.put(Idle::Parked(stream), conn.last_used);
+                    }
+                }
+                Idle::Parked(_) => {}
             }
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Conn>> {
-        self.idle.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// A new connection; one for an `upgrade` is driven so that hyper can
-    /// hand it over, and is never parked.
-    async fn connect(&self, upgrade: bool) -> Result<Pooled, PoolError> {
+    /// A new connection, open, with its socket options set.
+    async fn open(&self) -> Result<TcpStream, PoolError> {
         let host = self.authority.host();
         let host = host
             .strip_prefix('[')
@@ -480,6 +587,28 @@ impl H1Pool {
         }
         let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
         let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+        Ok(stream)
+    }
+
+    /// A new connection for herdguard's own exchange.
+    async fn connect_plain(&self) -> Result<Box<Raw>, PoolError> {
+        let stream = self.open().await?;
+        Ok(Raw::new(stream, self.shelf.clone()))
+    }
+
+    /// A parked socket, back in the reactor for herdguard's own exchange.
+    fn plain_of(&self, stream: std::net::TcpStream) -> Result<Box<Raw>, PoolError> {
+        let stream = TcpStream::from_std(stream).map_err(|source| PoolError::Connect {
+            authority: self.authority.clone(),
+            source,
+        })?;
+        Ok(Raw::new(stream, self.shelf.clone()))
+    }
+
+    /// A new connection for hyper; one for an `upgrade` is driven so that
+    /// hyper can hand it over, and is never parked.
+    async fn connect(&self, upgrade: bool) -> Result<Pooled, PoolError> {
+        let stream = self.open().await?;
         let stream = stream.into_std().map_err(|source| PoolError::Connect {
             authority: self.authority.clone(),
             source,
@@ -523,7 +652,7 @@ impl H1Pool {
             });
         }
         let (park, parked) = tokio::sync::oneshot::channel();
-        let (idle, max_idle) = (self.idle.clone(), self.max_idle);
+        let shelf = self.shelf.clone();
         let task = tokio::spawn(async move {
             let parts = match conn.without_shutdown().await {
                 Ok(parts) => parts,
@@ -544,13 +673,7 @@ impl H1Pool {
             if !parts.read_buf.is_empty() || !is_quiet(socket2::SockRef::from(&stream)) {
                 return;
             }
-            let mut idle = idle.lock().unwrap_or_else(|e| e.into_inner());
-            if idle.len() < max_idle {
-                idle.push(Conn {
-                    state: Idle::Parked(stream),
-                    last_used,
-                });
-            }
+            shelf.put(Idle::Parked(stream), last_used);
         })
         .abort_handle();
         Ok(Pooled {

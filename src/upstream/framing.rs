@@ -1,0 +1,422 @@
+//! An upstream's HTTP/1.1 answer read from bytes: its head, and its body by
+//! the framing RFC 9112 §6.3 gives it (a length, chunked coding with
+//! trailers, or the connection's end). Functions over a buffer, no I/O, so
+//! that any input can be tried on them (see the property tests): whatever
+//! the upstream sends is an error or a frame, never a panic, and never more
+//! than the limits below is held.
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version};
+
+/// The largest answer head read (as hyper's, with its buffer at 16 KiB).
+pub(crate) const MAX_HEAD: usize = 16 * 1024;
+
+/// The most header fields in a head or a trailer block (hyper's default).
+const MAX_FIELDS: usize = 100;
+
+/// The most bytes of chunk extensions in one body (hyper's limit).
+const MAX_EXTENSIONS: u64 = 16 * 1024;
+
+/// The largest trailer block.
+const MAX_TRAILERS: usize = 16 * 1024;
+
+/// The longest chunk-size line: the extensions' limit and the size.
+const MAX_SIZE_LINE: usize = MAX_EXTENSIONS as usize + 32;
+
+/// What an upstream sent that HTTP/1.1 does not allow.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Malformed {
+    #[error("the answer's head is malformed: {0}")]
+    Head(httparse::Error),
+    #[error("the answer's head is larger than {MAX_HEAD} bytes")]
+    HeadTooLarge,
+    #[error("the answer's status is outside 100-999")]
+    Status,
+    #[error("the answer's Content-Length is invalid")]
+    ContentLength,
+    #[error("an HTTP/1.0 answer has a Transfer-Encoding")]
+    TransferEncoding,
+    #[error("a chunk's size line is malformed")]
+    ChunkSize,
+    #[error("the chunk extensions are larger than {MAX_EXTENSIONS} bytes")]
+    Extensions,
+    #[error("a chunk's data does not end with CRLF")]
+    ChunkEnd,
+    #[error("the trailers are malformed or larger than {MAX_TRAILERS} bytes")]
+    Trailers,
+    #[error("the connection closed before the body was complete")]
+    Incomplete,
+}
+
+/// How an answer's body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Framing {
+    Length(u64),
+    Chunked,
+    /// Until the connection ends.
+    Close,
+}
+
+/// An answer's head, parsed.
+#[derive(Debug)]
+pub(crate) struct Head {
+    pub status: StatusCode,
+    pub version: Version,
+    pub headers: HeaderMap,
+    /// The reason phrase, when it is not the status's usual one.
+    pub reason: Option<Bytes>,
+    pub framing: Framing,
+    /// The connection may carry another request after this answer.
+    pub keep_alive: bool,
+}
+
+/// What [`parse_head`] found at the start of a buffer.
+#[derive(Debug)]
+pub(crate) enum Parsed {
+    /// More bytes are needed.
+    Partial,
+    /// An informational answer (1xx but 101), taken off the buffer:
+    /// another head follows.
+    Informational,
+    Final(Head),
+}
+
+/// Parses the answer head at the start of `buf`, taking it off once whole.
+/// `method`: the request's (a `HEAD`'s answer has no body).
+pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, Malformed> {
+    let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
+    let mut response = httparse::Response::new(&mut fields);
+    let len = match response.parse(buf) {
+        Ok(httparse::Status::Complete(len)) if len <= MAX_HEAD => len,
+        Ok(httparse::Status::Complete(_)) => return Err(Malformed::HeadTooLarge),
+        Ok(httparse::Status::Partial) if buf.len() >= MAX_HEAD => {
+            return Err(Malformed::HeadTooLarge)
+        }
+        Ok(httparse::Status::Partial) => return Ok(Parsed::Partial),
+        Err(e) => return Err(Malformed::Head(e)),
+    };
+    let code = response.code.unwrap_or(0);
+    let status = StatusCode::from_u16(code).map_err(|_| Malformed::Status)?;
+    if matches!(code, 100 | 102..=199) {
+        drop(response);
+        let _ = buf.split_to(len);
+        return Ok(Parsed::Informational);
+    }
+    let version = match response.version {
+        Some(1) => Version::HTTP_11,
+        _ => Version::HTTP_10,
+    };
+    let reason = response
+        .reason
+        .filter(|r| Some(*r) != status.canonical_reason())
+        .map(|r| Bytes::copy_from_slice(r.as_bytes()));
+    // Where each field sits in the head, to slice the values out of it
+    // without a copy once it is frozen.
+    let start = buf.as_ptr() as usize;
+    let at = |part: &[u8]| (part.as_ptr() as usize - start, part.len());
+    let mut spans = [((0, 0), (0, 0)); MAX_FIELDS];
+    let count = response.headers.len();
+    for (span, field) in spans.iter_mut().zip(response.headers.iter()) {
+        *span = (at(field.name.as_bytes()), at(field.value));
+    }
+    drop(response);
+    let head = buf.split_to(len).freeze();
+    let mut headers = HeaderMap::with_capacity(count);
+    for &((name, name_len), (value, value_len)) in &spans[..count] {
+        let name = HeaderName::from_bytes(&head[name..name + name_len])
+            .map_err(|_| Malformed::Head(httparse::Error::HeaderName))?;
+        let value = HeaderValue::from_maybe_shared(head.slice(value..value + value_len))
+            .map_err(|_| Malformed::Head(httparse::Error::HeaderValue))?;
+        headers.append(name, value);
+    }
+    let (framing, keep_alive) = framing_of(status, version, &mut headers, method)?;
+    Ok(Parsed::Final(Head {
+        status,
+        version,
+        headers,
+        reason,
+        framing,
+        keep_alive,
+    }))
+}
+
+/// The body's framing of an answer (RFC 9112 §6.3), and whether its
+/// connection may be used again.
+fn framing_of(
+    status: StatusCode,
+    version: Version,
+    headers: &mut HeaderMap,
+    method: &Method,
+) -> Result<(Framing, bool), Malformed> {
+    use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
+    let mut keep_alive = version == Version::HTTP_11
+        && !headers
+            .get_all(CONNECTION)
+            .iter()
+            .any(|v| has_token(v.as_bytes(), b"close"));
+    if status == StatusCode::SWITCHING_PROTOCOLS {
+        // Nobody asked (upgrades do not come this way): the connection is
+        // no longer HTTP.
+        return Ok((Framing::Length(0), false));
+    }
+    if matches!(status.as_u16(), 204 | 304) || method == Method::HEAD {
+        return Ok((Framing::Length(0), keep_alive));
+    }
+    if headers.contains_key(TRANSFER_ENCODING) {
+        if version == Version::HTTP_10 {
+            return Err(Malformed::TransferEncoding);
+        }
+        // Both: the coding wins, and the length is not passed on (RFC 9112
+        // §6.3); a connection that carried such an answer is not trusted.
+        if headers.remove(CONTENT_LENGTH).is_some() {
+            keep_alive = false;
+        }
+        return Ok(match ends_chunked(headers) {
+            true => (Framing::Chunked, keep_alive),
+            false => (Framing::Close, false),
+        });
+    }
+    let mut length = None;
+    for value in headers.get_all(CONTENT_LENGTH) {
+        for part in value.as_bytes().split(|b| *b == b',') {
+            let n = parse_length(part.trim_ascii()).ok_or(Malformed::ContentLength)?;
+            if length.is_some_and(|l| l != n) {
+                return Err(Malformed::ContentLength);
+            }
+            length = Some(n);
+        }
+    }
+    Ok(match length {
+        Some(n) => (Framing::Length(n), keep_alive),
+        None => (Framing::Close, false),
+    })
+}
+
+/// A decimal length: digits only, no sign, no overflow.
+fn parse_length(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() || digits.len() > 19 {
+        return None;
+    }
+    digits.iter().try_fold(0u64, |n, &d| {
+        d.is_ascii_digit()
+            .then(|| n.checked_mul(10)?.checked_add(u64::from(d - b'0')))
+            .flatten()
+    })
+}
+
+/// Whether a comma-separated field value holds `token` (any case).
+fn has_token(value: &[u8], token: &[u8]) -> bool {
+    value
+        .split(|b| *b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+}
+
+/// Whether the last transfer coding is `chunked`.
+fn ends_chunked(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(http::header::TRANSFER_ENCODING)
+        .iter()
+        .next_back()
+        .and_then(|v| v.as_bytes().rsplit(|b| *b == b',').next())
+        .is_some_and(|t| t.trim_ascii().eq_ignore_ascii_case(b"chunked"))
+}
+
+/// What [`Decoder::decode`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Decoded {
+    Data(Bytes),
+    Trailers(HeaderMap),
+    /// The body is over.
+    End,
+    /// More bytes are needed.
+    More,
+}
+
+/// Where a body's reading stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// So many bytes left of a body of known length.
+    Length(u64),
+    /// A chunk-size line is next.
+    Size,
+    /// So many bytes left of a chunk's data.
+    Data(u64),
+    /// The CRLF after a chunk's data.
+    DataEnd,
+    /// The trailer section after the last chunk.
+    Trailers,
+    /// Everything until the connection ends.
+    Close,
+    Done,
+}
+
+/// A body's framing, read step by step off a buffer the connection fills.
+#[derive(Debug)]
+pub(crate) struct Decoder {
+    state: State,
+    /// Bytes of chunk extensions seen so far.
+    extensions: u64,
+}
+
+impl Decoder {
+    pub(crate) fn new(framing: Framing) -> Self {
+        let state = match framing {
+            Framing::Length(0) => State::Done,
+            Framing::Length(n) => State::Length(n),
+            Framing::Chunked => State::Size,
+            Framing::Close => State::Close,
+        };
+        Self {
+            state,
+            extensions: 0,
+        }
+    }
+
+    /// The body is over (nothing more to read for it).
+    pub(crate) fn is_done(&self) -> bool {
+        self.state == State::Done
+    }
+
+    /// What is left of a body of known length.
+    pub(crate) fn remaining(&self) -> Option<u64> {
+        match self.state {
+            State::Length(n) => Some(n),
+            State::Done => Some(0),
+            _ => None,
+        }
+    }
+
+    /// One step over what `buf` holds, taking what it reads off it.
+    pub(crate) fn decode(&mut self, buf: &mut BytesMut) -> Result<Decoded, Malformed> {
+        match self.state {
+            State::Done => Ok(Decoded::End),
+            State::Length(_) | State::Data(_) if buf.is_empty() => Ok(Decoded::More),
+            State::Length(left) => {
+                let (data, left) = take(buf, left);
+                self.state = match left {
+                    0 => State::Done,
+                    n => State::Length(n),
+                };
+                Ok(Decoded::Data(data))
+            }
+            State::Data(left) => {
+                let (data, left) = take(buf, left);
+                self.state = match left {
+                    0 => State::DataEnd,
+                    n => State::Data(n),
+                };
+                Ok(Decoded::Data(data))
+            }
+            State::Close if buf.is_empty() => Ok(Decoded::More),
+            State::Close => Ok(Decoded::Data(buf.split().freeze())),
+            State::DataEnd => self.data_end(buf),
+            State::Size => self.size(buf),
+            State::Trailers => self.trailers(buf),
+        }
+    }
+
+    /// The connection ended: the body's end, if its framing says it may
+    /// end so.
+    pub(crate) fn eof(&mut self) -> Result<Decoded, Malformed> {
+        match self.state {
+            State::Close | State::Done => {
+                self.state = State::Done;
+                Ok(Decoded::End)
+            }
+            _ => Err(Malformed::Incomplete),
+        }
+    }
+
+    fn data_end(&mut self, buf: &mut BytesMut) -> Result<Decoded, Malformed> {
+        match buf.get(..2) {
+            None if buf.first().is_none_or(|b| *b == b'\r') => Ok(Decoded::More),
+            Some(b"\r\n") => {
+                let _ = buf.split_to(2);
+                self.state = State::Size;
+                self.decode(buf)
+            }
+            _ => Err(Malformed::ChunkEnd),
+        }
+    }
+
+    /// A chunk-size line: hex digits, optional extensions, CRLF.
+    fn size(&mut self, buf: &mut BytesMut) -> Result<Decoded, Malformed> {
+        let window = &buf[..buf.len().min(MAX_SIZE_LINE)];
+        let Some(lf) = window.iter().position(|b| *b == b'\n') else {
+            return match window.len() >= MAX_SIZE_LINE {
+                true => Err(Malformed::Extensions),
+                false => Ok(Decoded::More),
+            };
+        };
+        let line = window[..lf]
+            .strip_suffix(b"\r")
+            .ok_or(Malformed::ChunkSize)?;
+        let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+        if digits == 0 || digits > 16 {
+            return Err(Malformed::ChunkSize);
+        }
+        let size = line[..digits].iter().fold(0u64, |n, &d| {
+            (n << 4) | u64::from((d as char).to_digit(16).unwrap_or(0))
+        });
+        let blank = line[digits..]
+            .iter()
+            .take_while(|b| matches!(b, b' ' | b'\t'))
+            .count();
+        let rest = &line[digits + blank..];
+        match rest.first() {
+            None => {}
+            Some(b';') if rest.iter().all(|&b| b == b'\t' || (b' '..0x7f).contains(&b)) => {
+                self.extensions += rest.len() as u64;
+                if self.extensions > MAX_EXTENSIONS {
+                    return Err(Malformed::Extensions);
+                }
+            }
+            Some(_) => return Err(Malformed::ChunkSize),
+        }
+        let _ = buf.split_to(lf + 1);
+        self.state = match size {
+            0 => State::Trailers,
+            n => State::Data(n),
+        };
+        self.decode(buf)
+    }
+
+    /// The trailer section: an empty line, or fields and an empty line.
+    fn trailers(&mut self, buf: &mut BytesMut) -> Result<Decoded, Malformed> {
+        if buf.starts_with(b"\r\n") {
+            let _ = buf.split_to(2);
+            self.state = State::Done;
+            return Ok(Decoded::End);
+        }
+        let window = &buf[..buf.len().min(MAX_TRAILERS)];
+        let Some(end) = window.windows(4).position(|w| w == b"\r\n\r\n") else {
+            return match window.len() >= MAX_TRAILERS {
+                true => Err(Malformed::Trailers),
+                false => Ok(Decoded::More),
+            };
+        };
+        let block = buf.split_to(end + 4);
+        let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
+        let Ok(httparse::Status::Complete((_, fields))) = httparse::parse_headers(&block, &mut fields)
+        else {
+            return Err(Malformed::Trailers);
+        };
+        let mut trailers = HeaderMap::with_capacity(fields.len());
+        for field in fields.iter() {
+            let name = HeaderName::from_bytes(field.name.as_bytes());
+            let value = HeaderValue::from_bytes(field.value);
+            let (Ok(name), Ok(value)) = (name, value) else {
+                return Err(Malformed::Trailers);
+            };
+            trailers.append(name, value);
+        }
+        self.state = State::Done;
+        Ok(Decoded::Trailers(trailers))
+    }
+}
+
+/// Up to `left` bytes off the front of `buf`, and what is left after them.
+fn take(buf: &mut BytesMut, left: u64) -> (Bytes, u64) {
+    let n = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
+    (buf.split_to(n).freeze(), left - n as u64)
+}

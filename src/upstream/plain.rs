@@ -1,0 +1,298 @@
+//! herdguard's own HTTP/1.1 exchange with an upstream, for plain requests:
+//! no body, no upgrade, a plain-HTTP endpoint. The attempt's own future
+//! writes the head on a pooled socket and reads the answer's head; the
+//! answer's body is read off the same socket by whoever polls it (the
+//! caller's side, as it forwards it), and the socket goes back to the pool
+//! when the body ends whole. No connection task, no queue, no channels
+//! between them. Everything else (bodies to send, upgrades) goes through
+//! hyper's connection, as before.
+//!
+//! What is read is bounded: a head at most
+//! [`MAX_HEAD`](super::framing::MAX_HEAD), at most
+//! [`BEFORE_HEAD`] before the final head (informational answers), body
+//! framing lines and trailers by [`framing`](super::framing)'s limits;
+//! body data is handed on as it comes, a read at a time.
+
+use std::future::poll_fn;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, Method, Response};
+use http_body::{Body, Frame, SizeHint};
+use tokio::io::AsyncWriteExt as _;
+use tokio::net::TcpStream;
+
+use super::body::BoxError;
+use super::framing::{parse_head, Decoded, Decoder, Head, Malformed, Parsed};
+use super::heads::{EndlessInformational, BEFORE_HEAD};
+use super::pool::Shelf;
+
+/// What one read asks room for.
+const READ_SIZE: usize = 8 * 1024;
+
+/// A socket to an upstream, with what was read off it and not yet used.
+pub(crate) struct Raw {
+    pub(super) stream: TcpStream,
+    buf: BytesMut,
+    /// The pool it goes back to.
+    shelf: Arc<Shelf>,
+}
+
+impl Raw {
+    pub(crate) fn new(stream: TcpStream, shelf: Arc<Shelf>) -> Box<Self> {
+        Box::new(Self {
+            stream,
+            buf: BytesMut::new(),
+            shelf,
+        })
+    }
+
+    /// Reads what the socket has into the buffer: how much (0: its end).
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.buf.capacity() - self.buf.len() < READ_SIZE / 2 {
+            self.buf.reserve(READ_SIZE);
+        }
+        loop {
+            match self.stream.try_read_buf(&mut self.buf) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    ready!(self.stream.poll_read_ready(cx))?;
+                }
+                read => return Poll::Ready(read),
+            }
+        }
+    }
+
+    /// Whether the socket is open and has nothing to read.
+    pub(super) fn is_quiet(&self) -> bool {
+        self.buf.is_empty() && super::pool::is_quiet(socket2::SockRef::from(&self.stream))
+    }
+
+    /// The socket alone, out of the reactor.
+    pub(super) fn into_std(self) -> io::Result<std::net::TcpStream> {
+        self.stream.into_std()
+    }
+}
+
+/// Why an exchange failed, and how far it got.
+#[derive(Debug)]
+pub(crate) struct Failed {
+    pub error: ExchangeError,
+    /// Some of the request was written.
+    pub written: bool,
+    /// Some of an answer was read.
+    pub heard: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExchangeError {
+    #[error("writing the request failed")]
+    Write(#[source] io::Error),
+    #[error("reading the answer failed")]
+    Read(#[source] io::Error),
+    #[error("the connection closed before a whole answer's head")]
+    Closed,
+    #[error(transparent)]
+    Malformed(#[from] Malformed),
+    #[error(transparent)]
+    Endless(#[from] EndlessInformational),
+}
+
+impl ExchangeError {
+    /// The connection was closed or reset under the exchange.
+    pub(crate) fn is_close(&self) -> bool {
+        use io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset};
+        match self {
+            ExchangeError::Closed => true,
+            ExchangeError::Write(e) | ExchangeError::Read(e) => {
+                matches!(e.kind(), ConnectionReset | BrokenPipe | ConnectionAborted)
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Sends a request with no body (`method`, origin-form `target`, `headers`)
+/// on `raw`, and reads its answer's head.
+pub(crate) async fn exchange(
+    mut raw: Box<Raw>,
+    method: &Method,
+    target: &str,
+    headers: &HeaderMap,
+) -> Result<Response<PlainBody>, Failed> {
+    encode(&mut raw.buf, method, target, headers);
+    let mut written = 0;
+    while written < raw.buf.len() {
+        let failed = |error| Failed {
+            error: ExchangeError::Write(error),
+            written: written > 0,
+            heard: false,
+        };
+        match raw.stream.write(&raw.buf[written..]).await {
+            Ok(0) => return Err(failed(io::ErrorKind::WriteZero.into())),
+            Ok(n) => written += n,
+            Err(e) => return Err(failed(e)),
+        }
+    }
+    raw.buf.clear();
+    let head = read_head(&mut raw, method).await.map_err(|(error, heard)| Failed {
+        error,
+        written: true,
+        heard,
+    })?;
+    Ok(response(head, raw))
+}
+
+/// The request's head, as hyper writes one with no body: the fields as
+/// they are, but a `Transfer-Encoding` (there is nothing to code).
+fn encode(buf: &mut BytesMut, method: &Method, target: &str, headers: &HeaderMap) {
+    buf.clear();
+    buf.reserve(256 + headers.len() * 32);
+    buf.extend_from_slice(method.as_str().as_bytes());
+    buf.extend_from_slice(b" ");
+    buf.extend_from_slice(target.as_bytes());
+    buf.extend_from_slice(b" HTTP/1.1\r\n");
+    for (name, value) in headers {
+        if name == http::header::TRANSFER_ENCODING {
+            continue;
+        }
+        buf.extend_from_slice(name.as_str().as_bytes());
+        buf.extend_from_slice(b": ");
+        buf.extend_from_slice(value.as_bytes());
+        buf.extend_from_slice(b"\r\n");
+    }
+    buf.extend_from_slice(b"\r\n");
+}
+
+/// Reads up to the final answer's head, past informational ones. The
+/// error says whether any of an answer was read.
+async fn read_head(raw: &mut Raw, method: &Method) -> Result<Head, (ExchangeError, bool)> {
+    let mut heard = 0usize;
+    loop {
+        match parse_head(&mut raw.buf, method) {
+            Ok(Parsed::Final(head)) => return Ok(head),
+            Ok(Parsed::Informational) if !raw.buf.is_empty() => continue,
+            Ok(_) => {}
+            Err(e) => return Err((e.into(), true)),
+        }
+        if heard > BEFORE_HEAD {
+            return Err((EndlessInformational.into(), true));
+        }
+        match poll_fn(|cx| raw.poll_fill(cx)).await {
+            Ok(0) => return Err((ExchangeError::Closed, heard > 0)),
+            Ok(n) => heard += n,
+            Err(e) => return Err((ExchangeError::Read(e), heard > 0)),
+        }
+    }
+}
+
+/// The answer of `head`, its body to be read off `raw`.
+fn response(head: Head, raw: Box<Raw>) -> Response<PlainBody> {
+    let Head {
+        status,
+        version,
+        headers,
+        reason,
+        framing,
+        keep_alive,
+    } = head;
+    let decoder = Decoder::new(framing);
+    let mut body = PlainBody {
+        raw: Some(raw),
+        decoder,
+        keep_alive,
+    };
+    if body.decoder.is_done() {
+        body.settle();
+    }
+    let mut resp = Response::new(body);
+    *resp.status_mut() = status;
+    *resp.version_mut() = version;
+    *resp.headers_mut() = headers;
+    if let Some(reason) = reason.and_then(|r| hyper::ext::ReasonPhrase::try_from(r).ok()) {
+        resp.extensions_mut().insert(reason);
+    }
+    resp
+}
+
+/// An answer's body, read off its connection as it is polled. Dropped
+/// before its end, it closes the connection (the upstream is not left
+/// sending what nobody reads).
+pub struct PlainBody {
+    /// `None` once the body is over.
+    raw: Option<Box<Raw>>,
+    decoder: Decoder,
+    keep_alive: bool,
+}
+
+impl PlainBody {
+    /// Once the body is over, the connection goes back to its pool, if it
+    /// may carry another request and nothing more came on it.
+    fn settle(&mut self) {
+        if !self.decoder.is_done() {
+            return;
+        }
+        if let Some(raw) = self.raw.take() {
+            if self.keep_alive && raw.buf.is_empty() {
+                raw.shelf.clone().put_plain(raw);
+            }
+        }
+    }
+
+    fn fail(&mut self, e: impl Into<BoxError>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.raw = None;
+        Poll::Ready(Some(Err(e.into())))
+    }
+}
+
+impl Body for PlainBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        loop {
+            let Some(raw) = this.raw.as_mut() else {
+                return Poll::Ready(None);
+            };
+            let frame = match this.decoder.decode(&mut raw.buf) {
+                Ok(Decoded::Data(data)) => Frame::data(data),
+                Ok(Decoded::Trailers(trailers)) => Frame::trailers(trailers),
+                Ok(Decoded::End) => {
+                    this.settle();
+                    return Poll::Ready(None);
+                }
+                Ok(Decoded::More) => match ready!(raw.poll_fill(cx)) {
+                    Ok(0) => match this.decoder.eof() {
+                        Ok(_) => {
+                            this.raw = None;
+                            return Poll::Ready(None);
+                        }
+                        Err(e) => return this.fail(e),
+                    },
+                    Ok(_) => continue,
+                    Err(e) => return this.fail(e),
+                },
+                Err(e) => return this.fail(e),
+            };
+            this.settle();
+            return Poll::Ready(Some(Ok(frame)));
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.decoder.is_done()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.decoder.remaining() {
+            Some(n) => SizeHint::with_exact(n),
+            None => SizeHint::default(),
+        }
+    }
+}

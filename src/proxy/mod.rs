@@ -973,6 +973,7 @@ async fn forward(
             body_memory,
             timeout: policy.timeout,
             upgrade,
+            multiplexed,
         });
         attempts.host_rewrite(route.host_rewrite.clone());
         attempts.log_into(log.as_deref_mut());

@@ -12,9 +12,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::upstream::UpstreamBody;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Version};
-use crate::upstream::UpstreamBody;
 
 use crate::wire::CallerBody;
 use tokio::time::Instant;
@@ -72,6 +72,8 @@ pub struct Outbound<'a> {
     pub timeout: Duration,
     /// The caller asked to upgrade.
     pub upgrade: bool,
+    /// The caller's connection carries many streams (HTTP/2).
+    pub multiplexed: bool,
 }
 
 /// A request on its way upstream: its head kept for every attempt.
@@ -98,6 +100,10 @@ pub struct Forward<'a> {
     timeout: Duration,
     /// The caller asked to upgrade: only then is a 101 an answer.
     upgrade: bool,
+    /// The caller's connection carries many streams: an answer's body may
+    /// go unpolled there for long (no flow-control window), so it stays on
+    /// hyper's connection, which the slot's watchdog can close.
+    multiplexed: bool,
     /// The route's `host_rewrite`: sent as `Host` instead of the endpoint's.
     host: Option<HeaderValue>,
     /// The access log line, when the log is on.
@@ -137,6 +143,7 @@ impl<'a> Forward<'a> {
             body_memory,
             timeout,
             upgrade,
+            multiplexed,
         } = out;
         use http_body::Body as _;
         let body = if body.is_end_stream() {
@@ -160,6 +167,7 @@ impl<'a> Forward<'a> {
             slot: None,
             timeout,
             upgrade,
+            multiplexed,
             host: None,
             log: None,
             trace: None,
@@ -390,6 +398,7 @@ impl<'a> retry::Attempts for Forward<'a> {
         // A request that cannot be repeated, and a retry, avoid connections
         // the upstream may be closing (once it was seen to).
         let careful = n > 1 || !self.repeatable;
+        let own = !self.multiplexed;
         async move {
             let mut slot = match slot {
                 Ok(slot) => slot,
@@ -402,7 +411,7 @@ impl<'a> retry::Attempts for Forward<'a> {
             // Pinned where it is made: moved into `timed`, the request's
             // future would keep room for it twice.
             let (timed, sent_whole, sent_at) = timed(
-                std::pin::pin!(target.send(path_and_query, req, careful)),
+                std::pin::pin!(target.send(path_and_query, req, careful, own)),
                 progress.as_deref(),
                 per_try,
                 deadline,

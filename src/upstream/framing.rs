@@ -256,6 +256,10 @@ pub(crate) struct Decoder {
     state: State,
     /// Bytes of chunk extensions seen so far.
     extensions: u64,
+    /// How far a line or section's end was looked for already: an
+    /// upstream sending a byte at a time makes each byte looked at once,
+    /// not once per read.
+    scanned: usize,
 }
 
 impl Decoder {
@@ -269,6 +273,7 @@ impl Decoder {
         Self {
             state,
             extensions: 0,
+            scanned: 0,
         }
     }
 
@@ -342,12 +347,16 @@ impl Decoder {
     /// A chunk-size line: hex digits, optional extensions, CRLF.
     fn size(&mut self, buf: &mut BytesMut) -> Result<Decoded, Malformed> {
         let window = &buf[..buf.len().min(MAX_SIZE_LINE)];
-        let Some(lf) = window.iter().position(|b| *b == b'\n') else {
+        let from = self.scanned.min(window.len());
+        let Some(lf) = window[from..].iter().position(|b| *b == b'\n') else {
+            self.scanned = window.len();
             return match window.len() >= MAX_SIZE_LINE {
                 true => Err(Malformed::Extensions),
                 false => Ok(Decoded::More),
             };
         };
+        let lf = from + lf;
+        self.scanned = 0;
         let line = window[..lf]
             .strip_suffix(b"\r")
             .ok_or(Malformed::ChunkSize)?;
@@ -365,7 +374,11 @@ impl Decoder {
         let rest = &line[digits + blank..];
         match rest.first() {
             None => {}
-            Some(b';') if rest.iter().all(|&b| b == b'\t' || (b' '..0x7f).contains(&b)) => {
+            Some(b';')
+                if rest
+                    .iter()
+                    .all(|&b| b == b'\t' || (b' '..0x7f).contains(&b)) =>
+            {
                 self.extensions += rest.len() as u64;
                 if self.extensions > MAX_EXTENSIONS {
                     return Err(Malformed::Extensions);
@@ -389,15 +402,19 @@ impl Decoder {
             return Ok(Decoded::End);
         }
         let window = &buf[..buf.len().min(MAX_TRAILERS)];
-        let Some(end) = window.windows(4).position(|w| w == b"\r\n\r\n") else {
+        let from = self.scanned.saturating_sub(3).min(window.len());
+        let Some(end) = window[from..].windows(4).position(|w| w == b"\r\n\r\n") else {
+            self.scanned = window.len();
             return match window.len() >= MAX_TRAILERS {
                 true => Err(Malformed::Trailers),
                 false => Ok(Decoded::More),
             };
         };
+        let end = from + end;
         let block = buf.split_to(end + 4);
         let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
-        let Ok(httparse::Status::Complete((_, fields))) = httparse::parse_headers(&block, &mut fields)
+        let Ok(httparse::Status::Complete((_, fields))) =
+            httparse::parse_headers(&block, &mut fields)
         else {
             return Err(Malformed::Trailers);
         };
@@ -419,4 +436,337 @@ impl Decoder {
 fn take(buf: &mut BytesMut, left: u64) -> (Bytes, u64) {
     let n = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
     (buf.split_to(n).freeze(), left - n as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn head(bytes: &[u8], method: &Method) -> Result<Parsed, Malformed> {
+        parse_head(&mut BytesMut::from(bytes), method)
+    }
+
+    fn final_head(bytes: &[u8]) -> Head {
+        match head(bytes, &Method::GET) {
+            Ok(Parsed::Final(head)) => head,
+            other => panic!("not a final head: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_head_and_its_framing() {
+        let h = final_head(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: b\r\n\r\n");
+        assert_eq!(h.status, StatusCode::OK);
+        assert_eq!((h.framing, h.keep_alive), (Framing::Length(5), true));
+        assert_eq!(h.headers["x-a"], "b");
+        assert_eq!(h.reason, None);
+        let h = final_head(b"HTTP/1.1 200 Fine\r\nTransfer-Encoding: chunked\r\n\r\n");
+        assert_eq!((h.framing, h.keep_alive), (Framing::Chunked, true));
+        assert_eq!(h.reason.as_deref(), Some(&b"Fine"[..]));
+        // No length: until the connection ends, which is then not reused.
+        let h = final_head(b"HTTP/1.1 200 OK\r\n\r\n");
+        assert_eq!((h.framing, h.keep_alive), (Framing::Close, false));
+        let h = final_head(
+            b"HTTP/1.1 200 OK\r\nConnection: keep-alive, Close\r\nContent-Length: 0\r\n\r\n",
+        );
+        assert_eq!((h.framing, h.keep_alive), (Framing::Length(0), false));
+        let h = final_head(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n");
+        assert_eq!((h.framing, h.keep_alive), (Framing::Length(2), false));
+        let h = final_head(b"HTTP/1.1 204 No Content\r\nContent-Length: 9\r\n\r\n");
+        assert_eq!(h.framing, Framing::Length(0));
+        let h = final_head(b"HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n");
+        assert_eq!(h.framing, Framing::Length(0));
+        let Ok(Parsed::Final(h)) = head(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n",
+            &Method::HEAD,
+        ) else {
+            panic!("a HEAD's answer");
+        };
+        assert_eq!(h.framing, Framing::Length(0));
+        // A repeated length that agrees is one length.
+        let h = final_head(b"HTTP/1.1 200 OK\r\nContent-Length: 3, 3\r\nContent-Length: 3\r\n\r\n");
+        assert_eq!(h.framing, Framing::Length(3));
+    }
+
+    #[test]
+    fn a_coding_and_a_length_together_is_read_by_the_coding_and_never_reused() {
+        let h = final_head(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+        );
+        assert_eq!((h.framing, h.keep_alive), (Framing::Chunked, false));
+        assert!(!h.headers.contains_key("content-length"), "not passed on");
+        // A coding other than chunked last: until the connection ends.
+        let h = final_head(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n");
+        assert_eq!((h.framing, h.keep_alive), (Framing::Close, false));
+    }
+
+    #[test]
+    fn informational_answers_are_taken_off_and_skipped() {
+        let mut buf = BytesMut::from(
+            &b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"[..],
+        );
+        assert!(matches!(
+            parse_head(&mut buf, &Method::GET),
+            Ok(Parsed::Informational)
+        ));
+        assert!(matches!(
+            parse_head(&mut buf, &Method::GET),
+            Ok(Parsed::Informational)
+        ));
+        assert!(
+            matches!(parse_head(&mut buf, &Method::GET), Ok(Parsed::Final(h)) if h.status == 200)
+        );
+        assert!(buf.is_empty());
+        // A 101 is final, with no body, and ends the connection's use.
+        let h = final_head(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n");
+        assert_eq!((h.framing, h.keep_alive), (Framing::Length(0), false));
+    }
+
+    #[test]
+    fn malformed_heads_are_refused() {
+        let bad = |bytes: &[u8]| head(bytes, &Method::GET).unwrap_err();
+        assert_eq!(
+            bad(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n"),
+            Malformed::ContentLength
+        );
+        assert_eq!(
+            bad(b"HTTP/1.1 200 OK\r\nContent-Length: +5\r\n\r\n"),
+            Malformed::ContentLength
+        );
+        assert_eq!(
+            bad(b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999999999999\r\n\r\n"),
+            Malformed::ContentLength
+        );
+        assert_eq!(
+            bad(b"HTTP/1.1 200 OK\r\nContent-Length: \r\n\r\n"),
+            Malformed::ContentLength
+        );
+        assert_eq!(
+            bad(b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"),
+            Malformed::TransferEncoding
+        );
+        assert!(matches!(
+            bad(b"HTTP/1.1 2x0 OK\r\n\r\n"),
+            Malformed::Head(_)
+        ));
+        assert!(matches!(
+            bad(b"HTTP/1.1 200 OK\r\nA b: c\r\n\r\n"),
+            Malformed::Head(_)
+        ));
+        assert!(matches!(
+            bad(b"HTTP/1.1 200 OK\r\nA: b\rc\r\n\r\n"),
+            Malformed::Head(_)
+        ));
+        let many: Vec<u8> = [
+            &b"HTTP/1.1 200 OK\r\n"[..],
+            &b"A: b\r\n".repeat(MAX_FIELDS + 1),
+            b"\r\n",
+        ]
+        .concat();
+        assert!(matches!(
+            bad(&many),
+            Malformed::Head(httparse::Error::TooManyHeaders)
+        ));
+        let large: Vec<u8> = [&b"HTTP/1.1 200 OK\r\nA: "[..], &vec![b'a'; MAX_HEAD]].concat();
+        assert_eq!(bad(&large), Malformed::HeadTooLarge);
+        // Short of the limit, and unfinished: more is needed.
+        assert!(matches!(
+            head(&large[..MAX_HEAD - 1], &Method::GET),
+            Ok(Parsed::Partial)
+        ));
+    }
+
+    /// Everything `decoder` gives for `bytes` fed `step` bytes at a time:
+    /// the data, the trailers, and whether it ended (or its error).
+    fn decode_all(
+        framing: Framing,
+        bytes: &[u8],
+        step: usize,
+    ) -> Result<(Vec<u8>, Option<HeaderMap>, bool), Malformed> {
+        let mut decoder = Decoder::new(framing);
+        let mut buf = BytesMut::new();
+        let (mut data, mut trailers) = (Vec::new(), None);
+        let mut chunks = bytes.chunks(step.max(1));
+        loop {
+            match decoder.decode(&mut buf)? {
+                Decoded::Data(d) => {
+                    assert!(!d.is_empty(), "no empty frames");
+                    data.extend_from_slice(&d);
+                }
+                Decoded::Trailers(t) => trailers = Some(t),
+                Decoded::End => return Ok((data, trailers, true)),
+                Decoded::More => match chunks.next() {
+                    Some(chunk) => buf.extend_from_slice(chunk),
+                    None => {
+                        return match decoder.eof()? {
+                            Decoded::End => Ok((data, trailers, true)),
+                            _ => Ok((data, trailers, false)),
+                        }
+                    }
+                },
+            }
+            assert!(
+                buf.len() <= MAX_SIZE_LINE + step.max(1) + MAX_TRAILERS,
+                "bounded"
+            );
+        }
+    }
+
+    #[test]
+    fn chunked_bodies_with_extensions_and_trailers() {
+        let body =
+            b"5;name=\"v\"\r\nhello\r\n6 ; a=b\r\n world\r\n0\r\nGrpc-Status: 0\r\nX-T: u\r\n\r\n";
+        for step in [1, 2, 3, 7, body.len()] {
+            let (data, trailers, ended) = decode_all(Framing::Chunked, body, step).unwrap();
+            assert_eq!(data, b"hello world");
+            let trailers = trailers.unwrap();
+            assert_eq!(
+                (
+                    trailers["grpc-status"].as_bytes(),
+                    trailers["x-t"].as_bytes()
+                ),
+                (&b"0"[..], &b"u"[..])
+            );
+            assert!(ended);
+        }
+        let (data, trailers, ended) =
+            decode_all(Framing::Chunked, b"A\r\n0123456789\r\n0\r\n\r\n", 1).unwrap();
+        assert_eq!((data.len(), trailers.is_none(), ended), (10, true, true));
+    }
+
+    #[test]
+    fn malformed_chunked_bodies_are_refused() {
+        let bad = |bytes: &[u8]| decode_all(Framing::Chunked, bytes, 1).unwrap_err();
+        assert_eq!(bad(b"g\r\n"), Malformed::ChunkSize);
+        assert_eq!(bad(b"\r\n"), Malformed::ChunkSize);
+        assert_eq!(
+            bad(b"5\nhello\r\n0\r\n\r\n"),
+            Malformed::ChunkSize,
+            "a bare LF"
+        );
+        assert_eq!(bad(b"5\r\r\nhello\r\n"), Malformed::ChunkSize);
+        assert_eq!(bad(b"-5\r\n"), Malformed::ChunkSize);
+        assert_eq!(
+            bad(b"10000000000000000\r\n"),
+            Malformed::ChunkSize,
+            "past 64 bits"
+        );
+        assert_eq!(bad(b"5;a\x00\r\nhello\r\n"), Malformed::ChunkSize);
+        assert_eq!(bad(b"5\r\nhelloXX0\r\n\r\n"), Malformed::ChunkEnd);
+        assert_eq!(
+            bad(b"5\r\nhello\r\n0\r\nA b: c\r\n\r\n"),
+            Malformed::Trailers
+        );
+        let long_ext = [&b"1;"[..], &vec![b'a'; MAX_SIZE_LINE]].concat();
+        assert_eq!(bad(&long_ext), Malformed::Extensions);
+        // Small extensions, many of them: their sum is bounded too.
+        let many = b"1;aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\nx\r\n".repeat(400);
+        assert_eq!(
+            decode_all(Framing::Chunked, &many, 64).unwrap_err(),
+            Malformed::Extensions
+        );
+        let trailers = [&b"0\r\nA: "[..], &vec![b'a'; MAX_TRAILERS]].concat();
+        assert_eq!(bad(&trailers), Malformed::Trailers);
+        // The connection ends inside the body.
+        assert_eq!(bad(b"5\r\nhel"), Malformed::Incomplete);
+        assert_eq!(bad(b"5\r\nhello\r\n"), Malformed::Incomplete);
+    }
+
+    #[test]
+    fn bodies_by_length_and_by_the_connections_end() {
+        let (data, _, ended) = decode_all(Framing::Length(5), b"hello", 2).unwrap();
+        assert_eq!((&data[..], ended), (&b"hello"[..], true));
+        assert_eq!(
+            decode_all(Framing::Length(6), b"hello", 2).unwrap_err(),
+            Malformed::Incomplete
+        );
+        // What comes after the length is not the body's.
+        let mut decoder = Decoder::new(Framing::Length(2));
+        let mut buf = BytesMut::from(&b"hiHTTP"[..]);
+        assert_eq!(
+            decoder.decode(&mut buf),
+            Ok(Decoded::Data(Bytes::from_static(b"hi")))
+        );
+        assert!(decoder.is_done());
+        assert_eq!(&buf[..], b"HTTP");
+        let (data, _, ended) = decode_all(Framing::Close, b"until the end", 4).unwrap();
+        assert_eq!((&data[..], ended), (&b"until the end"[..], true));
+        assert!(Decoder::new(Framing::Length(0)).is_done());
+    }
+
+    /// `data` in chunks of the given sizes, with an extension on some.
+    fn chunked(data: &[u8], sizes: &[usize]) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut rest = data;
+        for (i, &size) in sizes.iter().enumerate() {
+            let n = size.min(rest.len());
+            if n == 0 {
+                break;
+            }
+            let ext = if i % 3 == 1 { ";k=v" } else { "" };
+            out.extend_from_slice(format!("{n:X}{ext}\r\n").as_bytes());
+            out.extend_from_slice(&rest[..n]);
+            out.extend_from_slice(b"\r\n");
+            rest = &rest[n..];
+        }
+        if !rest.is_empty() {
+            out.extend_from_slice(format!("{:x}\r\n", rest.len()).as_bytes());
+            out.extend_from_slice(rest);
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(b"0\r\n\r\n");
+        out
+    }
+
+    proptest! {
+        /// Whatever bytes come, as a head or as a body of any framing,
+        /// the reading ends in frames or an error: no panic, and the
+        /// buffer held stays within the limits.
+        #[test]
+        fn any_bytes_are_read_or_refused(
+            bytes in proptest::collection::vec(any::<u8>(), 0..2048),
+            step in 1usize..64,
+            length in 0u64..4096,
+        ) {
+            let _ = head(&bytes, &Method::GET);
+            let _ = head(&bytes, &Method::HEAD);
+            for framing in [Framing::Chunked, Framing::Length(length), Framing::Close] {
+                let _ = decode_all(framing, &bytes, step);
+            }
+        }
+
+        /// Bytes that look like HTTP (digits, CRLFs, colons, hex): the
+        /// same, nearer the paths that matter.
+        #[test]
+        fn http_like_bytes_are_read_or_refused(
+            parts in proptest::collection::vec(prop_oneof![
+                Just(&b"\r\n"[..]), Just(&b"HTTP/1.1 "[..]), Just(&b"200 OK"[..]), Just(&b"101"[..]),
+                Just(&b"100"[..]), Just(&b"Content-Length: "[..]), Just(&b"Transfer-Encoding: chunked"[..]),
+                Just(&b"0"[..]), Just(&b"5"[..]), Just(&b"ff"[..]), Just(&b";x=y"[..]), Just(&b": "[..]),
+                Just(&b"a"[..]), Just(&b"\n"[..]), Just(&b" "[..]),
+            ], 0..200),
+            step in 1usize..32,
+        ) {
+            let bytes = parts.concat();
+            let mut buf = BytesMut::from(&bytes[..]);
+            while let Ok(Parsed::Informational) = parse_head(&mut buf, &Method::GET) {}
+            let _ = decode_all(Framing::Chunked, &bytes, step);
+        }
+
+        /// A chunked body, however it is cut into chunks and however its
+        /// bytes arrive, reads back as the data it carries.
+        #[test]
+        fn chunked_bodies_read_back_whole(
+            data in proptest::collection::vec(any::<u8>(), 0..3000),
+            sizes in proptest::collection::vec(1usize..700, 0..12),
+            step in 1usize..200,
+        ) {
+            let encoded = chunked(&data, &sizes);
+            let (decoded, trailers, ended) = decode_all(Framing::Chunked, &encoded, step).unwrap();
+            prop_assert_eq!(decoded, data);
+            prop_assert!(trailers.is_none());
+            prop_assert!(ended);
+        }
+    }
 }

@@ -197,14 +197,17 @@ impl Endpoint {
     /// `async fn`: one would keep the request twice, as its argument and
     /// as a local, for as long as the attempt lasts.)
     /// `careful`: the request cannot be repeated should it be lost in the
-    /// close of an idle connection (see `pool.rs`).
+    /// close of an idle connection (see `pool.rs`). `own`: herdguard's own
+    /// exchange may carry it (see `plain.rs`).
     pub fn send<'a>(
         &'a self,
         path_and_query: Option<&'a PathAndQuery>,
         mut req: Request<RequestBody>,
         careful: bool,
-    ) -> Sending<impl Future<Output = Result<(Response<UpstreamBody>, Option<Pooled>), PoolError>> + 'a>
-    {
+        own: bool,
+    ) -> Sending<
+        impl Future<Output = Result<(Response<UpstreamBody>, Option<Pooled>), PoolError>> + 'a,
+    > {
         use std::borrow::Cow;
         let path_and_query = match (&self.base, path_and_query) {
             (Some(base), Some(pq)) if pq.path().starts_with('/') => {
@@ -216,7 +219,7 @@ impl Endpoint {
         };
         match &self.transport {
             Transport::Pool(pool) => Sending::Pool {
-                send: pool.send(req, path_and_query, careful),
+                send: pool.send(req, path_and_query, careful, own),
             },
             Transport::Client(client) => {
                 *req.uri_mut() = self.uri(path_and_query.as_deref());

@@ -26,7 +26,7 @@ use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpStream;
 
 use super::body::BoxError;
-use super::framing::{parse_head, Decoded, Decoder, Head, Malformed, Parsed};
+use super::framing::{parse_head, Decoded, Decoder, Head, Malformed, Parsed, MAX_HEAD};
 use super::heads::{EndlessInformational, BEFORE_HEAD};
 use super::pool::Shelf;
 
@@ -137,11 +137,13 @@ pub(crate) async fn exchange(
         }
     }
     raw.buf.clear();
-    let head = read_head(&mut raw, method).await.map_err(|(error, heard)| Failed {
-        error,
-        written: true,
-        heard,
-    })?;
+    let head = read_head(&mut raw, method)
+        .await
+        .map_err(|(error, heard)| Failed {
+            error,
+            written: true,
+            heard,
+        })?;
     Ok(response(head, raw))
 }
 
@@ -168,23 +170,31 @@ fn encode(buf: &mut BytesMut, method: &Method, target: &str, headers: &HeaderMap
 
 /// Reads up to the final answer's head, past informational ones. The
 /// error says whether any of an answer was read.
+///
+/// The head is parsed again only once a read brings a line's end: an
+/// upstream sending a byte at a time costs a parse per line, not per byte.
 async fn read_head(raw: &mut Raw, method: &Method) -> Result<Head, (ExchangeError, bool)> {
     let mut heard = 0usize;
+    let mut parse = false;
     loop {
-        match parse_head(&mut raw.buf, method) {
-            Ok(Parsed::Final(head)) => return Ok(head),
-            Ok(Parsed::Informational) if !raw.buf.is_empty() => continue,
-            Ok(_) => {}
-            Err(e) => return Err((e.into(), true)),
+        while parse {
+            match parse_head(&mut raw.buf, method) {
+                Ok(Parsed::Final(head)) => return Ok(head),
+                Ok(Parsed::Informational) => parse = !raw.buf.is_empty(),
+                Ok(Parsed::Partial) => parse = false,
+                Err(e) => return Err((e.into(), true)),
+            }
         }
         if heard > BEFORE_HEAD {
             return Err((EndlessInformational.into(), true));
         }
+        let before = raw.buf.len();
         match poll_fn(|cx| raw.poll_fill(cx)).await {
             Ok(0) => return Err((ExchangeError::Closed, heard > 0)),
             Ok(n) => heard += n,
             Err(e) => return Err((ExchangeError::Read(e), heard > 0)),
         }
+        parse = raw.buf[before..].contains(&b'\n') || raw.buf.len() >= MAX_HEAD;
     }
 }
 

@@ -31,6 +31,7 @@
 //! does, and unlike it only where the upstream has shown the need.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -304,8 +305,8 @@ impl H1Pool {
     /// or on a new one. A connection of hyper's comes back with the
     /// response: hand it to [`H1Pool::put_back`] once the response body is
     /// done with. A request with no body and no upgrade goes by herdguard's
-    /// own exchange (see `plain.rs`): its answer's body takes the
-    /// connection back itself.
+    /// own exchange (see `plain.rs`) when `own` allows: its answer's body
+    /// takes the connection back itself.
     ///
     /// A request that a pooled connection gives back unwritten (it found the
     /// connection closed by the upstream first) is sent again on a fresh
@@ -314,54 +315,57 @@ impl H1Pool {
     ///
     /// Not an `async fn`: one would keep the request twice, as its argument
     /// and as a local, for as long as the attempt lasts.
-    #[allow(clippy::manual_async_fn)] // on purpose: see above
     pub fn send<'a>(
         &'a self,
         req: Request<RequestBody>,
         path_and_query: Option<std::borrow::Cow<'a, PathAndQuery>>,
         careful: bool,
+        own: bool,
     ) -> impl Future<Output = Result<(Response<UpstreamBody>, Option<Pooled>), PoolError>> + 'a
     {
-        async move {
-            // An upgrade takes a connection of its own, driven by hyper
-            // until it is handed over: never pooled before, never parked
-            // after.
-            let upgrade = req.headers().contains_key(http::header::UPGRADE);
-            if !upgrade && req.body().is_empty() {
-                let target = path_and_query.as_deref().map_or("/", PathAndQuery::as_str);
-                let resp = self.send_plain(req, target, careful).await?;
-                return Ok((resp.map(UpstreamBody::plain), None));
-            }
-            let mut req = req;
-            *req.uri_mut() = origin_form(path_and_query.as_deref());
-            let (resp, conn) = self.send_hyper(req, upgrade, careful).await?;
-            Ok((resp.map(UpstreamBody::hyper), Some(conn)))
+        // An upgrade takes a connection of its own, driven by hyper until
+        // it is handed over: never pooled before, never parked after.
+        let upgrade = req.headers().contains_key(http::header::UPGRADE);
+        if own && !upgrade && req.body().is_empty() {
+            return Either::Plain {
+                send: self.send_plain(req, path_and_query, careful),
+            };
+        }
+        let mut req = req;
+        *req.uri_mut() = origin_form(path_and_query.as_deref());
+        Either::Hyper {
+            send: self.send_hyper(req, upgrade, careful),
         }
     }
 
     /// A request with no body, by herdguard's own exchange.
-    async fn send_plain(
-        &self,
+    #[allow(clippy::manual_async_fn)] // on purpose: see [`H1Pool::send`]
+    fn send_plain<'a>(
+        &'a self,
         req: Request<RequestBody>,
-        target: &str,
+        path_and_query: Option<std::borrow::Cow<'a, PathAndQuery>>,
         careful: bool,
-    ) -> Result<Response<plain::PlainBody>, PoolError> {
-        let (raw, idled) = match self.checkout(self.max_idle_for(careful), true) {
-            Some((Taken::Plain(raw), idled)) => (raw, Some(idled)),
-            Some((Taken::Parked(stream), idled)) => (self.plain_of(stream)?, Some(idled)),
-            Some((Taken::Live(_), _)) | None => (self.connect_plain().await?, None),
-        };
-        let (method, headers) = (req.method(), req.headers());
-        match plain::exchange(raw, method, target, headers).await {
-            Ok(resp) => Ok(resp),
-            Err(failed) if idled.is_some() && !failed.written => {
-                debug!(upstream = %self.authority, error = %failed.error, "pooled connection closed before the request was written; sending it on a new one");
-                let raw = self.connect_plain().await?;
-                plain::exchange(raw, method, target, headers)
-                    .await
-                    .map_err(|failed| self.plain_error(failed, None))
+    ) -> impl Future<Output = Result<Response<plain::PlainBody>, PoolError>> + 'a {
+        async move {
+            let target = path_and_query.as_deref().map_or("/", PathAndQuery::as_str);
+            let (raw, idled) = match self.checkout(self.max_idle_for(careful), true) {
+                Some((Taken::Plain(raw), idled)) => (raw, Some(idled)),
+                Some((Taken::Parked(stream), idled)) => (self.plain_of(stream)?, Some(idled)),
+                Some((Taken::Live(_), _)) | None => (self.connect_plain().await?, None),
+            };
+            let (method, headers) = (req.method(), req.headers());
+            match plain::exchange(raw, method, target, headers).await {
+                Ok(resp) => Ok(resp),
+                Err(failed) if idled.is_some() && !failed.written => {
+                    debug!(upstream = %self.authority, error = %failed.error, "pooled connection closed before the request was written; sending it on a new one");
+                    let raw = self.connect_plain().await?;
+                    // On the heap: rare.
+                    Box::pin(plain::exchange(raw, method, target, headers))
+                        .await
+                        .map_err(|failed| self.plain_error(failed, None))
+                }
+                Err(failed) => Err(self.plain_error(failed, idled)),
             }
-            Err(failed) => Err(self.plain_error(failed, idled)),
         }
     }
 
@@ -381,34 +385,39 @@ impl H1Pool {
     }
 
     /// A request by hyper's connection.
-    async fn send_hyper(
+    /// (Not an `async fn`: see [`H1Pool::send`].)
+    #[allow(clippy::manual_async_fn)] // on purpose: see above
+    fn send_hyper(
         &self,
         req: Request<RequestBody>,
         upgrade: bool,
         careful: bool,
-    ) -> Result<(Response<hyper::body::Incoming>, Pooled), PoolError> {
-        let taken = match upgrade {
-            true => None,
-            false => self.checkout(self.max_idle_for(careful), false),
-        };
-        let (mut conn, idled) = match taken {
-            Some((Taken::Live(conn), idled)) => (conn, Some(idled)),
-            Some((Taken::Parked(stream), idled)) => {
-                (self.handshake(stream, false).await?, Some(idled))
-            }
-            Some((Taken::Plain(_), _)) | None => (self.connect(upgrade).await?, None),
-        };
-        conn.head.begin();
-        let sent = conn.sender.try_send_request(req).await;
-        conn.head.end();
-        match sent {
-            Ok(resp) => Ok((resp, conn)),
-            // On the heap: rare, and the request's future would
-            // otherwise keep room for it.
-            Err(failed) if idled.is_some() => Box::pin(self.resend(failed, idled)).await,
-            Err(mut failed) => {
-                let unsent = failed.take_message().is_some();
-                Err(self.request_error(failed.into_error(), unsent, None))
+    ) -> impl Future<Output = Result<(Response<hyper::body::Incoming>, Pooled), PoolError>> + '_
+    {
+        async move {
+            let taken = match upgrade {
+                true => None,
+                false => self.checkout(self.max_idle_for(careful), false),
+            };
+            let (mut conn, idled) = match taken {
+                Some((Taken::Live(conn), idled)) => (conn, Some(idled)),
+                Some((Taken::Parked(stream), idled)) => {
+                    (Box::pin(self.handshake(stream, false)).await?, Some(idled))
+                }
+                Some((Taken::Plain(_), _)) | None => (self.connect(upgrade).await?, None),
+            };
+            conn.head.begin();
+            let sent = conn.sender.try_send_request(req).await;
+            conn.head.end();
+            match sent {
+                Ok(resp) => Ok((resp, conn)),
+                // On the heap: rare, and the request's future would
+                // otherwise keep room for it.
+                Err(failed) if idled.is_some() => Box::pin(self.resend(failed, idled)).await,
+                Err(mut failed) => {
+                    let unsent = failed.take_message().is_some();
+                    Err(self.request_error(failed.into_error(), unsent, None))
+                }
             }
         }
     }
@@ -563,8 +572,14 @@ impl H1Pool {
         }
     }
 
-    /// A new connection, open, with its socket options set.
-    async fn open(&self) -> Result<TcpStream, PoolError> {
+    /// A new connection, open, with its socket options set. (Its future is
+    /// large, and made once per connection: it goes on the heap, and the
+    /// request's future keeps no room for it.)
+    fn open(&self) -> Pin<Box<dyn Future<Output = Result<TcpStream, PoolError>> + Send + '_>> {
+        Box::pin(self.open_now())
+    }
+
+    async fn open_now(&self) -> Result<TcpStream, PoolError> {
         let host = self.authority.host();
         let host = host
             .strip_prefix('[')
@@ -613,7 +628,7 @@ impl H1Pool {
             authority: self.authority.clone(),
             source,
         })?;
-        self.handshake(stream, upgrade).await
+        Box::pin(self.handshake(stream, upgrade)).await
     }
 
     /// Starts hyper's connection over `stream` (non-blocking), new or parked.
@@ -683,6 +698,36 @@ impl H1Pool {
             head,
             park: Some(park),
         })
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A request on its way by one exchange or the other.
+    #[project = EitherProj]
+    enum Either<P, H> {
+        Plain { #[pin] send: P },
+        Hyper { #[pin] send: H },
+    }
+}
+
+type Sent = Result<(Response<UpstreamBody>, Option<Pooled>), PoolError>;
+
+impl<P, H> Future for Either<P, H>
+where
+    P: Future<Output = Result<Response<plain::PlainBody>, PoolError>>,
+    H: Future<Output = Result<(Response<hyper::body::Incoming>, Pooled), PoolError>>,
+{
+    type Output = Sent;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Sent> {
+        match self.project() {
+            EitherProj::Plain { send } => send
+                .poll(cx)
+                .map(|sent| sent.map(|resp| (resp.map(UpstreamBody::plain), None))),
+            EitherProj::Hyper { send } => send
+                .poll(cx)
+                .map(|sent| sent.map(|(resp, conn)| (resp.map(UpstreamBody::hyper), Some(conn)))),
+        }
     }
 }
 

@@ -397,8 +397,7 @@ impl<'a> retry::Attempts for Forward<'a> {
         let path_and_query = self.path_and_query;
         // A request that cannot be repeated, and a retry, avoid connections
         // the upstream may be closing (once it was seen to).
-        let careful = n > 1 || !self.repeatable;
-        let own = !self.multiplexed;
+        let (careful, own) = (n > 1 || !self.repeatable, !self.multiplexed);
         async move {
             let mut slot = match slot {
                 Ok(slot) => slot,

@@ -102,7 +102,10 @@ impl SendError {
         };
         while let Some(s) = source {
             // Informational answers without end: it would only send them again.
-            if heads::EndlessInformational::is(s) || s.is::<framing::Malformed>() {
+            let broke_http = s
+                .downcast_ref::<plain::ExchangeError>()
+                .is_some_and(plain::ExchangeError::broke_http);
+            if heads::EndlessInformational::is(s) || broke_http {
                 return UpstreamFault::BadResponse;
             }
             if let Some(h) = s.downcast_ref::<hyper::Error>() {

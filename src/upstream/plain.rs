@@ -101,6 +101,14 @@ pub enum ExchangeError {
 }
 
 impl ExchangeError {
+    /// The answer broke HTTP: it would only break again.
+    pub(crate) fn broke_http(&self) -> bool {
+        matches!(
+            self,
+            ExchangeError::Malformed(_) | ExchangeError::Endless(_)
+        )
+    }
+
     /// The connection was closed or reset under the exchange.
     pub(crate) fn is_close(&self) -> bool {
         use io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset};
@@ -213,6 +221,8 @@ fn response(head: Head, raw: Box<Raw>) -> Response<PlainBody> {
         raw: Some(raw),
         decoder,
         keep_alive,
+        // The head is yet to go out.
+        fresh: true,
     };
     if body.decoder.is_done() {
         body.settle();
@@ -235,6 +245,8 @@ pub struct PlainBody {
     raw: Option<Box<Raw>>,
     decoder: Decoder,
     keep_alive: bool,
+    /// A frame (or the head) went out since the body last waited.
+    fresh: bool,
 }
 
 impl PlainBody {
@@ -251,9 +263,43 @@ impl PlainBody {
         }
     }
 
-    fn fail(&mut self, e: impl Into<BoxError>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    /// The body breaks off with `e`. Right after a frame, once the caller's
+    /// connection has had a turn: it writes out what it has (the head, the
+    /// last data) when the body waits, and an error first would leave the
+    /// caller with nothing, not with a body cut short. (The error comes
+    /// again on the next poll: a closed socket reads its end again, and a
+    /// malformed frame is not taken off the buffer.)
+    fn fail(
+        &mut self,
+        e: impl Into<BoxError>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if std::mem::take(&mut self.fresh) {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
         self.raw = None;
         Poll::Ready(Some(Err(e.into())))
+    }
+}
+
+/// A body let go before its end: what of it already came is read through
+/// (no waiting), so that a connection whose answer was whole but not
+/// forwarded (a 503 the retry loop tries again, say) is used again rather
+/// than closed, and a retry costs the upstream no new connection.
+impl Drop for PlainBody {
+    fn drop(&mut self) {
+        let Some(raw) = self.raw.as_mut() else {
+            return;
+        };
+        loop {
+            match self.decoder.decode(&mut raw.buf) {
+                Ok(Decoded::Data(_) | Decoded::Trailers(_)) => {}
+                Ok(Decoded::End) => break,
+                Ok(Decoded::More) | Err(_) => return,
+            }
+        }
+        self.settle();
     }
 }
 
@@ -277,19 +323,26 @@ impl Body for PlainBody {
                     this.settle();
                     return Poll::Ready(None);
                 }
-                Ok(Decoded::More) => match ready!(raw.poll_fill(cx)) {
-                    Ok(0) => match this.decoder.eof() {
-                        Ok(_) => {
-                            this.raw = None;
-                            return Poll::Ready(None);
-                        }
-                        Err(e) => return this.fail(e),
-                    },
-                    Ok(_) => continue,
-                    Err(e) => return this.fail(e),
-                },
-                Err(e) => return this.fail(e),
+                Ok(Decoded::More) => {
+                    let read = raw.poll_fill(cx);
+                    if read.is_pending() {
+                        this.fresh = false;
+                    }
+                    match ready!(read) {
+                        Ok(0) => match this.decoder.eof() {
+                            Ok(_) => {
+                                this.raw = None;
+                                return Poll::Ready(None);
+                            }
+                            Err(e) => return this.fail(e, cx),
+                        },
+                        Ok(_) => continue,
+                        Err(e) => return this.fail(e, cx),
+                    }
+                }
+                Err(e) => return this.fail(e, cx),
             };
+            this.fresh = true;
             this.settle();
             return Poll::Ready(Some(Ok(frame)));
         }

@@ -326,7 +326,7 @@ impl H1Pool {
         // An upgrade takes a connection of its own, driven by hyper until
         // it is handed over: never pooled before, never parked after.
         let upgrade = req.headers().contains_key(http::header::UPGRADE);
-        if own && !upgrade && req.body().is_empty() {
+        if own && !upgrade && req.body().is_empty() && req.method() != http::Method::CONNECT {
             return Either::Plain {
                 send: self.send_plain(req, path_and_query, careful),
             };

@@ -17,6 +17,7 @@ mod demo;
 mod deploy;
 mod discovery;
 mod drain;
+mod exchange;
 mod explain_and_faults;
 mod fault_matrix;
 mod faults;

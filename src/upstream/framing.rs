@@ -84,9 +84,15 @@ pub(crate) enum Parsed {
 /// Parses the answer head at the start of `buf`, taking it off once whole.
 /// `method`: the request's (a `HEAD`'s answer has no body).
 pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, Malformed> {
-    let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
-    let mut response = httparse::Response::new(&mut fields);
-    let len = match response.parse(buf) {
+    // Not filled in first: 3 KiB written for nothing on every answer.
+    let mut fields = [const { std::mem::MaybeUninit::uninit() }; MAX_FIELDS];
+    let mut response = httparse::Response::new(&mut []);
+    let parsed = httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut response,
+        buf,
+        &mut fields,
+    );
+    let len = match parsed {
         Ok(httparse::Status::Complete(len)) if len <= MAX_HEAD => len,
         Ok(httparse::Status::Complete(_)) => return Err(Malformed::HeadTooLarge),
         Ok(httparse::Status::Partial) if buf.len() >= MAX_HEAD => {
@@ -110,19 +116,21 @@ pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, 
         .reason
         .filter(|r| Some(*r) != status.canonical_reason())
         .map(|r| Bytes::copy_from_slice(r.as_bytes()));
-    // Where each field sits in the head, to slice the values out of it
-    // without a copy once it is frozen.
+    // Where each field sits in the head (offsets under MAX_HEAD fit in
+    // 16 bits), to slice the values out of it without a copy once frozen.
     let start = buf.as_ptr() as usize;
-    let at = |part: &[u8]| (part.as_ptr() as usize - start, part.len());
-    let mut spans = [((0, 0), (0, 0)); MAX_FIELDS];
+    let at = |part: &[u8]| (part.as_ptr() as usize - start) as u16;
+    let mut spans = [[0u16; 4]; MAX_FIELDS];
     let count = response.headers.len();
     for (span, field) in spans.iter_mut().zip(response.headers.iter()) {
-        *span = (at(field.name.as_bytes()), at(field.value));
+        let (name, value) = (field.name.as_bytes(), field.value);
+        *span = [at(name), name.len() as u16, at(value), value.len() as u16];
     }
     drop(response);
     let head = buf.split_to(len).freeze();
     let mut headers = HeaderMap::with_capacity(count);
-    for &((name, name_len), (value, value_len)) in &spans[..count] {
+    for span in &spans[..count] {
+        let [name, name_len, value, value_len] = span.map(usize::from);
         let name = HeaderName::from_bytes(&head[name..name + name_len])
             .map_err(|_| Malformed::Head(httparse::Error::HeaderName))?;
         let value = HeaderValue::from_maybe_shared(head.slice(value..value + value_len))

@@ -128,7 +128,9 @@ pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, 
     }
     drop(response);
     let head = buf.split_to(len).freeze();
-    let mut headers = HeaderMap::with_capacity(count);
+    // Room for what the proxy adds on the way back (Via, the attempt
+    // count): a map grown later is rebuilt whole.
+    let mut headers = HeaderMap::with_capacity(count + 2);
     for span in &spans[..count] {
         let [name, name_len, value, value_len] = span.map(usize::from);
         let name = HeaderName::from_bytes(&head[name..name + name_len])

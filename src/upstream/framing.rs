@@ -104,7 +104,6 @@ pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, 
     let code = response.code.unwrap_or(0);
     let status = StatusCode::from_u16(code).map_err(|_| Malformed::Status)?;
     if matches!(code, 100 | 102..=199) {
-        drop(response);
         let _ = buf.split_to(len);
         return Ok(Parsed::Informational);
     }
@@ -126,7 +125,6 @@ pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, 
         let (name, value) = (field.name.as_bytes(), field.value);
         *span = [at(name), name.len() as u16, at(value), value.len() as u16];
     }
-    drop(response);
     let head = buf.split_to(len).freeze();
     // Room for what the proxy adds on the way back (Via, the attempt
     // count): a map grown later is rebuilt whole.

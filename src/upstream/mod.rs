@@ -208,9 +208,7 @@ impl Endpoint {
         mut req: Request<RequestBody>,
         careful: bool,
         own: bool,
-    ) -> Sending<
-        impl Future<Output = Result<(Response<UpstreamBody>, Option<Pooled>), PoolError>> + 'a,
-    > {
+    ) -> Sending<impl Future<Output = pool::Sent> + 'a> {
         use std::borrow::Cow;
         let path_and_query = match (&self.base, path_and_query) {
             (Some(base), Some(pq)) if pq.path().starts_with('/') => {
@@ -258,7 +256,7 @@ pin_project_lite::pin_project! {
 
 impl<P> Future for Sending<P>
 where
-    P: Future<Output = Result<(Response<UpstreamBody>, Option<Pooled>), PoolError>>,
+    P: Future<Output = pool::Sent>,
 {
     type Output = Result<(Response<UpstreamBody>, Option<Pooled>), SendError>;
 

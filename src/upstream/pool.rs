@@ -102,6 +102,10 @@ impl PoolError {
     }
 }
 
+/// An attempt's end as the pool gives it: the answer, and hyper's connection
+/// it came on (none for herdguard's own exchange, whose body holds it).
+pub type Sent = Result<(Response<UpstreamBody>, Option<Pooled>), PoolError>;
+
 /// How long a connection stays idle with hyper's connection up before it
 /// is parked (see the module's documentation).
 pub const PARK_AFTER: Duration = Duration::from_secs(1);
@@ -321,8 +325,7 @@ impl H1Pool {
         path_and_query: Option<std::borrow::Cow<'a, PathAndQuery>>,
         careful: bool,
         own: bool,
-    ) -> impl Future<Output = Result<(Response<UpstreamBody>, Option<Pooled>), PoolError>> + 'a
-    {
+    ) -> impl Future<Output = Sent> + 'a {
         // An upgrade takes a connection of its own, driven by hyper until
         // it is handed over: never pooled before, never parked after.
         let upgrade = req.headers().contains_key(http::header::UPGRADE);
@@ -709,8 +712,6 @@ pin_project_lite::pin_project! {
         Hyper { #[pin] send: H },
     }
 }
-
-type Sent = Result<(Response<UpstreamBody>, Option<Pooled>), PoolError>;
 
 impl<P, H> Future for Either<P, H>
 where

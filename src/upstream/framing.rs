@@ -162,6 +162,11 @@ fn framing_of(
             .get_all(CONNECTION)
             .iter()
             .any(|v| has_token(v.as_bytes(), b"close"));
+    // An answer the proxy will refuse as broken HTTP (see `classify`) is
+    // read by its framing, and its connection not trusted again.
+    if status.as_u16() > 599 {
+        keep_alive = false;
+    }
     if status == StatusCode::SWITCHING_PROTOCOLS {
         // Nobody asked (upgrades do not come this way): the connection is
         // no longer HTTP.
@@ -179,10 +184,12 @@ fn framing_of(
         if headers.remove(CONTENT_LENGTH).is_some() {
             keep_alive = false;
         }
-        return Ok(match ends_chunked(headers) {
-            true => (Framing::Chunked, keep_alive),
-            false => (Framing::Close, false),
-        });
+        return match codings(headers) {
+            (_, None) => Err(Malformed::TransferEncoding),
+            (1, Some(true)) => Ok((Framing::Chunked, keep_alive)),
+            (_, Some(true)) => Ok((Framing::Chunked, false)),
+            (_, Some(false)) => Ok((Framing::Close, false)),
+        };
     }
     let mut length = None;
     for value in headers.get_all(CONTENT_LENGTH) {
@@ -219,14 +226,22 @@ fn has_token(value: &[u8], token: &[u8]) -> bool {
         .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
 }
 
-/// Whether the last transfer coding is `chunked`.
-fn ends_chunked(headers: &HeaderMap) -> bool {
-    headers
+/// How many transfer codings there are, and whether the last is `chunked`
+/// (`None`: there are none, only empty list elements).
+fn codings(headers: &HeaderMap) -> (usize, Option<bool>) {
+    let codings = headers
         .get_all(http::header::TRANSFER_ENCODING)
         .iter()
-        .next_back()
-        .and_then(|v| v.as_bytes().rsplit(|b| *b == b',').next())
-        .is_some_and(|t| t.trim_ascii().eq_ignore_ascii_case(b"chunked"))
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty());
+    let mut count = 0;
+    let mut last = None;
+    for coding in codings {
+        count += 1;
+        last = Some(coding.eq_ignore_ascii_case(b"chunked"));
+    }
+    (count, last)
 }
 
 /// What [`Decoder::decode`] found.
@@ -369,10 +384,12 @@ impl Decoder {
             .strip_suffix(b"\r")
             .ok_or(Malformed::ChunkSize)?;
         let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
-        if digits == 0 || digits > 16 {
+        // Leading zeros are allowed, and do not count toward 64 bits.
+        let zeros = line[..digits].iter().take_while(|b| **b == b'0').count();
+        if digits == 0 || digits - zeros > 16 {
             return Err(Malformed::ChunkSize);
         }
-        let size = line[..digits].iter().fold(0u64, |n, &d| {
+        let size = line[zeros..digits].iter().fold(0u64, |n, &d| {
             (n << 4) | u64::from((d as char).to_digit(16).unwrap_or(0))
         });
         let blank = line[digits..]
@@ -641,6 +658,41 @@ mod tests {
         let (data, trailers, ended) =
             decode_all(Framing::Chunked, b"A\r\n0123456789\r\n0\r\n\r\n", 1).unwrap();
         assert_eq!((data.len(), trailers.is_none(), ended), (10, true, true));
+    }
+
+    #[test]
+    fn transfer_codings_are_read_as_a_list() {
+        let h = final_head(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked,\r\n\r\n");
+        assert_eq!(
+            (h.framing, h.keep_alive),
+            (Framing::Chunked, true),
+            "an empty element is none"
+        );
+        // Chunked, but not alone: read by it, the connection not used again
+        // (the answer is refused as broken HTTP).
+        let h = final_head(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n");
+        assert_eq!((h.framing, h.keep_alive), (Framing::Chunked, false));
+        let h = final_head(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
+        );
+        assert_eq!((h.framing, h.keep_alive), (Framing::Chunked, false));
+        assert_eq!(
+            head(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: ,\r\n\r\n",
+                &Method::GET
+            )
+            .unwrap_err(),
+            Malformed::TransferEncoding
+        );
+        let h = final_head(b"HTTP/1.1 600 Odd\r\nContent-Length: 0\r\n\r\n");
+        assert!(!h.keep_alive, "a status the proxy refuses");
+    }
+
+    #[test]
+    fn chunk_sizes_may_have_leading_zeros() {
+        let body = b"00000000000000000000005\r\nhello\r\n0000\r\n\r\n";
+        let (data, _, ended) = decode_all(Framing::Chunked, body, 3).unwrap();
+        assert_eq!((&data[..], ended), (&b"hello"[..], true));
     }
 
     #[test]

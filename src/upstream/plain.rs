@@ -221,6 +221,7 @@ fn response(head: Head, raw: Box<Raw>) -> Response<PlainBody> {
         raw: Some(raw),
         decoder,
         keep_alive,
+        broken: None,
         // The head is yet to go out.
         fresh: true,
     };
@@ -245,6 +246,10 @@ pub struct PlainBody {
     raw: Option<Box<Raw>>,
     decoder: Decoder,
     keep_alive: bool,
+    /// The error the body broke off with, held back for a poll (see
+    /// [`PlainBody::fail`]): what follows a reset or a malformed section
+    /// may read as a clean end.
+    broken: Option<BoxError>,
     /// A frame (or the head) went out since the body last waited.
     fresh: bool,
 }
@@ -266,19 +271,19 @@ impl PlainBody {
     /// The body breaks off with `e`. Right after a frame, once the caller's
     /// connection has had a turn: it writes out what it has (the head, the
     /// last data) when the body waits, and an error first would leave the
-    /// caller with nothing, not with a body cut short. (The error comes
-    /// again on the next poll: a closed socket reads its end again, and a
-    /// malformed frame is not taken off the buffer.)
+    /// caller with nothing, not with a body cut short. The connection is
+    /// closed at once either way.
     fn fail(
         &mut self,
         e: impl Into<BoxError>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.raw = None;
         if std::mem::take(&mut self.fresh) {
+            self.broken = Some(e.into());
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }
-        self.raw = None;
         Poll::Ready(Some(Err(e.into())))
     }
 }
@@ -314,7 +319,7 @@ impl Body for PlainBody {
         let this = self.get_mut();
         loop {
             let Some(raw) = this.raw.as_mut() else {
-                return Poll::Ready(None);
+                return Poll::Ready(this.broken.take().map(Err));
             };
             let frame = match this.decoder.decode(&mut raw.buf) {
                 Ok(Decoded::Data(data)) => Frame::data(data),
@@ -349,7 +354,7 @@ impl Body for PlainBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.decoder.is_done()
+        self.decoder.is_done() && self.broken.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {

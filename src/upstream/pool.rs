@@ -134,6 +134,10 @@ pub(crate) struct Shelf {
     idle: Mutex<Vec<Conn>>,
     /// Idle connections kept at most.
     max_idle: usize,
+    /// Its pool is gone (a reload replaced the upstream): what comes back
+    /// is closed. The connections on it hold the shelf themselves, so it
+    /// would otherwise keep them open for ever.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl Shelf {
@@ -144,7 +148,7 @@ impl Shelf {
     /// Keeps an idle connection, unless `max_idle` are kept already.
     fn put(&self, state: Idle, last_used: Instant) {
         let mut idle = self.lock();
-        if idle.len() < self.max_idle {
+        if idle.len() < self.max_idle && !self.closed.load(std::sync::atomic::Ordering::Relaxed) {
             idle.push(Conn { state, last_used });
         }
     }
@@ -255,6 +259,21 @@ pub struct H1Pool {
     epoch: Instant,
 }
 
+/// The idle connections close with the pool; those still carrying an
+/// answer close when it is done.
+impl Drop for H1Pool {
+    fn drop(&mut self) {
+        let idle = {
+            let mut idle = self.shelf.lock();
+            self.shelf
+                .closed
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            std::mem::take(&mut *idle)
+        };
+        drop(idle);
+    }
+}
+
 impl H1Pool {
     pub fn new(authority: Authority, config: &crate::config::UpstreamConfig) -> Self {
         Self {
@@ -265,6 +284,7 @@ impl H1Pool {
             shelf: Arc::new(Shelf {
                 idle: Mutex::default(),
                 max_idle: config.pool_max_idle,
+                closed: Default::default(),
             }),
             staleness: Staleness::default(),
             epoch: Instant::now(),

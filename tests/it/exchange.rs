@@ -66,6 +66,12 @@ async fn serve(mut stream: TcpStream, script: Script) {
                 }
             }
         }
+        if path == "/until-reset" {
+            // A reset, not an end: the body is cut, whatever its framing.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let _ = stream.set_linger(Some(Duration::ZERO));
+            return;
+        }
         if close {
             let _ = stream.shutdown().await;
             return;
@@ -116,6 +122,15 @@ fn answers(path: &str) -> (Vec<u8>, bool, Option<Duration>) {
         "/early-hints" => keep(
             b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n\
               HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello",
+        ),
+        "/until-reset" => keep(b"HTTP/1.1 200 OK\r\n\r\nhel"),
+        "/bad-trailers" => keep(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\
+              X A: b\r\n\r\nX-Ok: 1\r\n\r\n",
+        ),
+        "/folded-trailers" => keep(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\
+              X-A: b\r\n c\r\n\r\n",
         ),
         "/unavailable" => {
             keep(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")
@@ -239,9 +254,18 @@ async fn bytes_after_an_answer_never_answer_the_next_request() {
 #[tokio::test]
 async fn a_body_broken_off_or_malformed_is_cut_and_its_connection_closed() {
     let (url, accepted) = raw_upstream(answers).await;
-    let hg = proxy(&config(&url)).await;
+    // Each cut body counts against the route: its breaker, at its default,
+    // would open before the last.
+    let config = config(&url) + "breaker = { consecutive_failures = 100 }\n";
+    let hg = proxy(&config).await;
     let c = client();
-    for path in ["/broken-chunk", "/short"] {
+    for path in [
+        "/broken-chunk",
+        "/short",
+        "/until-reset",
+        "/bad-trailers",
+        "/folded-trailers",
+    ] {
         let (status, _, body) = call(&c, &hg, Method::GET, path).await;
         assert_eq!(status, StatusCode::OK, "{path}: the head was good");
         assert!(
@@ -253,7 +277,7 @@ async fn a_body_broken_off_or_malformed_is_cut_and_its_connection_closed() {
     assert_eq!((status, &body[..]), (StatusCode::OK, &b"hello"[..]));
     assert_eq!(
         accepted.load(Ordering::SeqCst),
-        3,
+        6,
         "neither broken connection was reused"
     );
 }

@@ -69,7 +69,7 @@ async fn serve(mut stream: TcpStream, script: Script) {
         if path == "/until-reset" {
             // A reset, not an end: the body is cut, whatever its framing.
             tokio::time::sleep(Duration::from_millis(50)).await;
-            let _ = stream.set_linger(Some(Duration::ZERO));
+            let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
             return;
         }
         if close {

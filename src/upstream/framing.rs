@@ -118,7 +118,9 @@ pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, 
     // Where each field sits in the head (offsets under MAX_HEAD fit in
     // 16 bits), to slice the values out of it without a copy once frozen.
     let start = buf.as_ptr() as usize;
-    let at = |part: &[u8]| (part.as_ptr() as usize - start) as u16;
+    // (A slice outside the buffer, which httparse does not give, would
+    // fail the bounds checks below, not panic.)
+    let at = |part: &[u8]| (part.as_ptr() as usize).wrapping_sub(start) as u16;
     let mut spans = [[0u16; 4]; MAX_FIELDS];
     let count = response.headers.len();
     for (span, field) in spans.iter_mut().zip(response.headers.iter()) {
@@ -131,9 +133,13 @@ pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, 
     let mut headers = HeaderMap::with_capacity(count + 2);
     for span in &spans[..count] {
         let [name, name_len, value, value_len] = span.map(usize::from);
-        let name = HeaderName::from_bytes(&head[name..name + name_len])
+        let (name, value) = (name..name + name_len, value..value + value_len);
+        if name.end > head.len() || value.end > head.len() {
+            return Err(Malformed::Head(httparse::Error::HeaderName));
+        }
+        let name = HeaderName::from_bytes(&head[name])
             .map_err(|_| Malformed::Head(httparse::Error::HeaderName))?;
-        let value = HeaderValue::from_maybe_shared(head.slice(value..value + value_len))
+        let value = HeaderValue::from_maybe_shared(head.slice(value))
             .map_err(|_| Malformed::Head(httparse::Error::HeaderValue))?;
         headers.append(name, value);
     }

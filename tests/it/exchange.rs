@@ -304,3 +304,86 @@ async fn an_answer_not_forwarded_leaves_its_connection_for_the_next_attempt() {
     // moved on, its connection carried the next attempt.
     assert_eq!(accepted.load(Ordering::SeqCst), 1);
 }
+
+/// Answers that are valid, and the same with bytes flipped, inserted,
+/// dropped or cut off, served one per connection to the real binary
+/// (built with `panic = "abort"`): whatever comes, the process answers
+/// something and stays up, and a good answer after them all is passed on
+/// whole. Seeded, so a failure repeats.
+#[tokio::test]
+async fn mangled_answers_never_crash_the_proxy() {
+    use rand::{Rng, SeedableRng};
+    use std::collections::VecDeque;
+    use std::sync::Mutex;
+    let queue: Arc<Mutex<VecDeque<Vec<u8>>>> = Arc::default();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let answers = queue.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let answers = answers.clone();
+            tokio::spawn(async move {
+                if !read_head(&mut stream).await {
+                    return;
+                }
+                let answer = answers.lock().unwrap().pop_front();
+                let answer = answer
+                    .unwrap_or_else(|| b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_vec());
+                let _ = stream.write_all(&answer).await;
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    // The breaker left closed: the last request must reach the upstream.
+    let config = config(&url) + "breaker = { consecutive_failures = 100000, failure_rate = 1.0 }\n";
+    let hg = common::process::Binary::start(&config).await;
+    let valid: [&[u8]; 5] = [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: b\r\n\r\nhello",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5;e=1\r\nhello\r\n0\r\nX-T: v\r\n\r\n",
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\n\r\nuntil the end",
+        b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n",
+    ];
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(0x5eed);
+    let c = client();
+    for case in 0..300 {
+        let mut answer = valid[case % valid.len()].to_vec();
+        for _ in 0..rng.random_range(1..4) {
+            if answer.is_empty() {
+                break;
+            }
+            let at = rng.random_range(0..answer.len());
+            match rng.random_range(0..4) {
+                0 => answer[at] = rng.random(),
+                1 => answer.insert(at, *b"\r\n:;0 \x00".get(rng.random_range(0..7)).unwrap()),
+                2 => {
+                    answer.remove(at);
+                }
+                _ => answer.truncate(at.max(1)),
+            }
+        }
+        queue.lock().unwrap().push_back(answer);
+        let req = http::Request::get(format!("http://{}/m/{case}", hg.listen))
+            .body(empty())
+            .unwrap();
+        let sent = tokio::time::timeout(Duration::from_secs(10), async {
+            let resp = c.request(req).await?;
+            let _ = resp.into_body().collect().await;
+            Ok::<_, hyper_util::client::legacy::Error>(())
+        });
+        // An answer cut short may end the caller's connection: that is
+        // an honest answer too. Only a hang or a crash fails.
+        let _ = sent.await.expect("answered within 10 s");
+        queue.lock().unwrap().clear();
+    }
+    let req = http::Request::get(format!("http://{}/last", hg.listen))
+        .body(empty())
+        .unwrap();
+    let (status, _, body) = send(&client(), req).await;
+    assert_eq!((status, &body[..]), (StatusCode::OK, &b"ok"[..]));
+    // Exits cleanly, and nothing panicked on the way (tests build with
+    // unwinding: a panic would end one connection's task, not the process).
+    let lines = hg.terminate().await;
+    let panics: Vec<_> = lines.iter().filter(|l| l.contains("panicked")).collect();
+    assert!(panics.is_empty(), "{panics:?}");
+}

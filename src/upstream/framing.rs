@@ -163,11 +163,8 @@ fn framing_of(
     method: &Method,
 ) -> Result<(Framing, bool), Malformed> {
     use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
-    let mut keep_alive = version == Version::HTTP_11
-        && !headers
-            .get_all(CONNECTION)
-            .iter()
-            .any(|v| has_token(v.as_bytes(), b"close"));
+    let mut keep_alive =
+        version == Version::HTTP_11 && !crate::wire::headers::lists(headers, &CONNECTION, "close");
     // An answer the proxy will refuse as broken HTTP (see `classify`) is
     // read by its framing, and its connection not trusted again.
     if status.as_u16() > 599 {
@@ -197,15 +194,26 @@ fn framing_of(
             (_, Some(false)) => Ok((Framing::Close, false)),
         };
     }
-    let mut length = None;
+    let (mut length, mut parts) = (None, 0);
     for value in headers.get_all(CONTENT_LENGTH) {
         for part in value.as_bytes().split(|b| *b == b',') {
-            let n = parse_length(part.trim_ascii()).ok_or(Malformed::ContentLength)?;
+            let part = part.trim_ascii();
+            let n = parse_length(part).ok_or(Malformed::ContentLength)?;
             if length.is_some_and(|l| l != n) {
                 return Err(Malformed::ContentLength);
             }
             length = Some(n);
+            parts += if part.len() > 1 && part[0] == b'0' {
+                2
+            } else {
+                1
+            };
         }
+    }
+    // A length said twice, or with leading zeros, goes on said once and
+    // plainly: the caller's parser may not be as lenient.
+    if let (Some(n), 2..) = (length, parts) {
+        headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
     }
     Ok(match length {
         Some(n) => (Framing::Length(n), keep_alive),
@@ -225,25 +233,12 @@ fn parse_length(digits: &[u8]) -> Option<u64> {
     })
 }
 
-/// Whether a comma-separated field value holds `token` (any case).
-fn has_token(value: &[u8], token: &[u8]) -> bool {
-    value
-        .split(|b| *b == b',')
-        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
-}
-
 /// How many transfer codings there are, and whether the last is `chunked`
 /// (`None`: there are none, only empty list elements).
 fn codings(headers: &HeaderMap) -> (usize, Option<bool>) {
-    let codings = headers
-        .get_all(http::header::TRANSFER_ENCODING)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .map(<[u8]>::trim_ascii)
-        .filter(|t| !t.is_empty());
     let mut count = 0;
     let mut last = None;
-    for coding in codings {
+    for coding in crate::wire::headers::transfer_codings(headers) {
         count += 1;
         last = Some(coding.eq_ignore_ascii_case(b"chunked"));
     }
@@ -515,9 +510,17 @@ mod tests {
             panic!("a HEAD's answer");
         };
         assert_eq!(h.framing, Framing::Length(0));
-        // A repeated length that agrees is one length.
+        // A repeated length that agrees is one length, passed on once; so
+        // is one with leading zeros.
         let h = final_head(b"HTTP/1.1 200 OK\r\nContent-Length: 3, 3\r\nContent-Length: 3\r\n\r\n");
         assert_eq!(h.framing, Framing::Length(3));
+        let lengths: Vec<_> = h.headers.get_all("content-length").iter().collect();
+        assert_eq!(lengths, ["3"]);
+        let h = final_head(b"HTTP/1.1 200 OK\r\nContent-Length: 0005\r\n\r\n");
+        assert_eq!(h.framing, Framing::Length(5));
+        assert_eq!(h.headers["content-length"], "5");
+        let h = final_head(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n");
+        assert_eq!(h.headers["content-length"], "0");
     }
 
     #[test]

@@ -348,18 +348,24 @@ pub fn lists(headers: &HeaderMap, field: &HeaderName, token: &str) -> bool {
         .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
 }
 
+/// The transfer codings of a message, in order, over all its
+/// `Transfer-Encoding` lines (empty list elements are none).
+pub fn transfer_codings(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
+    headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty())
+}
+
 /// Checks a request's framing: a `Transfer-Encoding` must be `chunked`,
 /// once, and nothing else (RFC 9112 §6.1). `chunked` twice is malformed
 /// (400); another coding is one the proxy does not implement (501), and
 /// forwarding its bytes without it would hand the upstream a body it
 /// cannot read.
 pub fn check_framing(headers: &HeaderMap) -> Result<(), (http::StatusCode, &'static str)> {
-    let mut codings = headers
-        .get_all(header::TRANSFER_ENCODING)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .map(<[u8]>::trim_ascii)
-        .filter(|t| !t.is_empty());
+    let mut codings = transfer_codings(headers);
     let Some(first) = codings.next() else {
         return Ok(());
     };

@@ -430,6 +430,16 @@ impl RequestTrace {
         u128::from_be_bytes(self.trace_id)
     }
 
+    /// Takes out of `headers` the trace context each attempt sets (and a
+    /// `tracestate` not passed on): done once for the fields all attempts
+    /// share.
+    pub fn strip(&self, headers: &mut HeaderMap) {
+        headers.remove(&TRACEPARENT);
+        if self.drop_tracestate {
+            headers.remove(&TRACESTATE);
+        }
+    }
+
     /// Starts attempt `n`'s span, to `endpoint`, and puts its context in
     /// `headers` (`traceparent`, `tracestate`): the upstream's spans are
     /// its children. No span is kept when the trace is not sampled.

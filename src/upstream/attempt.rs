@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use crate::upstream::UpstreamBody;
 use http::uri::PathAndQuery;
-use http::{HeaderMap, HeaderValue, Method, Request, Response, Version};
+use http::{HeaderMap, HeaderValue, Method, Response};
 
 use crate::wire::CallerBody;
 use tokio::time::Instant;
@@ -28,10 +28,10 @@ use crate::retry::{self, Attempt};
 
 use super::body::{Progress, RequestBody};
 use super::classify::{classify, Judge, Reply, Why};
+use super::outgoing::{Fields, Outgoing};
 use super::replay::{BodyMemory, ReplayBody};
 use super::{InFlight, Picked, Upstream};
 use crate::wire::error_chain;
-use crate::wire::headers::X_HERDGUARD_ATTEMPT;
 
 /// The upstream's response, with the slot it holds until its body is done.
 /// An upstream's answer and the in-flight slot it holds, on the heap: an
@@ -44,7 +44,7 @@ pub type Answer = Box<(Response<UpstreamBody>, InFlight)>;
 type Ready<'a> = (
     Option<InFlight>,
     Picked<'a>,
-    Request<RequestBody>,
+    Outgoing,
     Option<Arc<Progress>>,
     Option<Box<AttemptTrace<'a>>>,
 );
@@ -81,8 +81,12 @@ pub struct Forward<'a> {
     upstream: &'a Arc<Upstream>,
     method: Method,
     path_and_query: Option<&'a PathAndQuery>,
-    /// Taken whole by the last attempt; copied for the others.
+    /// The caller's fields as this hop forwards them, until the first
+    /// attempt takes them.
     headers: Option<HeaderMap>,
+    /// Those fields, without the ones an attempt sets, shared by the
+    /// attempts that follow the first (see [`super::outgoing`]).
+    kept: Option<Arc<HeaderMap>>,
     /// Whether more than one attempt may be made.
     retrying: bool,
     /// Whether a failed attempt may be repeated once it reached the
@@ -158,6 +162,7 @@ impl<'a> Forward<'a> {
             method,
             path_and_query,
             headers: Some(headers),
+            kept: None,
             retrying,
             repeatable: retrying && repeatable,
             inner_hop,
@@ -265,7 +270,7 @@ impl<'a> Forward<'a> {
             let label = &picked.endpoint().label;
             let backoff = std::mem::take(&mut self.backoff_ms);
             let backoff = (backoff > 0).then(|| Duration::from_millis(u64::from(backoff)));
-            trace.attempt(n, label, backoff, req.headers_mut())
+            trace.attempt(n, label, backoff, &mut req.fields.extra)
         });
         let traced = traced.flatten();
         (slot, picked, req, progress, traced)
@@ -277,7 +282,7 @@ impl<'a> Forward<'a> {
         n: u32,
         host: &HeaderValue,
         grpc_left: Option<Duration>,
-    ) -> (Request<RequestBody>, Option<Arc<Progress>>) {
+    ) -> (Outgoing, Option<Arc<Progress>>) {
         let (body, progress) = match &mut self.body {
             AttemptBody::Empty => (RequestBody::empty(), None),
             AttemptBody::Replay(replay) => {
@@ -295,46 +300,59 @@ impl<'a> Forward<'a> {
                 None => (RequestBody::empty(), None),
             },
         };
-        let mut req = Request::new(body);
-        *req.method_mut() = self.method.clone();
-        *req.version_mut() = Version::HTTP_11;
-        // Set on the kept headers before they are copied: a copy has no
-        // room to spare, and adding a field to it would reallocate.
-        let mut headers = match self.headers.take() {
-            Some(mut h) => {
-                h.insert(
-                    http::header::HOST,
-                    self.host.as_ref().unwrap_or(host).clone(),
-                );
-                if let Some(left) = grpc_left {
-                    h.insert(
-                        "grpc-timeout",
-                        crate::wire::headers::grpc_timeout_value(left),
-                    );
-                }
-                if !self.inner_hop {
-                    h.insert(&X_HERDGUARD_ATTEMPT, attempt_value(n));
-                }
-                if self.upstream.mesh_retries_off {
-                    // Envoy (Istio's sidecar) honours it from its own pod:
-                    // one layer of retries, this one.
-                    h.insert(
-                        &crate::wire::headers::X_ENVOY_MAX_RETRIES,
-                        HeaderValue::from_static("0"),
-                    );
-                }
-                if self.retrying {
-                    let copy = h.clone();
-                    self.headers = Some(h);
-                    copy
-                } else {
-                    h
-                }
-            }
-            None => HeaderMap::new(),
+        let mut extra = HeaderMap::new();
+        if let Some(left) = grpc_left {
+            extra.insert(
+                "grpc-timeout",
+                crate::wire::headers::grpc_timeout_value(left),
+            );
+        }
+        if self.upstream.mesh_retries_off {
+            // Envoy (Istio's sidecar) honours it from its own pod:
+            // one layer of retries, this one.
+            extra.insert(
+                &crate::wire::headers::X_ENVOY_MAX_RETRIES,
+                HeaderValue::from_static("0"),
+            );
+        }
+        let fields = Fields {
+            host: self.host.as_ref().unwrap_or(host).clone(),
+            attempt: (!self.inner_hop).then(|| attempt_value(n)),
+            extra,
+            kept: self.kept(),
         };
-        std::mem::swap(req.headers_mut(), &mut headers);
-        (req, progress)
+        let method = self.method.clone();
+        (
+            Outgoing {
+                method,
+                fields,
+                body,
+            },
+            progress,
+        )
+    }
+
+    /// The request's fields without those an attempt sets, kept for the
+    /// next attempt while one may follow.
+    fn kept(&mut self) -> Arc<HeaderMap> {
+        let Some(mut h) = self.headers.take() else {
+            return self.kept.clone().unwrap_or_default();
+        };
+        h.remove(http::header::HOST);
+        if self.grpc_deadline.is_some() {
+            h.remove("grpc-timeout");
+        }
+        if self.upstream.mesh_retries_off {
+            h.remove(&crate::wire::headers::X_ENVOY_MAX_RETRIES);
+        }
+        if let Some(trace) = self.trace {
+            trace.strip(&mut h);
+        }
+        let kept = Arc::new(h);
+        if self.retrying {
+            self.kept = Some(kept.clone());
+        }
+        kept
     }
 }
 

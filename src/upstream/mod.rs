@@ -9,6 +9,7 @@ pub(crate) mod classify;
 pub(crate) mod discovery;
 pub(crate) mod framing;
 pub(crate) mod heads;
+pub(crate) mod outgoing;
 pub(crate) mod plain;
 pub(crate) mod pool;
 pub mod replay;
@@ -24,7 +25,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{HeaderValue, Request, Response, Uri};
+use http::{HeaderValue, Response, Uri};
 use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -205,7 +206,7 @@ impl Endpoint {
     pub fn send<'a>(
         &'a self,
         path_and_query: Option<&'a PathAndQuery>,
-        mut req: Request<RequestBody>,
+        req: outgoing::Outgoing,
         careful: bool,
         own: bool,
     ) -> Sending<impl Future<Output = pool::Sent> + 'a> {
@@ -223,6 +224,7 @@ impl Endpoint {
                 send: pool.send(req, path_and_query, careful, own),
             },
             Transport::Client(client) => {
+                let mut req = req.into_request();
                 *req.uri_mut() = self.uri(path_and_query.as_deref());
                 Sending::Client {
                     send: client.request(req),

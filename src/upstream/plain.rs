@@ -20,7 +20,9 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, Method, Response};
+use http::{Method, Response};
+
+use super::outgoing::Fields;
 use http_body::{Body, Frame, SizeHint};
 use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpStream;
@@ -122,15 +124,15 @@ impl ExchangeError {
     }
 }
 
-/// Sends a request with no body (`method`, origin-form `target`, `headers`)
+/// Sends a request with no body (`method`, origin-form `target`, `fields`)
 /// on `raw`, and reads its answer's head.
 pub(crate) async fn exchange(
     mut raw: Box<Raw>,
     method: &Method,
     target: &str,
-    headers: &HeaderMap,
+    fields: &Fields,
 ) -> Result<Response<PlainBody>, Failed> {
-    encode(&mut raw.buf, method, target, headers);
+    encode(&mut raw.buf, method, target, fields);
     let mut written = 0;
     while written < raw.buf.len() {
         let failed = |error| Failed {
@@ -157,14 +159,14 @@ pub(crate) async fn exchange(
 
 /// The request's head, as hyper writes one with no body: the fields as
 /// they are, but a `Transfer-Encoding` (there is nothing to code).
-fn encode(buf: &mut BytesMut, method: &Method, target: &str, headers: &HeaderMap) {
+fn encode(buf: &mut BytesMut, method: &Method, target: &str, fields: &Fields) {
     buf.clear();
-    buf.reserve(256 + headers.len() * 32);
+    buf.reserve(256 + fields.kept.len() * 32);
     buf.extend_from_slice(method.as_str().as_bytes());
     buf.extend_from_slice(b" ");
     buf.extend_from_slice(target.as_bytes());
     buf.extend_from_slice(b" HTTP/1.1\r\n");
-    for (name, value) in headers {
+    for (name, value) in fields.iter() {
         if name == http::header::TRANSFER_ENCODING {
             continue;
         }

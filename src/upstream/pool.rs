@@ -45,6 +45,7 @@ use tracing::debug;
 
 use super::body::{BoxError, RequestBody, UpstreamBody};
 use super::heads::{HeadWait, Metered};
+use super::outgoing::Outgoing;
 use super::plain::{self, Raw};
 
 /// The most hyper keeps queued to write to an upstream, or read from it
@@ -341,20 +342,20 @@ impl H1Pool {
     /// and as a local, for as long as the attempt lasts.
     pub fn send<'a>(
         &'a self,
-        req: Request<RequestBody>,
+        req: Outgoing,
         path_and_query: Option<std::borrow::Cow<'a, PathAndQuery>>,
         careful: bool,
         own: bool,
     ) -> impl Future<Output = Sent> + 'a {
         // An upgrade takes a connection of its own, driven by hyper until
         // it is handed over: never pooled before, never parked after.
-        let upgrade = req.headers().contains_key(http::header::UPGRADE);
-        if own && !upgrade && req.body().is_empty() && req.method() != http::Method::CONNECT {
+        let upgrade = req.fields.contains(http::header::UPGRADE);
+        if own && !upgrade && req.body.is_empty() && req.method != http::Method::CONNECT {
             return Either::Plain {
                 send: self.send_plain(req, path_and_query, careful),
             };
         }
-        let mut req = req;
+        let mut req = req.into_request();
         *req.uri_mut() = origin_form(path_and_query.as_deref());
         Either::Hyper {
             send: self.send_hyper(req, upgrade, careful),
@@ -365,7 +366,7 @@ impl H1Pool {
     #[allow(clippy::manual_async_fn)] // on purpose: see [`H1Pool::send`]
     fn send_plain<'a>(
         &'a self,
-        req: Request<RequestBody>,
+        req: Outgoing,
         path_and_query: Option<std::borrow::Cow<'a, PathAndQuery>>,
         careful: bool,
     ) -> impl Future<Output = Result<Response<plain::PlainBody>, PoolError>> + 'a {
@@ -376,14 +377,14 @@ impl H1Pool {
                 Some((Taken::Parked(stream), idled)) => (self.plain_of(stream)?, Some(idled)),
                 Some((Taken::Live(_), _)) | None => (self.connect_plain().await?, None),
             };
-            let (method, headers) = (req.method(), req.headers());
-            match plain::exchange(raw, method, target, headers).await {
+            let (method, fields) = (&req.method, &req.fields);
+            match plain::exchange(raw, method, target, fields).await {
                 Ok(resp) => Ok(resp),
                 Err(failed) if idled.is_some() && !failed.written => {
                     debug!(upstream = %self.authority, error = %failed.error, "pooled connection closed before the request was written; sending it on a new one");
                     let raw = self.connect_plain().await?;
                     // On the heap: rare.
-                    Box::pin(plain::exchange(raw, method, target, headers))
+                    Box::pin(plain::exchange(raw, method, target, fields))
                         .await
                         .map_err(|failed| self.plain_error(failed, None))
                 }

@@ -131,19 +131,22 @@ pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, 
     // Room for what the proxy adds on the way back (Via, the attempt
     // count): a map grown later is rebuilt whole.
     let mut headers = HeaderMap::with_capacity(count + 2);
-    for span in &spans[..count] {
+    let mut seen = Seen::default();
+    for (at, span) in spans[..count].iter().enumerate() {
         let [name, name_len, value, value_len] = span.map(usize::from);
         let (name, value) = (name..name + name_len, value..value + value_len);
         if name.end > head.len() || value.end > head.len() {
             return Err(Malformed::Head(httparse::Error::HeaderName));
         }
-        let name = HeaderName::from_bytes(&head[name])
+        let name = field_name(at, &head[name])
             .map_err(|_| Malformed::Head(httparse::Error::HeaderName))?;
         let value = HeaderValue::from_maybe_shared(head.slice(value))
             .map_err(|_| Malformed::Head(httparse::Error::HeaderValue))?;
-        headers.append(name, value);
+        if seen.passes_on(&name, &value) {
+            headers.append(name, value);
+        }
     }
-    let (framing, keep_alive) = framing_of(status, version, &mut headers, method)?;
+    let (framing, keep_alive) = framing_of(status, version, &mut headers, method, seen)?;
     Ok(Parsed::Final(Head {
         status,
         version,
@@ -154,6 +157,75 @@ pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, 
     }))
 }
 
+/// The name of an answer's field `at` that position, as `raw` spells it.
+/// An upstream sends the same names in the same order answer after
+/// answer: the last ones read at each position are kept (per thread, a
+/// few dozen short ones), and a name compared costs less than one parsed.
+fn field_name(at: usize, raw: &[u8]) -> Result<HeaderName, http::header::InvalidHeaderName> {
+    const POSITIONS: usize = 24;
+    const LONGEST: usize = 32;
+    type Names = std::cell::RefCell<Vec<(Box<[u8]>, HeaderName)>>;
+    thread_local! {
+        static NAMES: Names = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    if at >= POSITIONS || raw.len() > LONGEST {
+        return HeaderName::from_bytes(raw);
+    }
+    NAMES.with(|names| {
+        let Ok(mut names) = names.try_borrow_mut() else {
+            return HeaderName::from_bytes(raw);
+        };
+        if let Some((seen, name)) = names.get(at) {
+            if **seen == *raw {
+                return Ok(name.clone());
+            }
+        }
+        let name = HeaderName::from_bytes(raw)?;
+        let entry = (Box::from(raw), name.clone());
+        if at < names.len() {
+            names[at] = entry;
+        } else if at == names.len() {
+            names.push(entry);
+        }
+        Ok(name)
+    })
+}
+
+/// What the fields that frame an answer said, noted as the head is read:
+/// no lookups after.
+#[derive(Debug, Default, Clone, Copy)]
+struct Seen {
+    /// `Connection: close`.
+    close: bool,
+    transfer_encoding: bool,
+    content_length: bool,
+}
+
+impl Seen {
+    /// Notes `name` and whether it goes into the answer's map: a
+    /// `Connection` that says only `keep-alive` or `close` is this hop's
+    /// alone and names no other field (one that names others is kept, for
+    /// the hop-by-hop rules to read).
+    fn passes_on(&mut self, name: &HeaderName, value: &HeaderValue) -> bool {
+        use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
+        if *name == CONNECTION {
+            let mut names_others = false;
+            for option in value.as_bytes().split(|b| *b == b',') {
+                let option = option.trim_ascii();
+                if option.eq_ignore_ascii_case(b"close") {
+                    self.close = true;
+                } else if !option.eq_ignore_ascii_case(b"keep-alive") && !option.is_empty() {
+                    names_others = true;
+                }
+            }
+            return names_others;
+        }
+        self.transfer_encoding |= *name == TRANSFER_ENCODING;
+        self.content_length |= *name == CONTENT_LENGTH;
+        true
+    }
+}
+
 /// The body's framing of an answer (RFC 9112 §6.3), and whether its
 /// connection may be used again.
 fn framing_of(
@@ -161,10 +233,10 @@ fn framing_of(
     version: Version,
     headers: &mut HeaderMap,
     method: &Method,
+    seen: Seen,
 ) -> Result<(Framing, bool), Malformed> {
-    use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
-    let mut keep_alive =
-        version == Version::HTTP_11 && !crate::wire::headers::lists(headers, &CONNECTION, "close");
+    use http::header::CONTENT_LENGTH;
+    let mut keep_alive = version == Version::HTTP_11 && !seen.close;
     // An answer the proxy will refuse as broken HTTP (see `classify`) is
     // read by its framing, and its connection not trusted again.
     if status.as_u16() > 599 {
@@ -178,7 +250,7 @@ fn framing_of(
     if matches!(status.as_u16(), 204 | 304) || method == Method::HEAD {
         return Ok((Framing::Length(0), keep_alive));
     }
-    if headers.contains_key(TRANSFER_ENCODING) {
+    if seen.transfer_encoding {
         if version == Version::HTTP_10 {
             return Err(Malformed::TransferEncoding);
         }
@@ -195,7 +267,8 @@ fn framing_of(
         };
     }
     let (mut length, mut parts) = (None, 0);
-    for value in headers.get_all(CONTENT_LENGTH) {
+    let lengths = seen.content_length.then(|| headers.get_all(CONTENT_LENGTH));
+    for value in lengths.into_iter().flatten() {
         for part in value.as_bytes().split(|b| *b == b',') {
             let part = part.trim_ascii();
             let n = parse_length(part).ok_or(Malformed::ContentLength)?;
@@ -478,6 +551,51 @@ mod tests {
             Ok(Parsed::Final(head)) => head,
             other => panic!("not a final head: {other:?}"),
         }
+    }
+
+    #[test]
+    fn names_are_read_the_same_whether_kept_from_an_earlier_answer_or_not() {
+        // Spelled differently at the same position, then the same spelling
+        // again, then a custom name, a malformed one, one too long to keep.
+        let long = "X-".repeat(20);
+        for raw in [
+            "Content-Length",
+            "content-length",
+            "CONTENT-LENGTH",
+            "Content-Length",
+            "X-Custom",
+            "X-Custom",
+            "Bad Name",
+            long.as_str(),
+            long.as_str(),
+        ] {
+            for at in [0, 1, 23, 24, 99] {
+                let kept = field_name(at, raw.as_bytes()).ok();
+                let parsed = HeaderName::from_bytes(raw.as_bytes()).ok();
+                assert_eq!(kept, parsed, "{raw} at {at}");
+            }
+        }
+        // An upstream that skips positions leaves none unkept in between.
+        assert!(field_name(10, b"Date").is_ok());
+    }
+
+    #[test]
+    fn a_connection_field_is_kept_only_when_it_names_other_fields() {
+        let h =
+            final_head(b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n");
+        assert!(!h.headers.contains_key("connection"));
+        assert!(h.keep_alive);
+        let h = final_head(b"HTTP/1.1 200 OK\r\nConnection: , CLOSE \r\nContent-Length: 0\r\n\r\n");
+        assert!(!h.headers.contains_key("connection"));
+        assert!(!h.keep_alive);
+        // Another line may name a field: that one stays, and the close
+        // said on the first still counts.
+        let h = final_head(
+            b"HTTP/1.1 200 OK\r\nConnection: close\r\nConnection: x-secret, keep-alive\r\nX-Secret: 1\r\nContent-Length: 0\r\n\r\n",
+        );
+        let kept: Vec<_> = h.headers.get_all("connection").iter().collect();
+        assert_eq!(kept, ["x-secret, keep-alive"]);
+        assert!(!h.keep_alive);
     }
 
     #[test]

@@ -28,10 +28,11 @@ use crate::retry::{self, Attempt};
 
 use super::body::{Progress, RequestBody};
 use super::classify::{classify, Judge, Reply, Why};
-use super::outgoing::{Fields, Outgoing};
+use super::outgoing::{Fields, Kept, Outgoing};
 use super::replay::{BodyMemory, ReplayBody};
 use super::{InFlight, Picked, Upstream};
 use crate::wire::error_chain;
+use crate::wire::headers::HopFields;
 
 /// The upstream's response, with the slot it holds until its body is done.
 /// An upstream's answer and the in-flight slot it holds, on the heap: an
@@ -56,6 +57,8 @@ pub struct Outbound<'a> {
     pub method: Method,
     pub path_and_query: Option<&'a PathAndQuery>,
     pub headers: HeaderMap,
+    /// This hop's own fields (`Via`, `X-Forwarded-*`).
+    pub hop: HopFields,
     pub body: CallerBody,
     /// More than one attempt may be made.
     pub retrying: bool,
@@ -81,12 +84,13 @@ pub struct Forward<'a> {
     upstream: &'a Arc<Upstream>,
     method: Method,
     path_and_query: Option<&'a PathAndQuery>,
-    /// The caller's fields as this hop forwards them, until the first
-    /// attempt takes them.
-    headers: Option<HeaderMap>,
-    /// Those fields, without the ones an attempt sets, shared by the
-    /// attempts that follow the first (see [`super::outgoing`]).
-    kept: Option<Arc<HeaderMap>>,
+    /// The caller's fields as this hop forwards them, and this hop's own,
+    /// shared by the attempts (see [`super::outgoing`]); on the heap from
+    /// the start, so that the request's future does not keep them. Taken
+    /// by the first attempt when no other may follow.
+    kept: Option<Arc<Kept>>,
+    /// The fields an attempt sets were taken out of `kept`.
+    stripped: bool,
     /// Whether more than one attempt may be made.
     retrying: bool,
     /// Whether a failed attempt may be repeated once it reached the
@@ -139,6 +143,7 @@ impl<'a> Forward<'a> {
             method,
             path_and_query,
             headers,
+            hop,
             body,
             retrying,
             repeatable,
@@ -161,8 +166,11 @@ impl<'a> Forward<'a> {
             upstream,
             method,
             path_and_query,
-            headers: Some(headers),
-            kept: None,
+            kept: Some(Arc::new(Kept {
+                map: headers,
+                hop: Some(hop),
+            })),
+            stripped: false,
             retrying,
             repeatable: retrying && repeatable,
             inner_hop,
@@ -334,25 +342,30 @@ impl<'a> Forward<'a> {
 
     /// The request's fields without those an attempt sets, kept for the
     /// next attempt while one may follow.
-    fn kept(&mut self) -> Arc<HeaderMap> {
-        let Some(mut h) = self.headers.take() else {
-            return self.kept.clone().unwrap_or_default();
+    fn kept(&mut self) -> Arc<Kept> {
+        let Some(kept) = self.kept.as_mut() else {
+            return Arc::default();
         };
-        h.remove(http::header::HOST);
-        if self.grpc_deadline.is_some() {
-            h.remove("grpc-timeout");
+        if !self.stripped {
+            self.stripped = true;
+            // No attempt has a share of it yet: it is this one's to change.
+            if let Some(Kept { map: h, .. }) = Arc::get_mut(kept) {
+                h.remove(http::header::HOST);
+                if self.grpc_deadline.is_some() {
+                    h.remove("grpc-timeout");
+                }
+                if self.upstream.mesh_retries_off {
+                    h.remove(&crate::wire::headers::X_ENVOY_MAX_RETRIES);
+                }
+                if let Some(trace) = self.trace {
+                    trace.strip(h);
+                }
+            }
         }
-        if self.upstream.mesh_retries_off {
-            h.remove(&crate::wire::headers::X_ENVOY_MAX_RETRIES);
+        match self.retrying {
+            true => kept.clone(),
+            false => self.kept.take().unwrap_or_default(),
         }
-        if let Some(trace) = self.trace {
-            trace.strip(&mut h);
-        }
-        let kept = Arc::new(h);
-        if self.retrying {
-            self.kept = Some(kept.clone());
-        }
-        kept
     }
 }
 

@@ -1,16 +1,18 @@
 //! A request as one attempt sends it. The caller's fields, as this hop
-//! forwards them, are kept once for all of a request's attempts and shared;
-//! an attempt adds only what is its own (`Host` for its endpoint, its
-//! number, the time left, its trace context). herdguard's own exchange
-//! writes both from where they are; hyper's client gets them merged into
-//! one map.
+//! forwards them, are kept once for all of a request's attempts and shared,
+//! with this hop's own (`Via`, `X-Forwarded-*`) beside them; an attempt adds
+//! only what is its own (`Host` for its endpoint, its number, the time
+//! left, its trace context). herdguard's own exchange writes them all from
+//! where they are, and the caller's map is never added to (a map hyper made
+//! has no room to spare: one field more rebuilds it); hyper's client gets
+//! them merged into one map.
 
 use std::sync::Arc;
 
 use http::{HeaderMap, HeaderValue, Method, Request, Version};
 
 use super::body::RequestBody;
-use crate::wire::headers::X_HERDGUARD_ATTEMPT;
+use crate::wire::headers::{HopFields, X_HERDGUARD_ATTEMPT};
 
 /// The request of one attempt.
 pub struct Outgoing {
@@ -28,15 +30,22 @@ pub struct Fields {
     /// Any other field of this attempt alone (`grpc-timeout`, trace
     /// context): empty, and unallocated, for most requests.
     pub extra: HeaderMap,
-    /// The request's fields, the same for every attempt, without the ones
-    /// an attempt sets.
-    pub kept: Arc<HeaderMap>,
+    /// The request's fields, the same for every attempt.
+    pub kept: Arc<Kept>,
+}
+
+/// A request's fields, the same for every attempt: the caller's, without
+/// the ones an attempt sets, and this hop's.
+#[derive(Default)]
+pub struct Kept {
+    pub map: HeaderMap,
+    pub hop: Option<HopFields>,
 }
 
 impl Fields {
     /// Whether `name` is among the fields (of the attempt or the kept).
     pub fn contains(&self, name: http::header::HeaderName) -> bool {
-        self.extra.contains_key(&name) || self.kept.contains_key(name)
+        self.extra.contains_key(&name) || self.kept.map.contains_key(name)
     }
 
     /// Every field, the attempt's first, as written on the wire.
@@ -48,7 +57,8 @@ impl Fields {
         own.into_iter()
             .flatten()
             .chain(self.extra.iter())
-            .chain(self.kept.iter())
+            .chain(self.kept.map.iter())
+            .chain(self.kept.hop.iter().flat_map(HopFields::iter))
     }
 
     /// One map of them all. The kept map is taken as it is when no other
@@ -60,8 +70,14 @@ impl Fields {
             extra,
             kept,
         } = self;
-        let mut map = Arc::try_unwrap(kept).unwrap_or_else(|kept| (*kept).clone());
-        map.reserve(2 + extra.len());
+        let Kept { mut map, hop } = Arc::try_unwrap(kept).unwrap_or_else(|kept| Kept {
+            map: kept.map.clone(),
+            hop: kept.hop.clone(),
+        });
+        map.reserve(2 + extra.len() + hop.as_ref().map_or(0, HopFields::count));
+        if let Some(hop) = hop {
+            hop.add_to(&mut map);
+        }
         map.insert(http::header::HOST, host);
         if let Some(attempt) = attempt {
             map.insert(&X_HERDGUARD_ATTEMPT, attempt);
@@ -91,14 +107,20 @@ impl Outgoing {
 mod tests {
     use super::*;
 
-    fn fields(kept: HeaderMap) -> Fields {
+    fn fields(mut map: HeaderMap) -> Fields {
         let mut extra = HeaderMap::new();
         extra.insert("grpc-timeout", HeaderValue::from_static("5m"));
+        let present = crate::wire::headers::Present::of(&map);
+        let caller = HeaderValue::from_static("10.0.0.1");
+        let hop = HopFields::new(&mut map, present, (Version::HTTP_11, &caller, "http"), None);
         Fields {
             host: HeaderValue::from_static("up:80"),
             attempt: Some(HeaderValue::from_static("2")),
             extra,
-            kept: Arc::new(kept),
+            kept: Arc::new(Kept {
+                map,
+                hop: Some(hop),
+            }),
         }
     }
 
@@ -106,8 +128,11 @@ mod tests {
     fn the_attempts_fields_come_first_and_the_kept_after_in_their_order() {
         let mut kept = HeaderMap::new();
         kept.append("b", HeaderValue::from_static("1"));
+        kept.append("via", HeaderValue::from_static("1.1 outer"));
+        kept.append("x-forwarded-for", HeaderValue::from_static("10.9.9.9"));
         kept.append("a", HeaderValue::from_static("2"));
         kept.append("b", HeaderValue::from_static("3"));
+        kept.append("x-forwarded-proto", HeaderValue::from_static("https"));
         let f = fields(kept);
         let seen: Vec<_> = f
             .iter()
@@ -121,7 +146,11 @@ mod tests {
                 "grpc-timeout=5m",
                 "b=1",
                 "b=3",
-                "a=2"
+                "via=1.1 outer",
+                "a=2",
+                "via=1.1 herdguard",
+                "x-forwarded-for=10.9.9.9, 10.0.0.1",
+                "x-forwarded-proto=http",
             ]
         );
         assert!(f.contains(http::header::HeaderName::from_static("a")));
@@ -141,8 +170,11 @@ mod tests {
         assert_eq!(map["host"], "up:80");
         assert_eq!(map[&X_HERDGUARD_ATTEMPT], "2");
         assert_eq!(map["grpc-timeout"], "5m");
+        assert_eq!(map["via"], "1.1 herdguard");
+        assert_eq!(map["x-forwarded-for"], "10.0.0.1");
         // The other attempt's copy is untouched.
-        assert_eq!(other.len(), 2);
-        assert!(!other.contains_key("host"));
+        assert_eq!(other.map.len(), 2);
+        assert!(!other.map.contains_key("host"));
+        assert!(!other.map.contains_key("via"));
     }
 }

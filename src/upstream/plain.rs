@@ -161,7 +161,7 @@ pub(crate) async fn exchange(
 /// they are, but a `Transfer-Encoding` (there is nothing to code).
 fn encode(buf: &mut BytesMut, method: &Method, target: &str, fields: &Fields) {
     buf.clear();
-    buf.reserve(256 + fields.kept.len() * 32);
+    buf.reserve(256 + (fields.kept.map.len() + 6) * 32);
     buf.extend_from_slice(method.as_str().as_bytes());
     buf.extend_from_slice(b" ");
     buf.extend_from_slice(target.as_bytes());

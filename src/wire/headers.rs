@@ -93,6 +93,9 @@ impl Present {
     pub const ERROR: u16 = 1 << 11;
     /// `x-herdguard-fault`.
     pub const FAULT: u16 = 1 << 12;
+    pub const X_FORWARDED_FOR: u16 = 1 << 13;
+    pub const X_FORWARDED_PROTO: u16 = 1 << 14;
+    pub const X_FORWARDED_HOST: u16 = 1 << 15;
     /// The hop-by-hop fields, in the order of [`HOP_BY_HOP`].
     const HOPS: [u16; HOPS] = [
         Self::CONNECTION,
@@ -126,6 +129,9 @@ fn bit_of(name: &HeaderName) -> u16 {
         (10, "keep-alive") => Present::KEEP_ALIVE,
         (12, "content-type") => Present::CONTENT_TYPE,
         (14, "http2-settings") => Present::HTTP2_SETTINGS,
+        (15, "x-forwarded-for") => Present::X_FORWARDED_FOR,
+        (16, "x-forwarded-host") => Present::X_FORWARDED_HOST,
+        (17, "x-forwarded-proto") => Present::X_FORWARDED_PROTO,
         (16, "proxy-connection") => Present::PROXY_CONNECTION,
         (17, "transfer-encoding") => Present::TRANSFER_ENCODING,
         (17, "x-herdguard-error") => Present::ERROR,
@@ -254,12 +260,113 @@ fn only_websocket(headers: &HeaderMap) -> bool {
 
 /// Appends this hop to `Via`, as `1.1 herdguard` (or `2 herdguard`).
 pub fn add_via(headers: &mut HeaderMap, version: Version) {
-    let hop = match version {
+    headers.append(header::VIA, HeaderValue::from_static(via_of(version)));
+}
+
+/// This hop's `Via` entry for a message of `version`.
+fn via_of(version: Version) -> &'static str {
+    match version {
         Version::HTTP_2 => "2 herdguard",
         Version::HTTP_10 => "1.0 herdguard",
         _ => "1.1 herdguard",
-    };
-    headers.append(header::VIA, HeaderValue::from_static(hop));
+    }
+}
+
+/// This hop's own fields of a request, kept beside its map rather than put
+/// in it: `Via` (after the earlier hops' lines), `X-Forwarded-For` (the
+/// earlier hops' list with the caller at its end), `-Proto` and `-Host`.
+/// herdguard's own exchange writes them after the map's fields; a request
+/// sent by hyper gets them added to its map ([`HopFields::add_to`]), as
+/// [`add_via`] and [`add_forwarded`] would have.
+#[derive(Debug, Clone)]
+pub struct HopFields {
+    via: HeaderValue,
+    forwarded_for: HeaderValue,
+    proto: HeaderValue,
+    host: Option<HeaderValue>,
+}
+
+impl HopFields {
+    /// This hop's fields for a request of `version` from `caller` (its IP
+    /// as a header value) over `proto`, for `host` if any. The caller's own
+    /// `X-Forwarded-For` lines are taken out of `headers` (they are joined
+    /// into this hop's), and its `-Proto` (and `-Host`, when this hop sets
+    /// one): `present` says which of them are there, so that a request with
+    /// none is not looked up.
+    pub fn new(
+        headers: &mut HeaderMap,
+        present: Present,
+        (version, caller, proto): (Version, &HeaderValue, &'static str),
+        host: Option<HeaderValue>,
+    ) -> Self {
+        let forwarded_for = match present.any(Present::X_FORWARDED_FOR) {
+            true => match headers.entry(&X_FORWARDED_FOR) {
+                header::Entry::Occupied(prior) => {
+                    let (_, earlier) = prior.remove_entry_mult();
+                    joined_forwarded_for(earlier, caller)
+                }
+                header::Entry::Vacant(_) => caller.clone(),
+            },
+            false => caller.clone(),
+        };
+        if present.any(Present::X_FORWARDED_PROTO) {
+            headers.remove(&X_FORWARDED_PROTO);
+        }
+        if host.is_some() && present.any(Present::X_FORWARDED_HOST) {
+            headers.remove(&X_FORWARDED_HOST);
+        }
+        Self {
+            via: HeaderValue::from_static(via_of(version)),
+            forwarded_for,
+            proto: HeaderValue::from_static(proto),
+            host,
+        }
+    }
+
+    /// The fields, in the order they are written.
+    pub fn iter(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
+        [
+            Some((&header::VIA, &self.via)),
+            Some((&X_FORWARDED_FOR, &self.forwarded_for)),
+            Some((&X_FORWARDED_PROTO, &self.proto)),
+            self.host.as_ref().map(|host| (&X_FORWARDED_HOST, host)),
+        ]
+        .into_iter()
+        .flatten()
+    }
+
+    /// How many fields [`HopFields::add_to`] adds.
+    pub fn count(&self) -> usize {
+        3 + usize::from(self.host.is_some())
+    }
+
+    /// Adds them to `headers`, from which [`HopFields::new`] took the
+    /// caller's.
+    pub fn add_to(self, headers: &mut HeaderMap) {
+        headers.append(header::VIA, self.via);
+        headers.insert(&X_FORWARDED_FOR, self.forwarded_for);
+        headers.insert(&X_FORWARDED_PROTO, self.proto);
+        if let Some(host) = self.host {
+            headers.insert(&X_FORWARDED_HOST, host);
+        }
+    }
+}
+
+/// Earlier hops' `X-Forwarded-For` lines as one list, `caller` at its end.
+fn joined_forwarded_for(
+    earlier: impl Iterator<Item = HeaderValue>,
+    caller: &HeaderValue,
+) -> HeaderValue {
+    let mut joined = Vec::new();
+    for hop in earlier {
+        let hop = hop.as_bytes().trim_ascii();
+        if !hop.is_empty() {
+            joined.extend_from_slice(hop);
+            joined.extend_from_slice(b", ");
+        }
+    }
+    joined.extend_from_slice(caller.as_bytes());
+    HeaderValue::from_bytes(&joined).unwrap_or_else(|_| caller.clone())
 }
 
 /// Sets `X-Forwarded-For` (appending the caller), `-Proto` and `-Host`.
@@ -277,15 +384,8 @@ pub fn add_forwarded(
             slot.insert(caller.clone());
         }
         header::Entry::Occupied(mut prior) => {
-            let mut joined = Vec::new();
-            for hop in prior.iter().map(|v| v.as_bytes().trim_ascii()) {
-                if !hop.is_empty() {
-                    joined.extend_from_slice(hop);
-                    joined.extend_from_slice(b", ");
-                }
-            }
-            joined.extend_from_slice(caller.as_bytes());
-            prior.insert(HeaderValue::from_bytes(&joined).unwrap_or_else(|_| caller.clone()));
+            let joined = joined_forwarded_for(prior.iter().cloned(), caller);
+            prior.insert(joined);
         }
     }
     headers.insert(&X_FORWARDED_PROTO, HeaderValue::from_static(proto));

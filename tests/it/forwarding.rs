@@ -122,15 +122,21 @@ async fn via_and_forwarded_headers_are_set() {
     let req = Request::get(format!("http://{}/p?q=1", server.proxy_addr()))
         .header("host", "api.example.test")
         .header("x-forwarded-for", "192.0.2.7")
+        .header("x-forwarded-for", "192.0.2.8")
+        .header("x-forwarded-proto", "https")
+        .header("x-forwarded-host", "elsewhere.test")
         .header("via", "1.1 edge")
         .body(empty())
         .unwrap();
     let (_, headers, _) = send(&client(), req).await;
     let seen = up.last();
     assert_eq!(seen.uri, "/p?q=1");
-    assert_eq!(seen.headers["x-forwarded-for"], "192.0.2.7, 127.0.0.1");
-    assert_eq!(seen.headers["x-forwarded-proto"], "http");
-    assert_eq!(seen.headers["x-forwarded-host"], "api.example.test");
+    // One line each: the caller's list joined with this hop's entry, and
+    // the caller's own proto and host replaced by what this hop saw.
+    let one = |name: &str| -> Vec<_> { seen.headers.get_all(name).iter().collect() };
+    assert_eq!(one("x-forwarded-for"), ["192.0.2.7, 192.0.2.8, 127.0.0.1"]);
+    assert_eq!(one("x-forwarded-proto"), ["http"]);
+    assert_eq!(one("x-forwarded-host"), ["api.example.test"]);
     assert_eq!(
         seen.headers["host"],
         up.addr.to_string(),

@@ -79,6 +79,8 @@ pub struct Route {
     fault: Option<crate::config::FaultConfig>,
     /// `host_rewrite`: the `Host` the upstream sees instead of the endpoint's.
     host_rewrite: Option<HeaderValue>,
+    /// The header of requests' ids (`[request_id]`), when on.
+    request_id: Option<http::HeaderName>,
 }
 
 impl Runtime {
@@ -103,6 +105,11 @@ impl Runtime {
         let (config, compiled) = config.into_parts();
         let resolver = resolver(&config, previous)?;
         let upstreams = build_upstreams(&config, registry, previous)?;
+        let request_id = config
+            .request_id
+            .enabled
+            .then(|| http::HeaderName::from_bytes(config.request_id.header.as_bytes()).ok())
+            .flatten();
         let mut adopt = Vec::new();
         let mut routes = Vec::with_capacity(compiled.len());
         for (r, compiled) in config.routes.iter().zip(compiled) {
@@ -119,8 +126,9 @@ impl Runtime {
                 let old_config = p.config.routes.iter().find(|o| o.name == r.name)?;
                 Some((&**old, old_config))
             });
-            let (route, kept_breaker) =
+            let (mut route, kept_breaker) =
                 Route::new(r, compiled, upstream, registry, before, &config.listen);
+            route.request_id = request_id.clone();
             adopt.extend(kept_breaker);
             routes.push(Arc::new(route));
         }
@@ -133,11 +141,6 @@ impl Runtime {
         for (shared, fresh) in adopt {
             shared.with(|b| b.adopt(&fresh, now));
         }
-        let request_id = config
-            .request_id
-            .enabled
-            .then(|| http::HeaderName::from_bytes(config.request_id.header.as_bytes()).ok())
-            .flatten();
         Ok(Self {
             config,
             routes,
@@ -305,6 +308,7 @@ impl Route {
             write_timeout: listen.write_timeout,
             fault: config.fault.clone(),
             host_rewrite,
+            request_id: None,
             name,
             matcher,
             upstream,
@@ -539,19 +543,27 @@ impl Proxy {
         caller: &Caller,
     ) -> Response<Logged<ResponseBody>> {
         let start = Instant::now();
-        let present = Present::of(req.headers());
+        let mut present = Present::of(req.headers());
         let grpc = present.any(Present::CONTENT_TYPE) && headers::is_grpc(req.headers());
         // Made in a block of its own, so that what is only needed before
         // the answer takes no room in the future while the answer is awaited.
         let (mut entry, explain_id, span, mut trace) = {
             let runtime = self.runtime.load();
-            if let Some(name) = &runtime.request_id {
-                identity::keep_or_make(name, req.headers_mut());
-            }
             // Read back only when something writes it down: a copy costs
             // an allocation.
             let explain = present.any(Present::EXPLAIN);
             let wanted = explain || runtime.access_log.is_some() || logs_requests();
+            if let Some(name) = &runtime.request_id {
+                // An id nothing here reads, for a caller that sent none, is
+                // made where the request is forwarded, with this hop's own
+                // fields: put in the caller's map, it would grow the map.
+                // (No route can be told apart by it: it is random.)
+                let later = !wanted && !self.passes_through() && !req.headers().contains_key(name);
+                match later {
+                    true => present = present.with(Present::MAKE_ID),
+                    false => identity::keep_or_make(name, req.headers_mut()),
+                }
+            }
             let id = match (&runtime.request_id, wanted) {
                 (Some(name), true) => req.headers().get(name).cloned(),
                 _ => None,
@@ -1080,12 +1092,15 @@ fn head_rules(
         .then(|| h.get("grpc-timeout").and_then(headers::parse_grpc_timeout))
         .flatten();
     // Kept beside the map, not put in it (see `upstream::outgoing`).
-    let hop = headers::HopFields::new(
+    let mut hop = headers::HopFields::new(
         h,
         present,
         (parts.version, &caller.ip, caller.proto),
         original_host,
     );
+    if let (true, Some(name)) = (present.any(Present::MAKE_ID), &route.request_id) {
+        hop = hop.with_id(name);
+    }
     HeadRules {
         hop,
         facts,
@@ -1260,7 +1275,7 @@ fn finish_headers(h: &mut http::HeaderMap, upgrade: bool, attempts: HeaderValue)
     if found.any(Present::ERROR) {
         h.remove(&headers::X_HERDGUARD_ERROR);
     }
-    headers::strip_hop_by_hop_found(h, upgrade, found);
+    headers::strip_answer_hop_by_hop_found(h, upgrade, found);
     headers::add_via(h, Version::HTTP_11);
     h.insert(&headers::X_HERDGUARD_ATTEMPTS, attempts);
 }

@@ -172,7 +172,8 @@ impl Passthrough {
         let mut resp = match sent {
             Ok(Ok(resp)) => {
                 let (mut parts, body) = resp.into_parts();
-                headers::strip_hop_by_hop(&mut parts.headers, false);
+                let found = headers::Present::of(&parts.headers);
+                headers::strip_answer_hop_by_hop_found(&mut parts.headers, false, found);
                 headers::add_via(&mut parts.headers, Version::HTTP_11);
                 parts.headers.remove(&headers::X_HERDGUARD_ERROR);
                 Response::from_parts(parts, ResponseBody::passthrough(body, write_timeout))

@@ -70,34 +70,37 @@ pub static X_ENVOY_MAX_RETRIES: HeaderName = HeaderName::from_static("x-envoy-ma
 /// over its names. Most messages carry none of them, and a look-up hashes
 /// its name (a custom one byte by byte) where the pass looks at each name's
 /// length and compares only names of a length it knows: a field that is
-/// absent is not looked up at all. Two bytes, as every request's future
+/// absent is not looked up at all. Four bytes, as every request's future
 /// keeps it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Present(u16);
+pub struct Present(u32);
 
 impl Present {
-    pub const CONNECTION: u16 = 1;
-    pub const KEEP_ALIVE: u16 = 1 << 1;
-    pub const PROXY_CONNECTION: u16 = 1 << 2;
-    pub const TE: u16 = 1 << 3;
-    pub const TRANSFER_ENCODING: u16 = 1 << 4;
-    pub const UPGRADE: u16 = 1 << 5;
-    pub const HTTP2_SETTINGS: u16 = 1 << 6;
-    pub const TRAILER: u16 = 1 << 7;
-    pub const CONTENT_TYPE: u16 = 1 << 8;
+    pub const CONNECTION: u32 = 1;
+    pub const KEEP_ALIVE: u32 = 1 << 1;
+    pub const PROXY_CONNECTION: u32 = 1 << 2;
+    pub const TE: u32 = 1 << 3;
+    pub const TRANSFER_ENCODING: u32 = 1 << 4;
+    pub const UPGRADE: u32 = 1 << 5;
+    pub const HTTP2_SETTINGS: u32 = 1 << 6;
+    pub const TRAILER: u32 = 1 << 7;
+    pub const CONTENT_TYPE: u32 = 1 << 8;
     /// `x-herdguard-explain`.
-    pub const EXPLAIN: u16 = 1 << 9;
+    pub const EXPLAIN: u32 = 1 << 9;
     /// `x-herdguard-attempt`: an outer hop numbers its attempts.
-    pub const ATTEMPT: u16 = 1 << 10;
+    pub const ATTEMPT: u32 = 1 << 10;
     /// `x-herdguard-error`.
-    pub const ERROR: u16 = 1 << 11;
+    pub const ERROR: u32 = 1 << 11;
     /// `x-herdguard-fault`.
-    pub const FAULT: u16 = 1 << 12;
-    pub const X_FORWARDED_FOR: u16 = 1 << 13;
-    pub const X_FORWARDED_PROTO: u16 = 1 << 14;
-    pub const X_FORWARDED_HOST: u16 = 1 << 15;
+    pub const FAULT: u32 = 1 << 12;
+    pub const X_FORWARDED_FOR: u32 = 1 << 13;
+    pub const X_FORWARDED_PROTO: u32 = 1 << 14;
+    pub const X_FORWARDED_HOST: u32 = 1 << 15;
+    /// Not a field: the request's id is to be made where it is forwarded
+    /// (see [`HopFields`]), not put in the caller's map.
+    pub const MAKE_ID: u32 = 1 << 16;
     /// The hop-by-hop fields, in the order of [`HOP_BY_HOP`].
-    const HOPS: [u16; HOPS] = [
+    const HOPS: [u32; HOPS] = [
         Self::CONNECTION,
         Self::KEEP_ALIVE,
         Self::PROXY_CONNECTION,
@@ -112,13 +115,18 @@ impl Present {
     }
 
     /// Whether any of `fields` (bits of this type) is there.
-    pub fn any(self, fields: u16) -> bool {
+    pub fn any(self, fields: u32) -> bool {
         self.0 & fields != 0
+    }
+
+    /// These, and `bits` besides.
+    pub fn with(self, bits: u32) -> Self {
+        Self(self.0 | bits)
     }
 }
 
 /// The bit of [`Present`] that stands for `name`, or 0.
-fn bit_of(name: &HeaderName) -> u16 {
+fn bit_of(name: &HeaderName) -> u32 {
     // Names come lower-case; each length known has one or two candidates.
     let name = name.as_str();
     match (name.len(), name) {
@@ -147,6 +155,15 @@ fn bit_of(name: &HeaderName) -> u16 {
 /// HTTP/1.1 upgrade can pass through.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     strip_hop_by_hop_found(headers, upgrade, Present::of(headers));
+}
+
+/// [`strip_hop_by_hop_found`] for an answer: `TE` says what a request's
+/// sender accepts, and is never passed back, not even as `TE: trailers`.
+pub fn strip_answer_hop_by_hop_found(headers: &mut HeaderMap, upgrade: bool, found: Present) {
+    strip_hop_by_hop_found(headers, upgrade, found);
+    if found.any(Present::TE) {
+        headers.remove(header::TE);
+    }
 }
 
 /// [`strip_hop_by_hop`], for a message whose fields were looked for
@@ -280,6 +297,8 @@ fn via_of(version: Version) -> &'static str {
 /// [`add_via`] and [`add_forwarded`] would have.
 #[derive(Debug, Clone)]
 pub struct HopFields {
+    /// The request's id, made here (`[request_id]`; see [`Present::MAKE_ID`]).
+    id: Option<(HeaderName, HeaderValue)>,
     via: HeaderValue,
     forwarded_for: HeaderValue,
     proto: HeaderValue,
@@ -312,10 +331,14 @@ impl HopFields {
         if present.any(Present::X_FORWARDED_PROTO) {
             headers.remove(&X_FORWARDED_PROTO);
         }
-        if host.is_some() && present.any(Present::X_FORWARDED_HOST) {
+        // Only this hop says which host was asked for: with none (an
+        // HTTP/1.0 request without `Host`, or an empty one), none is said.
+        if present.any(Present::X_FORWARDED_HOST) {
             headers.remove(&X_FORWARDED_HOST);
         }
+        let host = host.filter(|h| !h.is_empty());
         Self {
+            id: None,
             via: HeaderValue::from_static(via_of(version)),
             forwarded_for,
             proto: HeaderValue::from_static(proto),
@@ -323,9 +346,16 @@ impl HopFields {
         }
     }
 
+    /// With the request's id `name` made here.
+    pub fn with_id(mut self, name: &HeaderName) -> Self {
+        self.id = Some((name.clone(), crate::wire::identity::made()));
+        self
+    }
+
     /// The fields, in the order they are written.
     pub fn iter(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
         [
+            self.id.as_ref().map(|(name, id)| (name, id)),
             Some((&header::VIA, &self.via)),
             Some((&X_FORWARDED_FOR, &self.forwarded_for)),
             Some((&X_FORWARDED_PROTO, &self.proto)),
@@ -337,12 +367,15 @@ impl HopFields {
 
     /// How many fields [`HopFields::add_to`] adds.
     pub fn count(&self) -> usize {
-        3 + usize::from(self.host.is_some())
+        3 + usize::from(self.host.is_some()) + usize::from(self.id.is_some())
     }
 
     /// Adds them to `headers`, from which [`HopFields::new`] took the
     /// caller's.
     pub fn add_to(self, headers: &mut HeaderMap) {
+        if let Some((name, id)) = self.id {
+            headers.insert(name, id);
+        }
         headers.append(header::VIA, self.via);
         headers.insert(&X_FORWARDED_FOR, self.forwarded_for);
         headers.insert(&X_FORWARDED_PROTO, self.proto);
@@ -358,11 +391,14 @@ fn joined_forwarded_for(
     caller: &HeaderValue,
 ) -> HeaderValue {
     let mut joined = Vec::new();
-    for hop in earlier {
-        let hop = hop.as_bytes().trim_ascii();
-        if !hop.is_empty() {
-            joined.extend_from_slice(hop);
-            joined.extend_from_slice(b", ");
+    for line in earlier {
+        // Empty list elements (`a, , b`) are none (RFC 9110 §5.6.1).
+        for hop in line.as_bytes().split(|b| *b == b',') {
+            let hop = hop.trim_ascii();
+            if !hop.is_empty() {
+                joined.extend_from_slice(hop);
+                joined.extend_from_slice(b", ");
+            }
         }
     }
     joined.extend_from_slice(caller.as_bytes());
@@ -389,9 +425,10 @@ pub fn add_forwarded(
         }
     }
     headers.insert(&X_FORWARDED_PROTO, HeaderValue::from_static(proto));
-    if let Some(host) = host {
-        headers.insert(&X_FORWARDED_HOST, host);
-    }
+    match host.filter(|h| !h.is_empty()) {
+        Some(host) => headers.insert(&X_FORWARDED_HOST, host),
+        None => headers.remove(&X_FORWARDED_HOST),
+    };
 }
 
 /// The bytes a `Host` value may hold (RFC 3986 `host [ ":" port ]`): letters,
@@ -697,6 +734,66 @@ mod tests {
             h.insert(header::HOST, HeaderValue::from_str(host).unwrap());
             assert!(check_host(Version::HTTP_11, &h).is_ok(), "{host}");
         }
+    }
+
+    #[test]
+    fn this_hops_fields_join_the_callers_list_and_replace_what_it_says_of_itself() {
+        let caller = HeaderValue::from_static("10.0.0.9");
+        let hop_of = |pairs: &[(&str, &str)], host: Option<&'static str>| {
+            let mut h = map(pairs);
+            let present = Present::of(&h);
+            let host = host.map(HeaderValue::from_static);
+            let hop = HopFields::new(&mut h, present, (Version::HTTP_11, &caller, "http"), host);
+            let written: Vec<String> = hop
+                .iter()
+                .map(|(n, v)| format!("{n}: {}", v.to_str().unwrap()))
+                .collect();
+            (h, written)
+        };
+        // Empty list elements, within a line or a line of their own, are none.
+        let (h, written) = hop_of(
+            &[
+                ("x-forwarded-for", "1.1.1.1"),
+                ("x-forwarded-for", ""),
+                ("x-forwarded-for", " 2.2.2.2, ,3.3.3.3 "),
+                ("x-forwarded-for", " ,  "),
+                ("x-forwarded-proto", "ftp"),
+                ("x-forwarded-host", "evil"),
+                ("x-keep", "1"),
+            ],
+            Some("app"),
+        );
+        assert_eq!(h, map(&[("x-keep", "1")]));
+        assert_eq!(
+            written,
+            [
+                "via: 1.1 herdguard",
+                "x-forwarded-for: 1.1.1.1, 2.2.2.2, 3.3.3.3, 10.0.0.9",
+                "x-forwarded-proto: http",
+                "x-forwarded-host: app"
+            ]
+        );
+        // No host of its own (or an empty one): the caller's claim goes too.
+        for host in [None, Some("")] {
+            let (h, written) = hop_of(&[("x-forwarded-host", "evil")], host);
+            assert!(h.is_empty(), "{host:?}");
+            assert!(
+                !written.iter().any(|w| w.starts_with("x-forwarded-host")),
+                "{written:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_answers_te_is_never_passed_back() {
+        let mut h = map(&[("te", "trailers"), ("x-keep", "1")]);
+        let found = Present::of(&h);
+        strip_answer_hop_by_hop_found(&mut h, false, found);
+        assert_eq!(h, map(&[("x-keep", "1")]));
+        // A request's is kept as `trailers`.
+        let mut h = map(&[("te", "trailers, gzip")]);
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h, map(&[("te", "trailers")]));
     }
 
     fn map(pairs: &[(&str, &str)]) -> HeaderMap {

@@ -46,7 +46,7 @@ fn usable(id: &[u8]) -> bool {
 /// thread's own small generator (seeded from the system's; ids must be
 /// unique, not unguessable), written two digits a byte. Made for every
 /// request: no formatting machinery, no shared state.
-fn made() -> HeaderValue {
+pub(crate) fn made() -> HeaderValue {
     use rand::SeedableRng as _;
     /// Ids made at once per thread, in one buffer that each id is a slice
     /// of: no allocation per id, and copying a request's headers for an

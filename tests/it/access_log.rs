@@ -449,3 +449,70 @@ async fn the_request_id_is_kept_or_made_and_sent_on_every_attempt() {
         assert_eq!(line["request_id"].is_string(), corr, "{section}: {line}");
     }
 }
+
+/// With nothing here writing the id down (no access log, no explain), an id
+/// made for a caller that sent none goes upstream with this hop's own
+/// fields rather than in the caller's map: still one field, the same on
+/// every attempt, on herdguard's own exchange (a GET) and hyper's (a POST,
+/// the fields merged into one map), and a new one per request.
+#[tokio::test]
+async fn a_request_id_made_for_the_upstream_alone_is_sent_once_on_every_attempt() {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let up = {
+        let seen = seen.clone();
+        upstream(move |req: Request<hyper::body::Incoming>| {
+            let seen = seen.clone();
+            async move {
+                let ids: Vec<_> = req
+                    .headers()
+                    .get_all("x-request-id")
+                    .iter()
+                    .cloned()
+                    .collect();
+                seen.lock().unwrap().push(ids);
+                Response::builder().status(503).body(full("down")).unwrap()
+            }
+        })
+        .await
+    };
+    let server = proxy(&routes(&up.url())).await;
+    let mut made = Vec::new();
+    for post in [false, true, false] {
+        let req = Request::builder()
+            .method(if post { "POST" } else { "GET" })
+            .uri(format!("http://{}/x", server.proxy_addr()))
+            .header("host", "app")
+            .header("idempotency-key", "k-1")
+            .body(if post { full("body") } else { empty() })
+            .unwrap();
+        let (status, _, _) = send(&client(), req).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        let attempts: Vec<_> = seen.lock().unwrap().drain(..).collect();
+        assert_eq!(attempts.len(), 2, "post {post}: retried once: {attempts:?}");
+        for ids in &attempts {
+            assert_eq!(ids.len(), 1, "post {post}: one id field: {ids:?}");
+            assert_eq!(
+                ids[0], attempts[0][0],
+                "post {post}: the same on each attempt"
+            );
+            assert_eq!(ids[0].len(), 36, "{:?}", ids[0]);
+        }
+        made.push(attempts[0][0].clone());
+    }
+    assert!(made[0] != made[1] && made[1] != made[2], "{made:?}");
+
+    // The caller's own id goes on as it came.
+    let req = Request::get(format!("http://{}/x", server.proxy_addr()))
+        .header("host", "app")
+        .header("x-request-id", "caller-8")
+        .body(empty())
+        .unwrap();
+    send(&client(), req).await;
+    let attempts: Vec<_> = seen.lock().unwrap().drain(..).collect();
+    assert!(
+        attempts
+            .iter()
+            .all(|ids| ids.len() == 1 && ids[0] == "caller-8"),
+        "{attempts:?}"
+    );
+}

@@ -366,6 +366,22 @@ async fn a_hedged_requests_line_names_the_endpoint_that_answered() {
     assert_eq!(second.hits(), 1, "the hedge went to the second");
 }
 
+/// An upstream that answers 503 to everything, and the heads of the
+/// requests it was sent.
+async fn busy_upstream() -> (
+    Upstream,
+    std::sync::Arc<std::sync::Mutex<Vec<http::HeaderMap>>>,
+) {
+    let heads = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = heads.clone();
+    let up = upstream(move |req: Request<hyper::body::Incoming>| {
+        seen.lock().unwrap().push(req.headers().clone());
+        async { Response::builder().status(503).body(full("down")).unwrap() }
+    })
+    .await;
+    (up, heads)
+}
+
 /// Every request carries an id: the caller's `x-request-id`, or one made
 /// here. It goes upstream on every attempt, the same each time, and is
 /// written in the access log line (with the trace of a `traceparent`) and
@@ -373,19 +389,17 @@ async fn a_hedged_requests_line_names_the_endpoint_that_answered() {
 /// `enabled = false` leaves requests as they came.
 #[tokio::test]
 async fn the_request_id_is_kept_or_made_and_sent_on_every_attempt() {
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let up = {
-        let seen = seen.clone();
-        upstream(move |req: Request<hyper::body::Incoming>| {
-            let seen = seen.clone();
-            async move {
-                let id = req.headers().get("x-request-id").cloned();
-                let corr = req.headers().get("x-correlation-id").cloned();
-                seen.lock().unwrap().push((id, corr));
-                Response::builder().status(503).body(full("down")).unwrap()
-            }
-        })
-        .await
+    let (up, heads) = busy_upstream().await;
+    // The ids of each attempt's request: `x-request-id`, `x-correlation-id`.
+    let seen = || {
+        let mut heads = heads.lock().unwrap();
+        let ids = |h: &http::HeaderMap| {
+            (
+                h.get("x-request-id").cloned(),
+                h.get("x-correlation-id").cloned(),
+            )
+        };
+        heads.drain(..).map(|h| ids(&h)).collect::<Vec<_>>()
     };
     let log = Logged::start_with(
         "explain = true",
@@ -410,7 +424,7 @@ async fn the_request_id_is_kept_or_made_and_sent_on_every_attempt() {
     let line = log.next_json();
     assert_eq!(line["request_id"], "caller-7");
     assert_eq!(line["trace_id"], trace);
-    let ids: Vec<_> = seen.lock().unwrap().drain(..).map(|(id, _)| id).collect();
+    let ids: Vec<_> = seen().into_iter().map(|(id, _)| id).collect();
     assert_eq!(ids.len(), 2, "retried once");
     assert!(ids.iter().all(|id| id.as_ref().unwrap() == "caller-7"));
 
@@ -423,7 +437,7 @@ async fn the_request_id_is_kept_or_made_and_sent_on_every_attempt() {
     assert!(line["trace_id"].is_null(), "no traceparent: {line}");
     let made = line["request_id"].as_str().unwrap().to_owned();
     assert_eq!(made.len(), 36, "{made}");
-    let ids: Vec<_> = seen.lock().unwrap().drain(..).map(|(id, _)| id).collect();
+    let ids: Vec<_> = seen().into_iter().map(|(id, _)| id).collect();
     assert_eq!(ids.len(), 2);
     assert!(ids.iter().all(|id| id.as_ref().unwrap() == made.as_str()));
     drop(log);
@@ -440,7 +454,7 @@ async fn the_request_id_is_kept_or_made_and_sent_on_every_attempt() {
         .await;
         log.send(get(&log, "/z")).await;
         let line = log.next_json();
-        let seen: Vec<_> = seen.lock().unwrap().drain(..).collect();
+        let seen = seen();
         assert_eq!(seen.len(), 2);
         for (id, correlation) in &seen {
             assert!(id.is_none() || plain, "{section}: no x-request-id is made");
@@ -457,23 +471,12 @@ async fn the_request_id_is_kept_or_made_and_sent_on_every_attempt() {
 /// the fields merged into one map), and a new one per request.
 #[tokio::test]
 async fn a_request_id_made_for_the_upstream_alone_is_sent_once_on_every_attempt() {
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let up = {
-        let seen = seen.clone();
-        upstream(move |req: Request<hyper::body::Incoming>| {
-            let seen = seen.clone();
-            async move {
-                let ids: Vec<_> = req
-                    .headers()
-                    .get_all("x-request-id")
-                    .iter()
-                    .cloned()
-                    .collect();
-                seen.lock().unwrap().push(ids);
-                Response::builder().status(503).body(full("down")).unwrap()
-            }
-        })
-        .await
+    let (up, heads) = busy_upstream().await;
+    // The `x-request-id` fields of each attempt's request.
+    let seen = || {
+        let mut heads = heads.lock().unwrap();
+        let ids = |h: &http::HeaderMap| h.get_all("x-request-id").iter().cloned().collect();
+        heads.drain(..).map(|h| ids(&h)).collect::<Vec<Vec<_>>>()
     };
     let server = proxy(&routes(&up.url())).await;
     let mut made = Vec::new();
@@ -487,7 +490,7 @@ async fn a_request_id_made_for_the_upstream_alone_is_sent_once_on_every_attempt(
             .unwrap();
         let (status, _, _) = send(&client(), req).await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-        let attempts: Vec<_> = seen.lock().unwrap().drain(..).collect();
+        let attempts = seen();
         assert_eq!(attempts.len(), 2, "post {post}: retried once: {attempts:?}");
         for ids in &attempts {
             assert_eq!(ids.len(), 1, "post {post}: one id field: {ids:?}");
@@ -508,7 +511,7 @@ async fn a_request_id_made_for_the_upstream_alone_is_sent_once_on_every_attempt(
         .body(empty())
         .unwrap();
     send(&client(), req).await;
-    let attempts: Vec<_> = seen.lock().unwrap().drain(..).collect();
+    let attempts = seen();
     assert!(
         attempts
             .iter()

@@ -902,6 +902,15 @@ async fn slow_upstreams_answers_are_not_cut_for_their_callers_while_memory_is_sh
             tokio::spawn(async move { get_at(&listen, &format!("/slow/h1-{s}")).await.2.len() })
         })
         .collect();
+    // Every slow answer has begun (its request reached the upstream)
+    // before the uploads make memory short: a request that comes once it is
+    // short is refused, as it should be, and is not what this test is about.
+    eventually(
+        Duration::from_secs(10),
+        "the slow answers begun",
+        || async { slow.hits() == 12 },
+    )
+    .await;
     let uploads = stalled_uploads(&hg.listen, 384, 64 << 10).await;
     eventually(Duration::from_secs(20), "memory under pressure", || async {
         hg.metric(PRESSURE).await == 1.0

@@ -21,8 +21,6 @@ use std::task::{ready, Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use http::{Method, Response};
-
-use super::outgoing::Fields;
 use http_body::{Body, Frame, SizeHint};
 use tokio::io::AsyncWriteExt as _;
 use tokio::net::TcpStream;
@@ -30,6 +28,7 @@ use tokio::net::TcpStream;
 use super::body::BoxError;
 use super::framing::{parse_head, Decoded, Decoder, Head, Malformed, Parsed, MAX_HEAD};
 use super::heads::{EndlessInformational, BEFORE_HEAD};
+use super::outgoing::Fields;
 use super::pool::Shelf;
 
 /// What one read asks room for.

@@ -10,14 +10,17 @@
 # - "whole": the whole program, as benches/instructions.sh and
 #   .ci/instructions count it;
 # - "connections": the inclusive cost of the caller connections' tasks
-#   (`listen::Serve::connection`), which leaves out the work the runtime's
-#   timers do on their own (metrics upkeep, pool sweeps, the timer wheel
-#   turning while nothing is ready). Under valgrind that work's share of a
+#   (the task `listen::accept_loop` spawns for each: named by its
+#   closure, which inlining keeps whatever is inlined into it), which
+#   leaves out the work the runtime's timers do on their own (metrics
+#   upkeep, pool sweeps, the timer wheel turning while nothing is ready). Under valgrind that work's share of a
 #   request follows the wall time, and moves the whole count by several
 #   hundred between runs of one build; this one moves by about 100.
 #
 # CLIENT=load (default: benches/load.py, `host` only) or oha (oha's GETs,
 # with `accept` and `user-agent`, as benches/instructions.sh sends them).
+# KEEP=1 keeps the scratch directory: the callgrind files and each run's
+# inclusive profile (annotate.BINARY.N), to compare function by function.
 # Installs valgrind and nginx from Debian when missing, oha with cargo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +42,7 @@ UP_PID=""
 cleanup() {
   [ -n "$UP_PID" ] && kill "$UP_PID" 2>/dev/null || true
   wait 2>/dev/null || true
-  rm -rf "$WORK"
+  [ -n "${KEEP:-}" ] && echo "kept $WORK" >&2 || rm -rf "$WORK"
 }
 trap cleanup EXIT
 
@@ -66,9 +69,11 @@ count() { # BINARY N -> "whole connections"
   wait "$pid" 2>/dev/null || true
   local whole tasks
   whole=$(awk '/^(summary|totals):/ {print $2; exit}' "$out")
+  # awk reads to the end: one that exits early fails the pipe (SIGPIPE).
   tasks=$(callgrind_annotate --inclusive=yes --auto=no --threshold=100 "$out" |
-    grep -F 'herdguard::listen::Serve::connection::{{closure}}' |
-    awk '{gsub(",", "", $1); print $1; exit}')
+    tee "$WORK/annotate.$(basename "$1").$2" |
+    awk -v f='herdguard::listen::accept_loop::{{closure}}::{{closure}}' \
+      '!done && index($0, f) {gsub(",", "", $1); print $1; done = 1}')
   echo "$whole ${tasks:-0}"
 }
 

@@ -10,12 +10,13 @@
 # - "whole": the whole program, as benches/instructions.sh and
 #   .ci/instructions count it;
 # - "connections": the inclusive cost of the caller connections' tasks
-#   (the task `listen::accept_loop` spawns for each: named by its
-#   closure, which inlining keeps whatever is inlined into it), which
-#   leaves out the work the runtime's timers do on their own (metrics
-#   upkeep, pool sweeps, the timer wheel turning while nothing is ready). Under valgrind that work's share of a
-#   request follows the wall time, and moves the whole count by several
-#   hundred between runs of one build; this one moves by about 100.
+#   (the task `listen::accept_loop` spawns for each, found by its
+#   closure's name, which stays whatever is inlined into it), which leaves
+#   out the work the runtime's timers do on their own (metrics upkeep,
+#   pool sweeps, the timer wheel turning while nothing is ready). Under
+#   valgrind that work's share of a request follows the wall time, and
+#   moves the whole count by several hundred between runs of one build;
+#   this one moves by about 100.
 #
 # CLIENT=load (default: benches/load.py, `host` only) or oha (oha's GETs,
 # with `accept` and `user-agent`, as benches/instructions.sh sends them).

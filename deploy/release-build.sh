@@ -61,6 +61,22 @@ hot = lambda addr: start <= addr < start + size
 parser = [a for n, a in functions.items() if n.startswith("_ZN8httparse25parse_headers_iter_uninit17h")]
 if not parser or not all(hot(a) for a in parser):
     sys.exit("release-build: httparse's head parser is not in .text.hot")
+# herdguard's own code that every plain GET runs: a script made before the
+# request path moved into new functions leaves them cold (it did once, and
+# the names it lists were still mostly present).
+own = {
+    "upstream::plain::exchange": "_ZN9herdguard8upstream5plain8exchange",
+    "upstream::plain::Raw::poll_fill": "_ZN9herdguard8upstream5plain3Raw9poll_fill",
+    "proxy::finish_headers": "_ZN9herdguard5proxy14finish_headers",
+}
+found = {what: [a for n, a in functions.items() if n.startswith(prefix)] for what, prefix in own.items()}
+if not any(found.values()):
+    sys.exit("release-build: none of the request path's functions it checks is in the binary "
+             "(renamed or inlined): name others in deploy/release-build.sh")
+cold = [what for what, addrs in found.items() if addrs and not all(hot(a) for a in addrs)]
+if cold:
+    sys.exit(f"release-build: {', '.join(cold)} not in .text.hot: {script} predates them "
+             "(run benches/hot-text.sh again and commit its output)")
 names = [l.strip()[len(".text.*"):] for l in open(script).read().rsplit("    *(\n", 1)[1].splitlines()
          if l.strip().startswith(".text.*")]
 missing = [p for p in names if not any(fnmatch.fnmatchcase(n, p) for n in functions)]

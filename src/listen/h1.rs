@@ -601,17 +601,8 @@ impl Serving<'_> {
     pub async fn serve<I, S, B>(&self, stream: Rewind<I>, service: S) -> Result<(), hyper::Error>
     where
         I: Readable,
-        S: hyper::service::Service<
-                Request<CallerBody>,
-                Response = Response<B>,
-                Error = std::convert::Infallible,
-            > + Unpin
-            + Send
-            + 'static,
-        S::Future: Unpin + Send + 'static,
-        B: Body + Send + 'static,
-        B::Data: Send,
-        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        S: crate::listen::CallerService<B>,
+        B: crate::listen::AnswerBody,
     {
         let cycle = self.cycle.clone();
         let mut stream = WriteStall::new(stream, self.write_timeout, cycle.writes.clone())

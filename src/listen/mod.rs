@@ -60,6 +60,47 @@ const H2_MIN_WINDOW: u32 = 8 * 1024;
 /// reads at once from a caller.
 const MAX_REQUEST_HEAD: usize = 64 * 1024;
 
+/// The service a listener serves its connections with (the proxy's, or
+/// the admin listener's).
+pub trait CallerService<B: AnswerBody>:
+    hyper::service::Service<
+        Request<CallerBody>,
+        Response = http::Response<B>,
+        Error = Infallible,
+        Future: Unpin + Send + 'static,
+    > + Unpin
+    + Send
+    + 'static
+{
+}
+
+impl<S, B> CallerService<B> for S
+where
+    B: AnswerBody,
+    S: hyper::service::Service<
+            Request<CallerBody>,
+            Response = http::Response<B>,
+            Error = Infallible,
+            Future: Unpin + Send + 'static,
+        > + Unpin
+        + Send
+        + 'static,
+{
+}
+
+/// The body of an answer a listener writes.
+pub trait AnswerBody:
+    http_body::Body<Data: Send, Error: Into<Box<dyn std::error::Error + Send + Sync>>> + Send + 'static
+{
+}
+
+impl<B> AnswerBody for B where
+    B: http_body::Body<Data: Send, Error: Into<Box<dyn std::error::Error + Send + Sync>>>
+        + Send
+        + 'static
+{
+}
+
 /// Resolves once `stop` turns true (or its sender is gone).
 pub async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
@@ -428,17 +469,8 @@ impl Serve<'_> {
     ) -> Option<Result<(), ServeError>>
     where
         I: Readable,
-        S: hyper::service::Service<
-                Request<CallerBody>,
-                Response = http::Response<B>,
-                Error = Infallible,
-            > + Unpin
-            + Send
-            + 'static,
-        S::Future: Unpin + Send + 'static,
-        B: http_body::Body + Send + 'static,
-        B::Data: Send,
-        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        S: crate::listen::CallerService<B>,
+        B: crate::listen::AnswerBody,
     {
         if h2 {
             self.conduct.spoken_in_h2();
@@ -473,17 +505,8 @@ impl Serve<'_> {
     ) -> std::pin::Pin<Box<impl Future<Output = Option<Result<(), hyper::Error>>> + '_>>
     where
         I: Readable,
-        S: hyper::service::Service<
-                Request<CallerBody>,
-                Response = http::Response<B>,
-                Error = Infallible,
-            > + Unpin
-            + Send
-            + 'static,
-        S::Future: Unpin + Send + 'static,
-        B: http_body::Body + Send + 'static,
-        B::Data: Send,
-        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        S: crate::listen::CallerService<B>,
+        B: crate::listen::AnswerBody,
     {
         // The windows shrink as HTTP/2 connections add up: together they
         // may hold at most H2_WINDOWS of bodies not yet read.
@@ -522,17 +545,8 @@ impl Serve<'_> {
         peer: SocketAddr,
     ) -> Option<Result<(), ServeError>>
     where
-        S: hyper::service::Service<
-                Request<CallerBody>,
-                Response = http::Response<B>,
-                Error = Infallible,
-            > + Unpin
-            + Send
-            + 'static,
-        S::Future: Unpin + Send + 'static,
-        B: http_body::Body + Send + 'static,
-        B::Data: Send,
-        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        S: crate::listen::CallerService<B>,
+        B: crate::listen::AnswerBody,
     {
         let wait = self.header_read_timeout;
         let opened = async {
@@ -637,17 +651,8 @@ pub(crate) async fn accept_loop<M, S, B>(
     make_service: M,
 ) where
     M: Fn(SocketAddr, Option<SocketAddr>, &Arc<Conduct>) -> S,
-    S: hyper::service::Service<
-            Request<CallerBody>,
-            Response = http::Response<B>,
-            Error = Infallible,
-        > + Unpin
-        + Send
-        + 'static,
-    S::Future: Unpin + Send + 'static,
-    B: http_body::Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S: crate::listen::CallerService<B>,
+    B: crate::listen::AnswerBody,
 {
     let builders = Arc::new(Builders::new());
     let drain = Drain::new();
@@ -725,17 +730,8 @@ struct Accepted<S> {
 /// held by a test.
 fn connection_task<S, B>(accepted: Accepted<S>) -> impl Future<Output = ()> + Send + 'static
 where
-    S: hyper::service::Service<
-            Request<CallerBody>,
-            Response = http::Response<B>,
-            Error = Infallible,
-        > + Unpin
-        + Send
-        + 'static,
-    S::Future: Unpin + Send + 'static,
-    B: http_body::Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S: crate::listen::CallerService<B>,
+    B: crate::listen::AnswerBody,
 {
     // Taken apart here, outside the future: the future then keeps each
     // part once (kept whole as the future's argument, the parts moved out

@@ -469,8 +469,8 @@ impl Serve<'_> {
     ) -> Option<Result<(), ServeError>>
     where
         I: Readable,
-        S: crate::listen::CallerService<B>,
-        B: crate::listen::AnswerBody,
+        S: CallerService<B>,
+        B: AnswerBody,
     {
         if h2 {
             self.conduct.spoken_in_h2();
@@ -505,8 +505,8 @@ impl Serve<'_> {
     ) -> std::pin::Pin<Box<impl Future<Output = Option<Result<(), hyper::Error>>> + '_>>
     where
         I: Readable,
-        S: crate::listen::CallerService<B>,
-        B: crate::listen::AnswerBody,
+        S: CallerService<B>,
+        B: AnswerBody,
     {
         // The windows shrink as HTTP/2 connections add up: together they
         // may hold at most H2_WINDOWS of bodies not yet read.
@@ -545,8 +545,8 @@ impl Serve<'_> {
         peer: SocketAddr,
     ) -> Option<Result<(), ServeError>>
     where
-        S: crate::listen::CallerService<B>,
-        B: crate::listen::AnswerBody,
+        S: CallerService<B>,
+        B: AnswerBody,
     {
         let wait = self.header_read_timeout;
         let opened = async {
@@ -651,8 +651,8 @@ pub(crate) async fn accept_loop<M, S, B>(
     make_service: M,
 ) where
     M: Fn(SocketAddr, Option<SocketAddr>, &Arc<Conduct>) -> S,
-    S: crate::listen::CallerService<B>,
-    B: crate::listen::AnswerBody,
+    S: CallerService<B>,
+    B: AnswerBody,
 {
     let builders = Arc::new(Builders::new());
     let drain = Drain::new();
@@ -730,8 +730,8 @@ struct Accepted<S> {
 /// held by a test.
 fn connection_task<S, B>(accepted: Accepted<S>) -> impl Future<Output = ()> + Send + 'static
 where
-    S: crate::listen::CallerService<B>,
-    B: crate::listen::AnswerBody,
+    S: CallerService<B>,
+    B: AnswerBody,
 {
     // Taken apart here, outside the future: the future then keeps each
     // part once (kept whole as the future's argument, the parts moved out

@@ -10,7 +10,7 @@
 # - "whole": the whole program, as benches/instructions.sh and
 #   .ci/instructions count it;
 # - "connections": the inclusive cost of the caller connections' tasks
-#   (the task `listen::accept_loop` spawns for each, found by its
+#   (`listen::connection_task`, the task spawned for each, found by its
 #   closure's name, which stays whatever is inlined into it), which leaves
 #   out the work the runtime's timers do on their own (metrics upkeep,
 #   pool sweeps, the timer wheel turning while nothing is ready). Under
@@ -73,7 +73,7 @@ count() { # BINARY N -> "whole connections"
   # awk reads to the end: one that exits early fails the pipe (SIGPIPE).
   tasks=$(callgrind_annotate --inclusive=yes --auto=no --threshold=100 "$out" |
     tee "$WORK/annotate.$(basename "$1").$2" |
-    awk -v f='herdguard::listen::accept_loop::{{closure}}::{{closure}}' \
+    awk -v f='herdguard::listen::connection_task::{{closure}}' \
       '!done && index($0, f) {gsub(",", "", $1); print $1; done = 1}')
   echo "$whole ${tasks:-0}"
 }

@@ -240,6 +240,71 @@ async fn connections_the_upstream_closed_are_not_used_again() {
     assert_eq!(accepted.load(Ordering::SeqCst), 10);
 }
 
+/// An upstream that answers every request on a connection and, once told
+/// (`then`), either closes its idle connections or sends stray bytes on
+/// them; it says when that is done.
+async fn idle_then_upstream(
+    then: &'static [u8],
+) -> (
+    std::net::SocketAddr,
+    Arc<AtomicUsize>,
+    Arc<tokio::sync::Notify>,
+    tokio::sync::mpsc::UnboundedReceiver<()>,
+) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let go = Arc::new(tokio::sync::Notify::new());
+    let (done, done_rx) = tokio::sync::mpsc::unbounded_channel();
+    let (a, g) = (accepted.clone(), go.clone());
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            a.fetch_add(1, Ordering::SeqCst);
+            let (go, done) = (g.clone(), done.clone());
+            tokio::spawn(async move {
+                if !read_head(&mut stream).await {
+                    return;
+                }
+                let _ = stream
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    .await;
+                go.notified().await;
+                match then {
+                    b"" => drop(stream),
+                    bytes => {
+                        let _ = stream.write_all(bytes).await;
+                        let _ = done.send(());
+                        // Kept open: only the stray bytes tell.
+                        std::future::pending::<()>().await;
+                    }
+                }
+                let _ = done.send(());
+            });
+        }
+    });
+    (addr, accepted, go, done_rx)
+}
+
+/// The upstream closes an idle connection, or sends on it unasked, some
+/// time after its answer (not with it): the proxy's next request goes on
+/// a new connection at its first attempt. What the pool learns from the
+/// reactor of the socket, with no look of its own at it, must say so.
+#[tokio::test]
+async fn an_idle_connection_the_upstream_closed_or_spoke_on_later_is_not_used_again() {
+    for then in [
+        &b""[..],
+        &b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray"[..],
+    ] {
+        let (addr, accepted, go, mut done) = idle_then_upstream(then).await;
+        let server = proxy(&config(addr, "")).await;
+        answered_at_first_try(&server, "ok", 0).await;
+        go.notify_waiters();
+        done.recv().await.unwrap();
+        answered_at_first_try(&server, "ok", 1).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "{then:?}");
+    }
+}
+
 /// Longer than a connection stays idle before it is parked (1 s) plus
 /// the upkeep's tick that parks it (1 s): the wait is the behaviour
 /// tested, nothing to synchronise on.

@@ -317,9 +317,12 @@ where
         let connect =
             req.method() == http::Method::CONNECT && req.version() == http::Version::HTTP_11;
         cycle.connect.store(connect, Ordering::Relaxed);
+        // One look-up first: most requests ask for no upgrade, and a pass
+        // over every name costs more.
         let upgrade = || {
             use crate::wire::headers::{requested_upgrade_found, Present};
-            requested_upgrade_found(req.version(), req.headers(), Present::of(req.headers()))
+            req.headers().contains_key(http::header::UPGRADE)
+                && requested_upgrade_found(req.version(), req.headers(), Present::of(req.headers()))
         };
         if connect || upgrade() {
             let (tx, rx) = oneshot::channel();

@@ -358,8 +358,10 @@ impl<'a> Forward<'a> {
         if !self.stripped {
             self.stripped = true;
             // No attempt has a share of it yet: it is this one's to change.
+            // The caller's `Host` stays: passed over where the fields are
+            // written (see `Fields::iter`), replaced in hyper's map; a
+            // removal from the map cost more than the look past it.
             if let Some(Kept { map: h, .. }) = Arc::get_mut(kept) {
-                h.remove(http::header::HOST);
                 if self.grpc_deadline.is_some() {
                     h.remove("grpc-timeout");
                 }

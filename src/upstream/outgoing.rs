@@ -35,7 +35,8 @@ pub struct Fields {
 }
 
 /// A request's fields, the same for every attempt: the caller's, without
-/// the ones an attempt sets, and this hop's.
+/// the ones an attempt sets (but `Host`, which every attempt sets and which
+/// is passed over where the fields are read), and this hop's.
 #[derive(Default)]
 pub struct Kept {
     pub map: HeaderMap,
@@ -43,7 +44,8 @@ pub struct Kept {
 }
 
 impl Fields {
-    /// Whether `name` is among the fields (of the attempt or the kept).
+    /// Whether `name` (not `Host`) is among the fields (of the attempt or
+    /// the kept).
     pub fn contains(&self, name: http::header::HeaderName) -> bool {
         self.extra.contains_key(&name) || self.kept.map.contains_key(name)
     }
@@ -57,7 +59,12 @@ impl Fields {
         own.into_iter()
             .flatten()
             .chain(self.extra.iter())
-            .chain(self.kept.map.iter())
+            .chain(
+                self.kept
+                    .map
+                    .iter()
+                    .filter(|(name, _)| **name != http::header::HOST),
+            )
             .chain(self.kept.hop.iter().flat_map(HopFields::iter))
     }
 
@@ -128,6 +135,8 @@ mod tests {
     fn the_attempts_fields_come_first_and_the_kept_after_in_their_order() {
         let mut kept = HeaderMap::new();
         kept.append("b", HeaderValue::from_static("1"));
+        // The caller's, which each attempt's own replaces.
+        kept.append("host", HeaderValue::from_static("caller.example"));
         kept.append("via", HeaderValue::from_static("1.1 outer"));
         kept.append("x-forwarded-for", HeaderValue::from_static("10.9.9.9"));
         kept.append("a", HeaderValue::from_static("2"));
@@ -163,18 +172,19 @@ mod tests {
         let mut kept = HeaderMap::new();
         kept.append("b", HeaderValue::from_static("1"));
         kept.append("b", HeaderValue::from_static("3"));
+        kept.append("host", HeaderValue::from_static("caller.example"));
         let f = fields(kept);
         let other = f.kept.clone();
         let map = f.into_map();
         assert_eq!(map.get_all("b").iter().count(), 2);
-        assert_eq!(map["host"], "up:80");
+        assert_eq!(map.get_all("host").iter().collect::<Vec<_>>(), ["up:80"]);
         assert_eq!(map[&X_HERDGUARD_ATTEMPT], "2");
         assert_eq!(map["grpc-timeout"], "5m");
         assert_eq!(map["via"], "1.1 herdguard");
         assert_eq!(map["x-forwarded-for"], "10.0.0.1");
         // The other attempt's copy is untouched.
-        assert_eq!(other.map.len(), 2);
-        assert!(!other.map.contains_key("host"));
+        assert_eq!(other.map.len(), 3);
+        assert_eq!(other.map["host"], "caller.example");
         assert!(!other.map.contains_key("via"));
     }
 }

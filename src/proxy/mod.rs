@@ -871,9 +871,11 @@ fn checked_head(
 
 /// The request's authority: from the URI (absolute-form or HTTP/2) or `Host`.
 fn request_host<'a>(uri: &'a http::Uri, host: Option<&'a HeaderValue>) -> Option<&'a str> {
+    // `Host` was checked to be host characters alone (ASCII): read as
+    // UTF-8, a word at a time, rather than byte by byte as `to_str` does.
     uri.authority()
         .map(|a| a.as_str())
-        .or_else(|| host.and_then(|h| h.to_str().ok()))
+        .or_else(|| host.and_then(|h| std::str::from_utf8(h.as_bytes()).ok()))
 }
 
 /// The answer to a request refused before anything is looked at: one past

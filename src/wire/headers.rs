@@ -535,7 +535,10 @@ pub fn check_look_alikes(uri: &http::Uri, headers: &HeaderMap) -> Result<(), &'s
     }
     for name in headers.keys() {
         let name = name.as_str();
-        if name.contains('_') {
+        // Only a name as long as one of the two can pass for it.
+        let framing_long =
+            name.len() == "transfer-encoding".len() || name.len() == "content-length".len();
+        if framing_long && name.as_bytes().contains(&b'_') {
             let dashed = name.replace('_', "-");
             if dashed == "transfer-encoding" || dashed == "content-length" {
                 return Err("a field named like a framing field, with '_' for '-'");
@@ -1072,6 +1075,28 @@ mod grpc_tests {
                 HeaderValue::from_str(bad).unwrap(),
             );
             assert_eq!(grpc_pushback(&h), Some(Duration::MAX), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn framing_look_alikes_are_refused_and_other_underscored_names_are_not() {
+        let uri: http::Uri = "/".parse().unwrap();
+        for (name, refused) in [
+            ("transfer_encoding", true),
+            ("Content_Length", true),
+            ("content_length", true),
+            ("transfer-encoding_", false),
+            ("x_transfer_encoding", false),
+            ("content_lengths", false),
+            ("my_field", false),
+            ("content-length", false),
+        ] {
+            let mut h = HeaderMap::new();
+            h.insert(
+                HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                HeaderValue::from_static("5"),
+            );
+            assert_eq!(check_look_alikes(&uri, &h).is_err(), refused, "{name}");
         }
     }
 }

@@ -187,7 +187,7 @@ fn encode(buf: &mut BytesMut, method: &Method, target: &str, fields: &Fields) {
         }
         buf.extend_from_slice(name.as_str().as_bytes());
         buf.extend_from_slice(b": ");
-        buf.extend_from_slice(value.as_bytes());
+        buf.extend_from_slice(value);
         buf.extend_from_slice(b"\r\n");
     }
     buf.extend_from_slice(b"\r\n");

@@ -297,8 +297,9 @@ fn via_of(version: Version) -> &'static str {
 /// [`add_via`] and [`add_forwarded`] would have.
 #[derive(Debug, Clone)]
 pub struct HopFields {
-    /// The request's id, made here (`[request_id]`; see [`Present::MAKE_ID`]).
-    id: Option<(HeaderName, HeaderValue)>,
+    /// The request's id, made here (`[request_id]`; see [`Present::MAKE_ID`]),
+    /// as its text: checked as a header value only if put in a map.
+    id: Option<(HeaderName, bytes::Bytes)>,
     via: HeaderValue,
     forwarded_for: HeaderValue,
     proto: HeaderValue,
@@ -348,18 +349,20 @@ impl HopFields {
 
     /// With the request's id `name` made here.
     pub fn with_id(mut self, name: &HeaderName) -> Self {
-        self.id = Some((name.clone(), crate::wire::identity::made()));
+        self.id = Some((name.clone(), crate::wire::identity::made_text()));
         self
     }
 
-    /// The fields, in the order they are written.
-    pub fn iter(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
+    /// The fields, in the order they are written, as bytes.
+    pub fn iter(&self) -> impl Iterator<Item = (&HeaderName, &[u8])> {
         [
-            self.id.as_ref().map(|(name, id)| (name, id)),
-            Some((&header::VIA, &self.via)),
-            Some((&X_FORWARDED_FOR, &self.forwarded_for)),
-            Some((&X_FORWARDED_PROTO, &self.proto)),
-            self.host.as_ref().map(|host| (&X_FORWARDED_HOST, host)),
+            self.id.as_ref().map(|(name, id)| (name, &id[..])),
+            Some((&header::VIA, self.via.as_bytes())),
+            Some((&X_FORWARDED_FOR, self.forwarded_for.as_bytes())),
+            Some((&X_FORWARDED_PROTO, self.proto.as_bytes())),
+            self.host
+                .as_ref()
+                .map(|host| (&X_FORWARDED_HOST, host.as_bytes())),
         ]
         .into_iter()
         .flatten()
@@ -374,7 +377,9 @@ impl HopFields {
     /// caller's.
     pub fn add_to(self, headers: &mut HeaderMap) {
         if let Some((name, id)) = self.id {
-            headers.insert(name, id);
+            if let Ok(id) = HeaderValue::from_maybe_shared(id) {
+                headers.insert(name, id);
+            }
         }
         headers.append(header::VIA, self.via);
         headers.insert(&X_FORWARDED_FOR, self.forwarded_for);
@@ -749,7 +754,7 @@ mod tests {
             let hop = HopFields::new(&mut h, present, (Version::HTTP_11, &caller, "http"), host);
             let written: Vec<String> = hop
                 .iter()
-                .map(|(n, v)| format!("{n}: {}", v.to_str().unwrap()))
+                .map(|(n, v)| format!("{n}: {}", std::str::from_utf8(v).unwrap()))
                 .collect();
             (h, written)
         };

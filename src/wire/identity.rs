@@ -47,6 +47,12 @@ fn usable(id: &[u8]) -> bool {
 /// unique, not unguessable), written two digits a byte. Made for every
 /// request: no formatting machinery, no shared state.
 pub(crate) fn made() -> HeaderValue {
+    HeaderValue::from_maybe_shared(made_text()).unwrap_or(HeaderValue::from_static("-"))
+}
+
+/// [`made`]'s id as its text (hexadecimal digits and dashes), not checked
+/// again as a header value: for a writer that needs its bytes alone.
+pub(crate) fn made_text() -> bytes::Bytes {
     use rand::SeedableRng as _;
     /// Ids made at once per thread, in one buffer that each id is a slice
     /// of: no allocation per id, and copying a request's headers for an
@@ -65,7 +71,7 @@ pub(crate) fn made() -> HeaderValue {
             next: BLOCK,
         });
     }
-    let id = IDS.with(|ids| {
+    IDS.with(|ids| {
         let mut ids = ids.borrow_mut();
         if ids.next == BLOCK {
             let mut block = Vec::with_capacity(BLOCK * LEN);
@@ -80,8 +86,7 @@ pub(crate) fn made() -> HeaderValue {
         let at = ids.next * LEN;
         ids.next += 1;
         ids.block.slice(at..at + LEN)
-    });
-    HeaderValue::from_maybe_shared(id).unwrap_or(HeaderValue::from_static("-"))
+    })
 }
 
 /// A version 4 UUID (RFC 9562) of 16 random bytes, as text, two digits

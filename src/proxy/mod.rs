@@ -328,9 +328,6 @@ pub struct Caller {
     /// Where the connection was going before iptables redirected it here
     /// (`listen.transparent`).
     original: Option<SocketAddr>,
-    /// The per-try timer this connection's attempts set again rather than
-    /// make each time.
-    per_try: attempt::PerTry,
 }
 
 impl Caller {
@@ -340,7 +337,6 @@ impl Caller {
             ip: headers::ip_value(addr.ip()),
             proto: if tls { "https" } else { "http" },
             original: None,
-            per_try: attempt::PerTry::default(),
         }
     }
 
@@ -998,7 +994,6 @@ async fn forward(
         attempts.host_rewrite(route.host_rewrite.clone());
         attempts.log_into(log.as_deref_mut());
         attempts.trace_into(trace);
-        attempts.time_with(&caller.per_try);
         attempts.grpc(grpc, grpc_timeout.and_then(|t| start.checked_add(t)));
         // A gRPC caller's own deadline, when sooner than the route's.
         let deadline = match grpc_timeout {

@@ -118,8 +118,6 @@ pub struct Forward<'a> {
     log: Option<&'a mut Entry>,
     /// The request's span, when tracing is on: each attempt is a child.
     trace: Option<&'a RequestTrace>,
-    /// The caller connection's kept per-try timer (see [`PerTry`]).
-    timer: Option<&'a PerTry>,
     /// The wait before the next attempt (a retry's backoff), for its span,
     /// in milliseconds (0: none).
     backoff_ms: u32,
@@ -186,7 +184,6 @@ impl<'a> Forward<'a> {
             host: None,
             log: None,
             trace: None,
-            timer: None,
             backoff_ms: 0,
             grpc: false,
             grpc_deadline: None,
@@ -213,12 +210,6 @@ impl<'a> Forward<'a> {
     /// sent upstream.
     pub fn trace_into(&mut self, trace: Option<&'a RequestTrace>) {
         self.trace = trace;
-    }
-
-    /// Times each attempt with `timer` (the caller connection's) when it is
-    /// not lent to another.
-    pub fn time_with(&mut self, timer: &'a PerTry) {
-        self.timer = Some(timer);
     }
 
     /// Sends `host` as every attempt's `Host`, whatever the endpoint.
@@ -437,7 +428,6 @@ impl<'a> retry::Attempts for Forward<'a> {
             timeout: self.timeout,
         };
         let path_and_query = self.path_and_query;
-        let timer = self.timer;
         // A request that cannot be repeated, and a retry, avoid connections
         // the upstream may be closing (once it was seen to).
         let (careful, own) = (n > 1 || !self.repeatable, !self.multiplexed);
@@ -457,7 +447,6 @@ impl<'a> retry::Attempts for Forward<'a> {
                 progress.as_deref(),
                 per_try,
                 deadline,
-                timer,
             )
             .await;
             // One look at the clock for both: the attempt's time, and the
@@ -669,7 +658,6 @@ async fn timed<F: Future>(
     progress: Option<&Progress>,
     per_try: Duration,
     deadline: Instant,
-    timer: Option<&PerTry>,
 ) -> (Timed<F::Output>, Instant, Instant) {
     let start = Instant::now();
     let fair = per_try / 2;
@@ -698,100 +686,9 @@ async fn timed<F: Future>(
         _ if deadline.saturating_duration_since(sent) >= fair => (deadline, Timed::PerTry),
         _ => (deadline, Timed::Deadline),
     };
-    let mut due = match timer {
-        Some(timer) => timer.lend(until),
-        None => Lent::once(until),
-    };
-    // As `tokio::time::timeout_at` polls: the attempt first.
-    let out = std::future::poll_fn(|cx| match send.as_mut().poll(cx) {
-        std::task::Poll::Ready(out) => std::task::Poll::Ready(Some(out)),
-        std::task::Poll::Pending => due.poll_due(cx).map(|()| None),
-    })
-    .await;
-    match out {
-        Some(out) => (Timed::Done(out), sent, start),
-        None => (late, sent, start),
-    }
-}
-
-/// A per-try timer kept for the attempts of one caller's connection.
-///
-/// An attempt's timer made, put in the runtime's timer wheel and taken out
-/// again cost about 450 instructions a request. Kept and set again for
-/// the next attempt, a later time is a compare-and-swap: the wheel keeps
-/// the entry where it was and, should it come due, puts it where its new
-/// time is (once per per-try time at most, for a busy connection). An
-/// attempt that finds it lent (a hedge beside it, HTTP/2's many streams)
-/// makes one of its own.
-#[derive(Default)]
-pub struct PerTry(std::sync::Mutex<Option<std::pin::Pin<Box<tokio::time::Sleep>>>>);
-
-impl Clone for PerTry {
-    /// A timer of its own, made when first needed.
-    fn clone(&self) -> Self {
-        Self::default()
-    }
-}
-
-impl std::fmt::Debug for PerTry {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("PerTry")
-    }
-}
-
-impl PerTry {
-    /// The timer, set for `until`, lent until the guard is dropped.
-    fn lend(&self, until: Instant) -> Lent<'_> {
-        let kept = self.0.lock().ok().and_then(|mut kept| kept.take());
-        let sleep = match kept {
-            Some(mut sleep) => {
-                sleep.as_mut().reset(until);
-                sleep
-            }
-            None => Box::pin(tokio::time::sleep_until(until)),
-        };
-        Lent {
-            from: Some(self),
-            sleep: Some(sleep),
-        }
-    }
-}
-
-/// A timer lent by [`PerTry`] (or made for one attempt, with no `from`),
-/// given back when dropped.
-struct Lent<'a> {
-    from: Option<&'a PerTry>,
-    /// Always `Some` until dropped.
-    sleep: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl Lent<'_> {
-    fn once(until: Instant) -> Self {
-        Lent {
-            from: None,
-            sleep: Some(Box::pin(tokio::time::sleep_until(until))),
-        }
-    }
-
-    /// Ready once the time it was set for has come.
-    fn poll_due(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
-        match self.sleep.as_mut() {
-            Some(sleep) => sleep.as_mut().poll(cx),
-            None => std::task::Poll::Ready(()),
-        }
-    }
-}
-
-impl Drop for Lent<'_> {
-    fn drop(&mut self) {
-        let (Some(from), Some(sleep)) = (self.from, self.sleep.take()) else {
-            return;
-        };
-        if let Ok(mut kept) = from.0.lock() {
-            if kept.is_none() {
-                *kept = Some(sleep);
-            }
-        }
+    match tokio::time::timeout_at(until, send).await {
+        Ok(out) => (Timed::Done(out), sent, start),
+        Err(_) => (late, sent, start),
     }
 }
 
@@ -820,7 +717,6 @@ mod tests {
             progress,
             per_try,
             deadline,
-            None,
         )
         .await
         .0
@@ -853,47 +749,6 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_kept_timer_times_every_attempt_it_is_set_for() {
-        let timer = PerTry::default();
-        // Set later than the last time (kept where it was in the wheel),
-        // sooner (moved), after it came due, and while it is lent.
-        for (per_try, answers_in) in [(400, 100), (800, 1000), (300, 1000), (900, 500), (50, 60)] {
-            let start = Instant::now();
-            let answer = tokio::time::sleep(answers_in * MS);
-            let deadline = start + 10_000 * MS;
-            let (got, _, _) = timed(
-                std::pin::pin!(answer),
-                None,
-                per_try * MS,
-                deadline,
-                Some(&timer),
-            )
-            .await;
-            let timed_out = answers_in > per_try;
-            assert_eq!(
-                matches!(got, Timed::PerTry),
-                timed_out,
-                "{per_try} {answers_in}"
-            );
-            assert_eq!(start.elapsed(), per_try.min(answers_in) * MS);
-        }
-        // Two attempts at once (a hedge): the second makes its own.
-        let start = Instant::now();
-        let one = std::pin::pin!(std::future::pending::<()>());
-        let two = std::pin::pin!(std::future::pending::<()>());
-        let deadline = start + 10_000 * MS;
-        let first = timed(one, None, 300 * MS, deadline, Some(&timer));
-        let second = timed(two, None, 200 * MS, deadline, Some(&timer));
-        let (first, second) = tokio::join!(first, second);
-        assert!(matches!(
-            (first.0, second.0),
-            (Timed::PerTry, Timed::PerTry)
-        ));
-        assert_eq!(start.elapsed(), 300 * MS);
-        assert!(timer.0.lock().unwrap().is_some(), "given back");
-    }
-
-    #[tokio::test(start_paused = true)]
     async fn per_try_time_starts_once_the_body_is_sent() {
         let progress = Arc::new(Progress::default());
         progress.set(WAITING);
@@ -909,14 +764,8 @@ mod tests {
             tokio::time::sleep(300 * MS).await;
         };
         let deadline = Instant::now() + 10_000 * MS;
-        let (got, sent, _) = timed(
-            std::pin::pin!(answer),
-            Some(&progress),
-            400 * MS,
-            deadline,
-            None,
-        )
-        .await;
+        let (got, sent, _) =
+            timed(std::pin::pin!(answer), Some(&progress), 400 * MS, deadline).await;
         assert_eq!(
             sent.elapsed(),
             300 * MS,

@@ -56,35 +56,19 @@ impl Raw {
         if self.buf.capacity() - self.buf.len() < READ_SIZE / 2 {
             self.buf.reserve(READ_SIZE);
         }
-        // By `AsyncRead`, not `try_read_buf`: a read that fills less than
-        // the buffer tells the reactor the socket is drained, which
-        // `is_quiet` then trusts.
-        use std::future::Future as _;
-        use tokio::io::AsyncReadExt as _;
-        std::pin::pin!(self.stream.read_buf(&mut self.buf)).poll(cx)
+        loop {
+            match self.stream.try_read_buf(&mut self.buf) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    ready!(self.stream.poll_read_ready(cx))?;
+                }
+                read => return Poll::Ready(read),
+            }
+        }
     }
 
     /// Whether the socket is open and has nothing to read.
-    ///
-    /// The reactor is asked first: the last answer's read drained the socket
-    /// (a read that fills less than the buffer clears its readiness), so a
-    /// socket it has heard nothing from since is quiet, with no system call.
-    /// One it has heard from (a close, stray bytes, or a last read that
-    /// happened to fill the buffer) is looked at. `sure`: looked at
-    /// whatever the reactor says, for a request that must not be lost in
-    /// a close the reactor has not yet heard of.
-    pub(super) fn is_quiet(&self, sure: bool) -> bool {
-        if !self.buf.is_empty() {
-            return false;
-        }
-        // Out of budget, the reactor is not asked (it would answer pending).
-        let heard_nothing = !sure
-            && tokio::task::coop::has_budget_remaining()
-            && self
-                .stream
-                .poll_read_ready(&mut Context::from_waker(std::task::Waker::noop()))
-                .is_pending();
-        heard_nothing || super::pool::is_quiet(socket2::SockRef::from(&self.stream))
+    pub(super) fn is_quiet(&self) -> bool {
+        self.buf.is_empty() && super::pool::is_quiet(socket2::SockRef::from(&self.stream))
     }
 
     /// The socket alone, out of the reactor.

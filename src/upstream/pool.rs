@@ -372,7 +372,7 @@ impl H1Pool {
     ) -> impl Future<Output = Result<Response<plain::PlainBody>, PoolError>> + 'a {
         async move {
             let target = path_and_query.as_deref().map_or("/", PathAndQuery::as_str);
-            let (raw, idled) = match self.checkout(self.max_idle_for(careful), true, careful) {
+            let (raw, idled) = match self.checkout(self.max_idle_for(careful), true) {
                 Some((Taken::Plain(raw), idled)) => (raw, Some(idled)),
                 Some((Taken::Parked(stream), idled)) => (self.plain_of(stream)?, Some(idled)),
                 Some((Taken::Live(_), _)) | None => (self.connect_plain().await?, None),
@@ -421,7 +421,7 @@ impl H1Pool {
         async move {
             let taken = match upgrade {
                 true => None,
-                false => self.checkout(self.max_idle_for(careful), false, careful),
+                false => self.checkout(self.max_idle_for(careful), false),
             };
             let (mut conn, idled) = match taken {
                 Some((Taken::Live(conn), idled)) => (conn, Some(idled)),
@@ -498,14 +498,7 @@ impl H1Pool {
     /// Only a connection idle for less than `max_idle_for` is taken, if set.
     /// `plain`: for herdguard's own exchange, which leaves hyper's live
     /// connections be; hyper's takes a plain socket as a parked one.
-    /// `careful`: a plain connection is looked at whatever the reactor
-    /// says of it (see [`plain::Raw::is_quiet`]).
-    fn checkout(
-        &self,
-        max_idle_for: Option<Duration>,
-        plain: bool,
-        careful: bool,
-    ) -> Option<(Taken, Duration)> {
+    fn checkout(&self, max_idle_for: Option<Duration>, plain: bool) -> Option<(Taken, Duration)> {
         let now = Instant::now();
         let mut idle = self.shelf.lock();
         let mut i = idle.len();
@@ -535,7 +528,7 @@ impl H1Pool {
             // would be lost in the close.
             let taken = match taken {
                 Idle::Live(pooled) if pooled.is_quiet() => Taken::Live(pooled),
-                Idle::Plain(raw) if raw.is_quiet(careful || !plain) => match plain {
+                Idle::Plain(raw) if raw.is_quiet() => match plain {
                     true => Taken::Plain(raw),
                     false => match raw.into_std() {
                         Ok(stream) => Taken::Parked(stream),

@@ -287,8 +287,11 @@ async fn idle_then_upstream(
 
 /// The upstream closes an idle connection, or sends on it unasked, some
 /// time after its answer (not with it): the proxy's next request goes on
-/// a new connection at its first attempt. What the pool learns from the
-/// reactor of the socket, with no look of its own at it, must say so.
+/// a new connection at its first attempt. (The pool looks at the socket
+/// itself before it reuses one: trusting the reactor's readiness alone,
+/// which hears of a close or of stray bytes only at its next turn, a busy
+/// proxy reused such connections, and took stray bytes for answers; see
+/// docs/request-path.md.)
 #[tokio::test]
 async fn an_idle_connection_the_upstream_closed_or_spoke_on_later_is_not_used_again() {
     for then in [

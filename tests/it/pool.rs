@@ -208,13 +208,31 @@ async fn answered_at_first_try(server: &herdguard::app::Server, body: &'static s
 /// without saying so (no `Connection: close`), as servers with short idle
 /// timeouts do.
 async fn one_shot_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    let up = answering_then(b"", true).await;
+    (up.addr, up.accepted)
+}
+
+/// An upstream that answers the first request on each connection and then,
+/// once told (`go`), closes the connection (`then` empty) or sends `then`
+/// on it unasked and keeps it open; it says on `done` when it has.
+struct AnsweringThen {
+    addr: std::net::SocketAddr,
+    accepted: Arc<AtomicUsize>,
+    go: tokio::sync::watch::Sender<bool>,
+    done: tokio::sync::mpsc::UnboundedReceiver<()>,
+}
+
+async fn answering_then(then: &'static [u8], at_once: bool) -> AnsweringThen {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let accepted = Arc::new(AtomicUsize::new(0));
+    let (go, go_rx) = tokio::sync::watch::channel(at_once);
+    let (done, done_rx) = tokio::sync::mpsc::unbounded_channel();
     let a = accepted.clone();
     tokio::spawn(async move {
         while let Ok((mut stream, _)) = listener.accept().await {
             a.fetch_add(1, Ordering::SeqCst);
+            let (mut go, done) = (go_rx.clone(), done.clone());
             tokio::spawn(async move {
                 if !read_head(&mut stream).await {
                     return;
@@ -222,10 +240,25 @@ async fn one_shot_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
                 let _ = stream
                     .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
                     .await;
+                // Told to go, or no one left to tell it.
+                let _ = go.wait_for(|go| *go).await;
+                if !then.is_empty() {
+                    let _ = stream.write_all(then).await;
+                }
+                let _ = done.send(());
+                if !then.is_empty() {
+                    // Kept open: only the stray bytes tell.
+                    std::future::pending::<()>().await;
+                }
             });
         }
     });
-    (addr, accepted)
+    AnsweringThen {
+        addr,
+        accepted,
+        go,
+        done: done_rx,
+    }
 }
 
 #[tokio::test]
@@ -238,51 +271,6 @@ async fn connections_the_upstream_closed_are_not_used_again() {
         answered_at_first_try(&server, "ok", i).await;
     }
     assert_eq!(accepted.load(Ordering::SeqCst), 10);
-}
-
-/// An upstream that answers every request on a connection and, once told
-/// (`then`), either closes its idle connections or sends stray bytes on
-/// them; it says when that is done.
-async fn idle_then_upstream(
-    then: &'static [u8],
-) -> (
-    std::net::SocketAddr,
-    Arc<AtomicUsize>,
-    Arc<tokio::sync::Notify>,
-    tokio::sync::mpsc::UnboundedReceiver<()>,
-) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let go = Arc::new(tokio::sync::Notify::new());
-    let (done, done_rx) = tokio::sync::mpsc::unbounded_channel();
-    let (a, g) = (accepted.clone(), go.clone());
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            a.fetch_add(1, Ordering::SeqCst);
-            let (go, done) = (g.clone(), done.clone());
-            tokio::spawn(async move {
-                if !read_head(&mut stream).await {
-                    return;
-                }
-                let _ = stream
-                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                    .await;
-                go.notified().await;
-                match then {
-                    b"" => drop(stream),
-                    bytes => {
-                        let _ = stream.write_all(bytes).await;
-                        let _ = done.send(());
-                        // Kept open: only the stray bytes tell.
-                        std::future::pending::<()>().await;
-                    }
-                }
-                let _ = done.send(());
-            });
-        }
-    });
-    (addr, accepted, go, done_rx)
 }
 
 /// The upstream closes an idle connection, or sends on it unasked, some
@@ -298,13 +286,13 @@ async fn an_idle_connection_the_upstream_closed_or_spoke_on_later_is_not_used_ag
         &b""[..],
         &b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray"[..],
     ] {
-        let (addr, accepted, go, mut done) = idle_then_upstream(then).await;
-        let server = proxy(&config(addr, "")).await;
+        let mut up = answering_then(then, false).await;
+        let server = proxy(&config(up.addr, "")).await;
         answered_at_first_try(&server, "ok", 0).await;
-        go.notify_waiters();
-        done.recv().await.unwrap();
+        up.go.send_replace(true);
+        up.done.recv().await.unwrap();
         answered_at_first_try(&server, "ok", 1).await;
-        assert_eq!(accepted.load(Ordering::SeqCst), 2, "{then:?}");
+        assert_eq!(up.accepted.load(Ordering::SeqCst), 2, "{then:?}");
     }
 }
 

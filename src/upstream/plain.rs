@@ -13,7 +13,7 @@
 //! framing lines and trailers by [`framing`](super::framing)'s limits;
 //! body data is handed on as it comes, a read at a time.
 
-use std::future::poll_fn;
+use std::future::{poll_fn, Future as _};
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -22,7 +22,7 @@ use std::task::{ready, Context, Poll};
 use bytes::{Bytes, BytesMut};
 use http::{Method, Response};
 use http_body::{Body, Frame, SizeHint};
-use tokio::io::AsyncWriteExt as _;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
 use super::body::BoxError;
@@ -52,18 +52,19 @@ impl Raw {
     }
 
     /// Reads what the socket has into the buffer: how much (0: its end).
+    ///
+    /// By tokio's `poll_read`, which takes a read that left room in the
+    /// buffer as the socket drained (epoll is edge-triggered): the next
+    /// read, the next request's answer, waits for the reactor rather than
+    /// trying the socket first and hearing `EAGAIN` (a system call per
+    /// request; `try_read_buf` keeps the readiness).
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if self.buf.capacity() - self.buf.len() < READ_SIZE / 2 {
             self.buf.reserve(READ_SIZE);
         }
-        loop {
-            match self.stream.try_read_buf(&mut self.buf) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    ready!(self.stream.poll_read_ready(cx))?;
-                }
-                read => return Poll::Ready(read),
-            }
-        }
+        // A read in progress holds nothing: dropped when pending, made
+        // again at the next poll.
+        std::pin::pin!(self.stream.read_buf(&mut self.buf)).poll(cx)
     }
 
     /// Whether the socket is open and has nothing to read.

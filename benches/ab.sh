@@ -11,7 +11,8 @@
 #   .ci/instructions count it;
 # - "connections": the inclusive cost of the caller connections' tasks
 #   (`listen::connection_task`, the task spawned for each, found by its
-#   closure's name, which stays whatever is inlined into it), which leaves
+#   closure's name, which stays whatever is inlined into it, or by the
+#   clock's wrapper around it, `units::clock::Clocked`), which leaves
 #   out the work the runtime's timers do on their own (metrics upkeep,
 #   pool sweeps, the timer wheel turning while nothing is ready). Under
 #   valgrind that work's share of a request follows the wall time, and
@@ -74,7 +75,8 @@ count() { # BINARY N -> "whole connections"
   tasks=$(callgrind_annotate --inclusive=yes --auto=no --threshold=100 "$out" |
     tee "$WORK/annotate.$(basename "$1").$2" |
     awk -v f='herdguard::listen::connection_task::{{closure}}' \
-      '!done && index($0, f) {gsub(",", "", $1); print $1; done = 1}')
+      -v g='<herdguard::units::clock::Clocked<F> as core::future::future::Future>::poll' \
+      '!done && (index($0, f) || index($0, g)) {gsub(",", "", $1); print $1; done = 1}')
   echo "$whole ${tasks:-0}"
 }
 

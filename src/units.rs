@@ -4,6 +4,8 @@
 //! `serde(with = ...)` module that reads and writes the same form, so the
 //! effective config printed by `herdguard check` can be read back.
 
+pub mod clock;
+
 use std::time::Duration;
 
 use serde::{de, Deserialize, Deserializer, Serializer};

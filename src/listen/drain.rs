@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use crate::units::clock;
 use hyper_util::server::graceful::GracefulConnection;
 use pin_project_lite::pin_project;
 use tokio::sync::futures::OwnedNotified;
@@ -182,7 +183,7 @@ impl Conduct {
     /// How long since a request last began or ended; for a connection
     /// that has not spoken, since it was accepted.
     pub fn quiet_for(&self) -> Duration {
-        self.last.last().elapsed()
+        clock::now().saturating_duration_since(self.last.last())
     }
 
     /// A connection's conduct, counted open in `traffic` until dropped.
@@ -469,6 +470,9 @@ impl<C: GracefulConnection> Future for Watched<C> {
                 if this.idle.as_mut().poll(cx).is_pending() {
                     break false;
                 }
+                // Read fresh: the timer fired by a clock read after this
+                // poll began; the poll's time could be before its deadline,
+                // and a timer set again to a time passed fires at once.
                 let now = Instant::now();
                 match this.conduct.idle_at() {
                     Some(at) if at <= now => break true,
@@ -482,7 +486,7 @@ impl<C: GracefulConnection> Future for Watched<C> {
                 // A drain has its own time (drain_timeout), in which a slow
                 // answer may rightly send nothing for a while.
                 *this.lingering = !started;
-                let at = Instant::now() + this.conduct.write_timeout;
+                let at = clock::now() + this.conduct.write_timeout;
                 this.linger.as_mut().reset(at);
             }
         }

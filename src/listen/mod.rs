@@ -750,7 +750,8 @@ where
         tls,
         pressured,
     } = accepted;
-    async move {
+    // Each poll reads the clock once, for all the request path does in it.
+    crate::units::clock::Clocked::new(async move {
         // A connection that says nothing must not hold its slot: the
         // head's timer starts only once the protocol is known, and that
         // is learnt from the first bytes.
@@ -808,7 +809,7 @@ where
         };
         log_end(what, peer, served);
         drop(permit);
-    }
+    })
 }
 
 /// Sets a new connection's socket options (no Nagle; the send buffer the

@@ -18,6 +18,7 @@ use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 
+use crate::units::clock;
 use bytes::Bytes;
 use http::{HeaderValue, Method};
 use http_body::{Body, Frame, SizeHint};
@@ -215,7 +216,10 @@ pub struct Entry {
 impl Entry {
     fn line(&self) -> Vec<u8> {
         let time = humantime::format_rfc3339_millis(std::time::SystemTime::now());
-        let duration_ms = self.start.elapsed().as_secs_f64() * 1000.0;
+        let duration_ms = clock::now()
+            .saturating_duration_since(self.start)
+            .as_secs_f64()
+            * 1000.0;
         let duration_ms = (duration_ms * 1000.0).round() / 1000.0;
         let error = self.error.as_ref().and_then(|e| e.to_str().ok());
         let request_id = self.request_id.as_ref().and_then(|e| e.to_str().ok());

@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use crate::observe::trace::{RequestTrace, Tracing};
+use crate::units::clock;
 use crate::wire::identity;
 use crate::wire::{CallerBody, CallerUpgrade};
 use arc_swap::ArcSwap;
@@ -542,7 +543,7 @@ impl Proxy {
         mut req: Box<Request<CallerBody>>,
         caller: &Caller,
     ) -> Response<Logged<ResponseBody>> {
-        let start = Instant::now();
+        let start = clock::now();
         let mut present = Present::of(req.headers());
         let grpc = present.any(Present::CONTENT_TYPE) && headers::is_grpc(req.headers());
         // Made in a block of its own, so that what is only needed before
@@ -705,10 +706,11 @@ impl Proxy {
             false => metrics::Source::Upstream,
         };
         counted.disarm();
-        route
-            .guards
-            .metrics
-            .request(resp.status(), source, start.elapsed());
+        route.guards.metrics.request(
+            resp.status(),
+            source,
+            clock::now().saturating_duration_since(start),
+        );
         resp
     }
 }
@@ -735,7 +737,11 @@ impl Counted<'_> {
 impl Drop for Counted<'_> {
     fn drop(&mut self) {
         if let Some(route) = self.route {
-            route.request(gone(), metrics::Source::Proxy, self.start.elapsed());
+            route.request(
+                gone(),
+                metrics::Source::Proxy,
+                clock::now().saturating_duration_since(*self.start),
+            );
         }
     }
 }

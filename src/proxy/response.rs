@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::units::clock;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
@@ -275,7 +276,7 @@ impl Body for ResponseBody {
                 if polled.is_pending() {
                     slot.waiting();
                     // Made on the first wait, pushed back at the start of each later one.
-                    let deadline = tokio::time::Instant::now() + *idle;
+                    let deadline = clock::now() + *idle;
                     let timer =
                         timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
                     if !std::mem::replace(waiting, true) {

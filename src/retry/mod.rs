@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::units::clock;
 use tokio::time::Instant;
 use tracing::debug;
 
@@ -216,7 +217,7 @@ pub async fn run_until<T: Attempts>(
     // A caller's own deadline may be over before anything is sent (a
     // gRPC `grpc-timeout` of 0, or a wait before the attempts: an injected
     // delay, the body taken in): nothing goes upstream.
-    if deadline <= Instant::now() {
+    if deadline <= clock::now() {
         note(&mut books.trace, format_args!("1=deadline"));
         let over = End::Failed {
             outcome: Outcome::Deadline,
@@ -695,7 +696,7 @@ fn hedge_gates<T: Attempts>(
     if !attempts.hedgeable() {
         return None;
     }
-    let now = Instant::now();
+    let now = clock::now();
     let gates = Gates {
         breaker_open: !guards.breaker.is_closed(),
         budget_has_token: guards.budget.has_token(now),
@@ -708,7 +709,7 @@ fn hedge_gates<T: Attempts>(
             Ok(()) => match attempts.reserve(false) {
                 Ok(()) => None,
                 Err(_) => {
-                    guards.budget.refund(Instant::now());
+                    guards.budget.refund(clock::now());
                     Some(SkipReason::Overloaded)
                 }
             },
@@ -741,7 +742,7 @@ fn refuse<A>(
         }
         return done(n - 1, refused, trace);
     };
-    guards.budget.refund(Instant::now());
+    guards.budget.refund(clock::now());
     let reason = match refused {
         End::Failed {
             outcome: Outcome::Refused(Refusal::Overloaded),
@@ -801,7 +802,7 @@ fn spend(token: &mut Option<Token<'_>>) {
 impl Drop for Token<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.budget.refund(Instant::now());
+            self.budget.refund(clock::now());
         }
     }
 }
@@ -884,7 +885,7 @@ impl Guards {
             false => {
                 let (admit, transition) = self
                     .breaker
-                    .with(|b| b.admit(Instant::now(), &mut rand::rng()));
+                    .with(|b| b.admit(clock::now(), &mut rand::rng()));
                 self.transitioned(transition);
                 admit
             }
@@ -904,7 +905,7 @@ impl Guards {
         if route {
             return Ok(Probe { route, path: false });
         }
-        match self.paths.admit(path, Instant::now(), &mut rand::rng()) {
+        match self.paths.admit(path, clock::now(), &mut rand::rng()) {
             (Admit::Yes { probe }, _) => Ok(Probe { route, path: probe }),
             (Admit::No { retry_after }, _) => Err(Refused {
                 retry_after,
@@ -918,7 +919,7 @@ impl Guards {
     pub fn record(&self, probe: Probe, outcome: BreakerOutcome, path: PathKey) {
         // One clock read and one handle on the thread's generator for both
         // breakers.
-        let (now, rng) = (Instant::now(), &mut rand::rng());
+        let (now, rng) = (clock::now(), &mut rand::rng());
         let (for_route, transition) = self.paths.record(path, probe.path, outcome, now, rng);
         if let Some(t) = transition {
             self.metrics.path_breaker(t.to);

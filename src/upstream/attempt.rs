@@ -16,6 +16,7 @@ use crate::upstream::UpstreamBody;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Response};
 
+use crate::units::clock;
 use crate::wire::CallerBody;
 use tokio::time::Instant;
 
@@ -272,7 +273,7 @@ impl<'a> Forward<'a> {
         }
         let grpc_left = self
             .grpc_deadline
-            .map(|d| d.saturating_duration_since(Instant::now()));
+            .map(|d| d.saturating_duration_since(clock::now()));
         let (mut req, progress) = self.request(n, &picked.endpoint().host, grpc_left);
         let traced = self.trace.map(|trace| {
             let label = &picked.endpoint().label;
@@ -452,7 +453,7 @@ impl<'a> retry::Attempts for Forward<'a> {
             // One look at the clock for both: the attempt's time, and the
             // upstream's latency from when it had the whole request (a slow
             // upload is the caller's time, not the upstream's).
-            let ended = Instant::now();
+            let ended = clock::now();
             let elapsed = ended.saturating_duration_since(sent_at);
             let latency = ended.saturating_duration_since(sent_whole);
             let caller = |p: &Progress| {
@@ -659,14 +660,14 @@ async fn timed<F: Future>(
     per_try: Duration,
     deadline: Instant,
 ) -> (Timed<F::Output>, Instant, Instant) {
-    let start = Instant::now();
+    let start = clock::now();
     let fair = per_try / 2;
     let sent = match progress {
         Some(p) if !p.is_sent() => {
             tokio::select! {
                 biased;
                 out = &mut send => return (Timed::Done(out), start, start),
-                () = p.sent() => Instant::now(),
+                () = p.sent() => clock::now(),
                 () = tokio::time::sleep_until(deadline) => {
                     let late = if p.waiting_on_caller() {
                         Timed::Stalled

@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use crate::units::clock;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderValue, Response, Uri};
 use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
@@ -424,7 +425,7 @@ impl Upstream {
         let pick = match &members.outliers {
             Some(o) if members.any_out.load(Ordering::Acquire) => {
                 let mut o = o.lock().unwrap_or_else(|e| e.into_inner());
-                let pick = o.pick(Instant::now(), turn, previous, retryable, breaker_probe);
+                let pick = o.pick(clock::now(), turn, previous, retryable, breaker_probe);
                 members.any_out.store(o.any_out(), Ordering::Release);
                 pick
             }
@@ -507,7 +508,7 @@ impl Upstream {
             let (before, after, wait) = {
                 let mut limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
                 let before = limiter.limit();
-                let now = tokio::time::Instant::now();
+                let now = clock::now();
                 self.take_outage_end(&mut limiter, now);
                 limiter.update(sample, self.in_flight(), queued, now);
                 (before, limiter.limit(), limiter.wait())
@@ -535,7 +536,7 @@ impl Upstream {
         }
         if let Some(limiter) = &self.limiter {
             let mut limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
-            let now = tokio::time::Instant::now();
+            let now = clock::now();
             self.take_outage_end(&mut limiter, now);
             limiter.relax(now);
             self.limit.store(limiter.limit(), Ordering::Relaxed);
@@ -619,7 +620,7 @@ impl Upstream {
     /// request reaches the upstream beyond the limit.
     pub async fn wait_for_slot(self: &Arc<Self>, deadline: Instant) -> Option<InFlight> {
         let wait = Duration::from_nanos(self.wait_nanos.load(Ordering::Relaxed));
-        let until = deadline.min(Instant::now() + wait);
+        let until = deadline.min(clock::now() + wait);
         self.waiting.fetch_add(1, Ordering::Relaxed);
         let slot = loop {
             let notified = self.freed.notified();

@@ -35,6 +35,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::units::clock;
 use http::uri::{Authority, PathAndQuery};
 use http::{Request, Response};
 use hyper::client::conn::{http1, TrySendError};
@@ -156,7 +157,7 @@ impl Shelf {
 
     /// Takes back a socket whose answer was read whole.
     pub(crate) fn put_plain(&self, raw: Box<Raw>) {
-        self.put(Idle::Plain(raw), Instant::now());
+        self.put(Idle::Plain(raw), clock::now());
     }
 }
 
@@ -301,7 +302,7 @@ impl H1Pool {
             return None;
         }
         let at = Duration::from_nanos(self.staleness.at.load(Relaxed));
-        let now = Instant::now().saturating_duration_since(self.epoch);
+        let now = clock::now().saturating_duration_since(self.epoch);
         if now.saturating_sub(at) > STALE_MEMORY {
             return None;
         }
@@ -311,7 +312,7 @@ impl H1Pool {
     /// A request was lost in the close of a connection idle for `idled`.
     fn lost(&self, idled: Duration) {
         use std::sync::atomic::Ordering::Relaxed;
-        let now = Instant::now().saturating_duration_since(self.epoch);
+        let now = clock::now().saturating_duration_since(self.epoch);
         let remembered = self.max_idle_for(true).is_some();
         let idled = u64::try_from(idled.as_nanos()).unwrap_or(u64::MAX).max(1);
         let shortest = self.staleness.shortest.load(Relaxed);
@@ -499,7 +500,7 @@ impl H1Pool {
     /// `plain`: for herdguard's own exchange, which leaves hyper's live
     /// connections be; hyper's takes a plain socket as a parked one.
     fn checkout(&self, max_idle_for: Option<Duration>, plain: bool) -> Option<(Taken, Duration)> {
-        let now = Instant::now();
+        let now = clock::now();
         let mut idle = self.shelf.lock();
         let mut i = idle.len();
         while i > 0 {
@@ -550,7 +551,7 @@ impl H1Pool {
     /// not all stay, each holding its buffers).
     pub fn put_back(&self, pooled: Pooled) {
         if !pooled.sender.is_closed() && pooled.park.is_some() {
-            self.shelf.put(Idle::Live(pooled), Instant::now());
+            self.shelf.put(Idle::Live(pooled), clock::now());
         }
     }
 

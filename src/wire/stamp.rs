@@ -5,6 +5,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::units::clock;
 use tokio::time::Instant;
 
 #[derive(Debug)]
@@ -18,14 +19,15 @@ impl Stamp {
     /// A stamp that reads as now.
     pub fn new() -> Self {
         Self {
-            start: Instant::now(),
+            start: clock::now(),
             nanos: AtomicU64::new(0),
         }
     }
 
     /// Now is the last time. Never moves back, whatever the threads' order.
     pub fn touch(&self) {
-        let nanos = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let since = clock::now().saturating_duration_since(self.start);
+        let nanos = u64::try_from(since.as_nanos()).unwrap_or(u64::MAX);
         self.nanos.fetch_max(nanos, Ordering::Relaxed);
     }
 

@@ -401,8 +401,9 @@ fn gathered<R>(bufs: &[io::IoSlice<'_>], write: impl FnOnce(&[u8]) -> R) -> Opti
     let total = bufs.iter().try_fold(0usize, |sum, b| {
         Some(sum.saturating_add(b.len())).filter(|&s| s <= GATHER)
     })?;
-    FLAT.with(|flat| {
-        // Taken while writing: a write is never made from inside another.
+    // Gone with its thread (a write from a thread-local's destructor), or
+    // taken (a write is never made from inside another): vectored.
+    FLAT.try_with(|flat| {
         let mut flat = flat.try_borrow_mut().ok()?;
         flat.clear();
         flat.reserve_exact(total);
@@ -411,6 +412,8 @@ fn gathered<R>(bufs: &[io::IoSlice<'_>], write: impl FnOnce(&[u8]) -> R) -> Opti
         }
         Some(write(&flat))
     })
+    .ok()
+    .flatten()
 }
 
 impl<T: AsyncWrite + Abort> AsyncWrite for WriteStall<T> {

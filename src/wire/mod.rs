@@ -97,8 +97,8 @@ macro_rules! write_through {
                 bufs: &[std::io::IoSlice<'_>],
             ) -> std::task::Poll<std::io::Result<usize>> {
                 let inner = &mut self.inner;
-                let flat = |flat: &[u8]| std::pin::Pin::new(&mut *inner).poll_write(cx, flat);
-                if let Some(polled) = $crate::wire::gathered(bufs, flat) {
+                let write = |flat: &[u8]| std::pin::Pin::new(&mut *inner).poll_write(cx, flat);
+                if let Some(polled) = $crate::wire::gathered(bufs, write) {
                     return polled;
                 }
                 std::pin::Pin::new(inner).poll_write_vectored(cx, bufs)

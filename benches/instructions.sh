@@ -45,7 +45,8 @@ UP_PORT=18301 NGINX_PORT=18302 HAPROXY_PORT=18303 HG_PORT=18304 HG_ADMIN=18305 U
 
 . benches/common.sh
 install_tools valgrind:valgrind nginx:nginx-light haproxy:haproxy
-cargo build --release --quiet
+# HERDGUARD=path measures that binary (the shipped one: deploy/release-build.sh).
+[ -n "${HERDGUARD:-}" ] || cargo build --release --quiet
 
 ports_free $UP_PORT $NGINX_PORT $HAPROXY_PORT $HG_PORT $HG_ADMIN $UP2_PORT
 

@@ -37,7 +37,9 @@ PORTS="$UP_PORT $NGINX_PORT $HAPROXY_PORT $HG_PORT $HG_ADMIN $HG_PORT_NORETRY $H
 . benches/common.sh
 install_tools wrk:wrk nginx:nginx-light haproxy:haproxy
 need python3 || { echo "python3 is needed to read oha's JSON" >&2; exit 1; }
-cargo build --release --quiet
+# HERDGUARD=path measures that binary (the shipped one: deploy/release-build.sh).
+HG=${HERDGUARD:-./target/release/herdguard}
+[ -n "${HERDGUARD:-}" ] || cargo build --release --quiet
 
 ports_free $PORTS
 
@@ -62,12 +64,12 @@ herdguard_conf herdguard $HG_PORT $HG_ADMIN $UP_PORT 3
 herdguard_conf herdguard-noretry $HG_PORT_NORETRY $HG_ADMIN_NORETRY $UP_PORT 1
 herdguard_conf herdguard-default $HG_PORT_MT $HG_ADMIN_MT $UP_PORT 3
 export RUST_LOG=warn
-spawn 1 ./target/release/herdguard --config "$WORK/herdguard.toml" --threads 1; HG_PID=$!; PIDS+=($HG_PID)
-spawn 1 ./target/release/herdguard --config "$WORK/herdguard-noretry.toml" --threads 1; HG2_PID=$!; PIDS+=($HG2_PID)
+spawn 1 "$HG" --config "$WORK/herdguard.toml" --threads 1; HG_PID=$!; PIDS+=($HG_PID)
+spawn 1 "$HG" --config "$WORK/herdguard-noretry.toml" --threads 1; HG2_PID=$!; PIDS+=($HG2_PID)
 # The default runtime: a thread per core it may use; pinned to one core, that is
 # the single-threaded scheduler, as with --threads 1 (two rows of one setup:
 # their difference is the run-to-run noise).
-spawn 1 ./target/release/herdguard --config "$WORK/herdguard-default.toml"; HG3_PID=$!; PIDS+=($HG3_PID)
+spawn 1 "$HG" --config "$WORK/herdguard-default.toml"; HG3_PID=$!; PIDS+=($HG3_PID)
 
 for p in $UP_PORT $NGINX_PORT $HAPROXY_PORT $HG_PORT $HG_PORT_NORETRY $HG_PORT_MT; do wait_port "$p"; done
 

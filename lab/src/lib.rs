@@ -7,3 +7,4 @@
 pub mod backoff;
 pub mod outage;
 pub mod plot;
+pub mod train;

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use herdguard_lab::{backoff, outage, plot};
+use herdguard_lab::{backoff, outage, plot, train};
 
 // Writing to stdout or stderr never panics: a closed pipe is not a reason to abort.
 macro_rules! out {
@@ -83,6 +83,15 @@ enum Lab {
         #[arg(long, default_value = "lab-results")]
         out: PathBuf,
     },
+    /// Runs a herdguard binary in front of a local upstream under a fixed
+    /// mix of requests, then stops it with SIGINT: the training run of the
+    /// profile-guided release build (deploy/release-build.sh).
+    Train {
+        /// The herdguard binary to run.
+        binary: PathBuf,
+        #[arg(long, default_value_t = 60_000, value_parser = herdguard::units::at_least_one::<u64>)]
+        requests: u64,
+    },
     /// Draws the SVG plots again from the CSV files of earlier runs.
     Plot {
         /// Directory holding backoff.csv and outage-*.csv.
@@ -129,6 +138,7 @@ fn run_lab(lab: Lab) -> ExitCode {
             stall,
             out,
         } => lab_fleet(&sidecars, callers, stall, &out),
+        Lab::Train { binary, requests } => lab_train(&binary, requests),
         Lab::Plot { from, out } => lab_plot(&from, out.as_deref().unwrap_or(&from)),
     };
     match result {
@@ -168,6 +178,20 @@ fn read(path: &std::path::Path) -> Result<String, LabError> {
 fn create_dir(dir: &std::path::Path) -> Result<(), LabError> {
     std::fs::create_dir_all(dir)
         .map_err(|e| LabError::Failed(format!("cannot create {}: {e}", dir.display())))
+}
+
+fn lab_train(binary: &std::path::Path, requests: u64) -> Result<(), LabError> {
+    let params = train::Params {
+        requests,
+        ..train::Params::default()
+    };
+    let rt = tokio::runtime::Runtime::new()
+        .map_err(|e| LabError::Failed(format!("cannot start the runtime: {e}")))?;
+    let summary = rt
+        .block_on(train::run(binary, &params))
+        .map_err(LabError::Failed)?;
+    out!("answered, by status (0: no answer): {summary:?}\n");
+    Ok(())
 }
 
 fn lab_backoff(

@@ -1,0 +1,59 @@
+//! `herdguard-lab train`, the training run of the profile-guided release
+//! build: the real herdguard binary, under the whole mix, stopped with
+//! SIGINT and exiting cleanly (a binary built to be profiled writes its
+//! profile only then).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The workspace's herdguard binary, built beside this test's own.
+fn herdguard() -> PathBuf {
+    let lab = PathBuf::from(env!("CARGO_BIN_EXE_herdguard-lab"));
+    let binary = lab.with_file_name("herdguard");
+    assert!(
+        binary.exists(),
+        "{} is missing: the workspace's tests build it",
+        binary.display()
+    );
+    binary
+}
+
+#[test]
+fn the_training_run_sends_the_whole_mix_and_stops_the_proxy_cleanly() {
+    let out = Command::new(env!("CARGO_BIN_EXE_herdguard-lab"))
+        .args(["train", "--requests", "2000"])
+        .arg(herdguard())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Of every 20 requests: one to a path the upstream does not have, one
+    // answered 503 and retried (a retry that meets a 503 again is allowed
+    // by the budget only now and then), the rest 200.
+    assert_eq!(count(&stdout, 404), Some(100), "{stdout}");
+    let ok = count(&stdout, 200).unwrap_or(0);
+    assert!((1800..=1900).contains(&ok), "{stdout}");
+    assert_eq!(count(&stdout, 0), None, "{stdout}");
+}
+
+/// The count of `status` in the run's summary (`{200: 1850, 404: 100}`).
+fn count(summary: &str, status: u16) -> Option<u64> {
+    let (_, after) = summary
+        .split_once(&format!("{{{status}: "))
+        .or_else(|| summary.split_once(&format!(" {status}: ")))?;
+    after.split([',', '}']).next()?.trim().parse().ok()
+}
+
+#[test]
+fn a_binary_that_does_not_start_is_an_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_herdguard-lab"))
+        .args(["train", "--requests", "10", "/nonexistent/herdguard"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/herdguard"));
+}

@@ -20,6 +20,8 @@
 # ran still lands in the hot part, with its siblings after what ran.
 #
 #   benches/hot-text.sh            # rewrites deploy/hot-text.ld; deploy/release-build.sh uses it
+#   HERDGUARD=target/release/herdguard benches/hot-text.sh  # from the shipped build, after
+#                                  # deploy/release-build.sh (what the committed script is made from)
 #
 # Installs valgrind and nginx from Debian, and oha with cargo, when missing.
 set -euo pipefail
@@ -30,8 +32,10 @@ UP_PORT=18701 HG_PORT=18702 HG_ADMIN=18703 DEAD_PORT=18704
 
 . benches/common.sh
 install_tools valgrind:valgrind nginx:nginx-light curl:curl python3:python3
-cargo build --release --quiet
-BIN=./target/release/herdguard
+# HERDGUARD=path lists what ran in that binary instead (the profile-guided
+# build that deploy/release-build.sh makes inlines and names differently).
+BIN=${HERDGUARD:-./target/release/herdguard}
+[ -n "${HERDGUARD:-}" ] || cargo build --release --quiet
 ports_free $UP_PORT $HG_PORT $HG_ADMIN $DEAD_PORT
 scratch_and_pinning
 
@@ -159,7 +163,8 @@ with open(out, "w") as f:
         "   hashes. `.text.*` takes a function's section whether LLVM named it\n"
         "   `.text.` or, for a cold one, `.text.unlikely.`. One list per block: the\n"
         "   linker matches a block's patterns in one pass over the sections (a block\n"
-        "   per function took 8 s more to link a debug build). deploy/release-build.sh\n"
+        "   per function took 8 s more to link a debug build). Last, what a\n"
+        "   profile-guided build marked hot itself. deploy/release-build.sh\n"
         "   passes this file to the linker (docs/memory.md). Do not edit. */\n"
         "SECTIONS\n{\n  .text.hot :\n  {\n"
     )
@@ -168,6 +173,11 @@ with open(out, "w") as f:
         for n in block:
             f.write(f"      .text.*{n}\n")
         f.write("    )\n")
+    # What the profile-guided build's own profile marked hot (LLVM names
+    # such a function's section `.text.hot.`): a build trained again
+    # inlines a little differently, and a function that ran inlined in the
+    # build this list was made from may stand alone in the next.
+    f.write("    *(.text.hot.*)\n")
     f.write("  }\n}\nINSERT BEFORE .text;\n")
 print(f"{out}: {len(ran)} functions ran, {len(loose)} names", file=sys.stderr)
 PY

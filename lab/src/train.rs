@@ -107,11 +107,13 @@ async fn ready(addr: SocketAddr) -> Result<(), String> {
 /// SIGINT, as an operator stops it, and its exit (at most 30 s): the
 /// profile is written as the process exits.
 async fn stop(child: &mut Child) -> Result<(), String> {
-    let pid = child.id().to_string();
-    let signalled = Command::new("kill").args(["-INT", &pid]).status();
-    if !signalled.is_ok_and(|s| s.success()) {
+    let pid = i32::try_from(child.id())
+        .ok()
+        .and_then(rustix::process::Pid::from_raw);
+    let signalled = pid.map(|pid| rustix::process::kill_process(pid, rustix::process::Signal::INT));
+    if !matches!(signalled, Some(Ok(()))) {
         let _ = child.kill();
-        return Err("could not signal herdguard".into());
+        return Err(format!("could not signal herdguard: {signalled:?}"));
     }
     for _ in 0..300 {
         match child.try_wait() {

@@ -50,6 +50,10 @@ impl Default for Params {
 /// How the requests were answered: count by status.
 pub type Summary = BTreeMap<u16, u64>;
 
+/// How long one request may take, head and body: an answer that does not
+/// come counts as none, and the run goes on (it is bounded by its limit).
+const ANSWER_WITHIN: Duration = Duration::from_secs(5);
+
 /// The answer's body of the usual GET: about the size of nginx's index page.
 const PAGE: &[u8] = &[b'x'; 612];
 
@@ -58,7 +62,7 @@ pub async fn run(binary: &Path, params: &Params) -> Result<Summary, String> {
     let upstream = start_upstream().await?;
     let dir = std::env::temp_dir().join(format!("herdguard-train-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let (listen, admin) = (free_port()?, free_port()?);
+    let [listen, admin] = free_ports()?;
     let config = dir.join("herdguard.toml");
     std::fs::write(
         &config,
@@ -76,7 +80,7 @@ pub async fn run(binary: &Path, params: &Params) -> Result<Summary, String> {
         .stdout(Stdio::null())
         .spawn()
         .map_err(|e| format!("{}: {e}", binary.display()))?;
-    let result = match ready(listen).await {
+    let result = match ready(admin, listen).await {
         Ok(()) => send(listen, params).await,
         Err(e) => Err(e),
     };
@@ -87,21 +91,45 @@ pub async fn run(binary: &Path, params: &Params) -> Result<Summary, String> {
     Ok(summary)
 }
 
-/// A port nothing listens on now.
-fn free_port() -> Result<SocketAddr, String> {
-    let socket = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
-    socket.local_addr().map_err(|e| e.to_string())
+/// Two ports nothing listens on now, held together so that they differ.
+/// Another process may take one before the child binds it: the child then
+/// fails to start, or [`ready`] does not hear herdguard there.
+fn free_ports() -> Result<[SocketAddr; 2], String> {
+    let bind = || std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string());
+    let (a, b) = (bind()?, bind()?);
+    let addr = |s: &std::net::TcpListener| s.local_addr().map_err(|e| e.to_string());
+    Ok([addr(&a)?, addr(&b)?])
 }
 
-/// Waits (at most 10 s) until `addr` takes connections.
-async fn ready(addr: SocketAddr) -> Result<(), String> {
-    for _ in 0..200 {
-        if tokio::net::TcpStream::connect(addr).await.is_ok() {
+/// Waits (at most 10 s) until herdguard's admin listener at `admin`
+/// answers its health check (a listener that is not herdguard's, or does
+/// not answer, is not taken for it), and its proxy listener takes
+/// connections.
+async fn ready(admin: SocketAddr, listen: SocketAddr) -> Result<(), String> {
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let healthy = || async {
+        let req = Request::get(format!("http://{admin}/healthz"))
+            .body(Full::new(Bytes::new()))
+            .ok()?;
+        let resp = tokio::time::timeout(ANSWER_WITHIN, client.request(req))
+            .await
+            .ok()?
+            .ok()?;
+        let body = tokio::time::timeout(ANSWER_WITHIN, resp.into_body().collect())
+            .await
+            .ok()?
+            .ok()?;
+        (body.to_bytes().as_ref() == b"ok\n").then_some(())
+    };
+    for _ in 0..100 {
+        if healthy().await.is_some() && tokio::net::TcpStream::connect(listen).await.is_ok() {
             return Ok(());
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    Err(format!("herdguard did not listen on {addr} within 10 s"))
+    Err(format!(
+        "herdguard did not answer its health check at {admin} within 10 s"
+    ))
 }
 
 /// SIGINT, as an operator stops it, and its exit (at most 30 s): the
@@ -271,14 +299,18 @@ async fn send(listen: SocketAddr, params: &Params) -> Result<Summary, String> {
                 if n >= requests || tokio::time::Instant::now() >= deadline {
                     return;
                 }
-                let status = match client.request(request(listen, n)).await {
-                    Ok(resp) => {
-                        let status = resp.status().as_u16();
-                        let _ = resp.into_body().collect().await;
-                        status
-                    }
-                    Err(_) => 0,
+                let exchange = async {
+                    let resp = client.request(request(listen, n)).await.ok()?;
+                    let status = resp.status().as_u16();
+                    resp.into_body().collect().await.ok()?;
+                    Some(status)
                 };
+                // An answer that does not come is counted as none.
+                let status = tokio::time::timeout(ANSWER_WITHIN, exchange)
+                    .await
+                    .ok()
+                    .flatten()
+                    .unwrap_or(0);
                 let mut summary = summary.lock().unwrap_or_else(|e| e.into_inner());
                 *summary.entry(status).or_default() += 1;
             }

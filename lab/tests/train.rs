@@ -57,3 +57,26 @@ fn a_binary_that_does_not_start_is_an_error() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/herdguard"));
 }
+
+/// A binary that starts and never answers (here: one that sleeps) does not
+/// hang the build that trains it: the run gives up at its readiness bound,
+/// stops it, and says so.
+#[test]
+fn a_binary_that_never_answers_is_given_up_on() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let fake = dir.path().join("silent");
+    std::fs::write(&fake, "#!/bin/sh\nexec sleep 600\n").unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let started = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_herdguard-lab"))
+        .args(["train", "--requests", "10"])
+        .arg(&fake)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("health check"), "{stderr}");
+    // Readiness is bounded at 10 s and the stop at 30 s.
+    assert!(started.elapsed() < std::time::Duration::from_secs(45));
+}

@@ -20,8 +20,9 @@
 # ran still lands in the hot part, with its siblings after what ran.
 #
 #   benches/hot-text.sh            # rewrites deploy/hot-text.ld; deploy/release-build.sh uses it
-#   HERDGUARD=target/release/herdguard benches/hot-text.sh  # from the shipped build, after
-#                                  # deploy/release-build.sh (what the committed script is made from)
+#   HERDGUARD="PLAIN SHIPPED" benches/hot-text.sh  # from both builds (what the committed
+#                                  # script is made from: a copy of a plain `cargo build
+#                                  # --release`, and of deploy/release-build.sh's binary)
 #
 # Installs valgrind and nginx from Debian, and oha with cargo, when missing.
 set -euo pipefail
@@ -32,9 +33,11 @@ UP_PORT=18701 HG_PORT=18702 HG_ADMIN=18703 DEAD_PORT=18704
 
 . benches/common.sh
 install_tools valgrind:valgrind nginx:nginx-light curl:curl python3:python3
-# HERDGUARD=path lists what ran in that binary instead (the profile-guided
-# build that deploy/release-build.sh makes inlines and names differently).
-BIN=${HERDGUARD:-./target/release/herdguard}
+# HERDGUARD="path ..." lists what ran in those binaries instead, all of
+# them in one script: the plain build and the profile-guided one that
+# deploy/release-build.sh makes (which inlines, and so names, differently),
+# so that the script packs either.
+read -r -a BINS <<<"${HERDGUARD:-./target/release/herdguard}"
 [ -n "${HERDGUARD:-}" ] || cargo build --release --quiet
 ports_free $UP_PORT $HG_PORT $HG_ADMIN $DEAD_PORT
 scratch_and_pinning
@@ -93,13 +96,14 @@ for raw in [
 PY
 }
 
-# profile THREADS: the run, with the runtime of one thread (current-thread
-# scheduler, as in the benches) or of more (the multi-thread one, as in the
-# manifests); its profile in $WORK/callgrind.THREADS.
+# profile THREADS N: the run of $BIN (the Nth binary), with the runtime of
+# one thread (current-thread scheduler, as in the benches) or of more (the
+# multi-thread one, as in the manifests); its profile in
+# $WORK/callgrind.N.THREADS.
 profile() {
   : > "$WORK/hg.log"
   RUST_LOG=info valgrind --tool=callgrind --demangle=no --dump-instr=no \
-    --callgrind-out-file="$WORK/callgrind.$1" \
+    --callgrind-out-file="$WORK/callgrind.$2.$1" \
     "$BIN" --config "$WORK/herdguard.toml" --threads "$1" >"$WORK/hg.log" 2>&1 &
   local hg=$! url="http://127.0.0.1:$HG_PORT"
   wait_port $HG_PORT
@@ -123,10 +127,13 @@ profile() {
   oha --no-tui --output-format quiet -n 2000 -c 16 "$url/after-reload"
   kill -TERM $hg; wait $hg || true
 }
-profile 1
-profile 2
-
-nm --defined-only "$BIN" | awk 'NF == 3 && $2 ~ /^[tT]$/ { print $3 }' > "$WORK/symbols"
+: > "$WORK/symbols"
+for i in "${!BINS[@]}"; do
+  BIN=${BINS[$i]}
+  profile 1 "$i"
+  profile 2 "$i"
+  nm --defined-only "$BIN" | awk 'NF == 3 && $2 ~ /^[tT]$/ { print $3 }' >> "$WORK/symbols"
+done
 python3 - "$WORK/symbols" "$OUT" "$WORK"/callgrind.* <<'PY'
 import re, sys
 

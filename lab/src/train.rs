@@ -80,7 +80,7 @@ pub async fn run(binary: &Path, params: &Params) -> Result<Summary, String> {
         .stdout(Stdio::null())
         .spawn()
         .map_err(|e| format!("{}: {e}", binary.display()))?;
-    let result = match ready(admin, listen).await {
+    let result = match ready(&mut child, admin, listen).await {
         Ok(()) => send(listen, params).await,
         Err(e) => Err(e),
     };
@@ -104,8 +104,9 @@ fn free_ports() -> Result<[SocketAddr; 2], String> {
 /// Waits (at most 10 s) until herdguard's admin listener at `admin`
 /// answers its health check (a listener that is not herdguard's, or does
 /// not answer, is not taken for it), and its proxy listener takes
-/// connections.
-async fn ready(admin: SocketAddr, listen: SocketAddr) -> Result<(), String> {
+/// connections; or until `child` exits (a config it refuses, a port
+/// taken), which it says at once.
+async fn ready(child: &mut Child, admin: SocketAddr, listen: SocketAddr) -> Result<(), String> {
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let healthy = || async {
         let req = Request::get(format!("http://{admin}/healthz"))
@@ -124,6 +125,9 @@ async fn ready(admin: SocketAddr, listen: SocketAddr) -> Result<(), String> {
     for _ in 0..100 {
         if healthy().await.is_some() && tokio::net::TcpStream::connect(listen).await.is_ok() {
             return Ok(());
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(format!("herdguard exited before it was ready: {status}"));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

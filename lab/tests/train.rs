@@ -80,3 +80,16 @@ fn a_binary_that_never_answers_is_given_up_on() {
     // Readiness is bounded at 10 s and the stop at 30 s.
     assert!(started.elapsed() < std::time::Duration::from_secs(45));
 }
+
+/// A binary that exits at once (a config it refuses, a port taken) is
+/// reported as such, not waited for until the readiness bound.
+#[test]
+fn a_binary_that_exits_at_once_is_reported_as_exited() {
+    let out = Command::new(env!("CARGO_BIN_EXE_herdguard-lab"))
+        .args(["train", "--requests", "10", "/bin/false"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("exited before it was ready"), "{stderr}");
+}

@@ -452,7 +452,6 @@ mod tests {
     }
 
     use super::*;
-
     use tokio::io::AsyncWriteExt;
 
     #[tokio::test(start_paused = true)]

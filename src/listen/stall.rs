@@ -6,7 +6,9 @@
 //! body, its upstream connection and its in-flight slot for ever; enough of
 //! them shed every other caller as `overloaded`. A response that keeps
 //! flowing, however slowly, is never cut: only a write that stays pending
-//! for the whole `write_timeout` is.
+//! for the whole `write_timeout` is. Its close is a reset (see [`Abort`]):
+//! what the kernel still held for it is dropped, not sent on for as long as
+//! the caller keeps its end open.
 
 use std::io;
 use std::pin::Pin;
@@ -310,10 +312,13 @@ fn watch<R>(
         timer.as_mut().reset(deadline);
     }
     match timer.as_mut().poll(cx) {
-        Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            "the caller read nothing for write_timeout",
-        ))),
+        Poll::Ready(()) => {
+            abort();
+            Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the caller read nothing for write_timeout",
+            )))
+        }
         Poll::Pending => Poll::Pending,
     }
 }

@@ -67,7 +67,10 @@ impl Raw {
         std::pin::pin!(self.stream.read_buf(&mut self.buf)).poll(cx)
     }
 
-    /// Whether the socket is open and has nothing to read.
+    /// Whether the socket is open and has nothing to read: asked of the
+    /// socket itself (a `MSG_PEEK`), not of the reactor, which hears of a
+    /// close or of bytes sent unasked only at its next turn (see
+    /// docs/request-path.md, "Tried and not kept").
     pub(super) fn is_quiet(&self) -> bool {
         self.buf.is_empty() && super::pool::is_quiet(socket2::SockRef::from(&self.stream))
     }
@@ -364,5 +367,54 @@ impl Body for PlainBody {
             Some(n) => SizeHint::with_exact(n),
             None => SizeHint::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    /// A socket to an upstream that has answered one request, read as the
+    /// exchange reads it (the read that ended the answer drained the
+    /// socket), and the upstream's end.
+    async fn answered() -> (Box<Raw>, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let stream = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (mut upstream, _) = listener.accept().await.unwrap();
+        let mut raw = Raw::new(stream, Shelf::none());
+        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+        upstream.write_all(answer).await.unwrap();
+        while raw.buf.len() < answer.len() {
+            let read = poll_fn(|cx| raw.poll_fill(cx)).await.unwrap();
+            assert!(read > 0);
+        }
+        raw.buf.clear();
+        (raw, upstream)
+    }
+
+    /// Waits until the reactor has seen the socket readable.
+    async fn seen_readable(raw: &Raw) {
+        poll_fn(|cx| raw.stream.poll_read_ready(cx)).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_drained_socket_is_quiet_until_its_upstream_closes_it() {
+        let (raw, upstream) = answered().await;
+        assert!(raw.is_quiet());
+        assert!(raw.is_quiet(), "asking does not change the answer");
+        drop(upstream);
+        seen_readable(&raw).await;
+        assert!(!raw.is_quiet());
+    }
+
+    #[tokio::test]
+    async fn stray_bytes_make_a_socket_unfit() {
+        let (raw, mut upstream) = answered().await;
+        upstream.write_all(b"HTTP/1.1 200 OK\r\n").await.unwrap();
+        seen_readable(&raw).await;
+        assert!(!raw.is_quiet());
     }
 }

@@ -159,6 +159,16 @@ impl Shelf {
     pub(crate) fn put_plain(&self, raw: Box<Raw>) {
         self.put(Idle::Plain(raw), clock::now());
     }
+
+    /// A shelf of no pool, keeping nothing.
+    #[cfg(test)]
+    pub(crate) fn none() -> Arc<Self> {
+        Arc::new(Self {
+            idle: Mutex::default(),
+            max_idle: 0,
+            closed: Default::default(),
+        })
+    }
 }
 
 enum Idle {

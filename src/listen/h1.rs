@@ -51,7 +51,7 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt as _, ReadBuf};
 use tokio::sync::oneshot;
 
 use crate::listen::drain::{Drain, Signal};
-use crate::listen::stall::{WriteStall, Writes};
+use crate::listen::stall::{Abort, WriteStall, Writes};
 use crate::wire::caller::{BodyEnd, CallerBody, CallerUpgrade, Upgraded};
 
 /// A stream whose first bytes were read ahead: they are read again first.
@@ -60,7 +60,7 @@ pub struct Rewind<S> {
     inner: S,
 }
 
-impl<S: crate::listen::stall::Abort> crate::listen::stall::Abort for Rewind<S> {
+impl<S: Abort> Abort for Rewind<S> {
     fn abort_on_close(&self) {
         self.inner.abort_on_close();
     }
@@ -463,7 +463,7 @@ type Parts<I, S> = http1::Parts<TokioIo<Stream<I>>, Cycled<S>>;
 
 /// How one hyper connection (one exchange, or a run of pipelined ones)
 /// ended.
-enum Ended<I, S> {
+enum Ended<I: Abort, S> {
     /// Idle after its answer: the stream can serve the next request.
     Idle(Parts<I, S>),
     /// The answer switched protocols: the stream goes to the proxy.
@@ -667,7 +667,7 @@ impl Serving<'_> {
 
 /// The stream and service of a connection whose exchange ended idle, with
 /// what hyper read ahead put back.
-fn resumed<I, S>(parts: Parts<I, S>) -> (Stream<I>, Cycled<S>) {
+fn resumed<I: Abort, S>(parts: Parts<I, S>) -> (Stream<I>, Cycled<S>) {
     let mut stream = parts.io.into_inner();
     rewind(&mut stream, &parts.read_buf);
     (stream, parts.service)
@@ -734,7 +734,7 @@ impl Serving<'_> {
 
 /// Puts bytes hyper read ahead back in front of the stream, in a buffer
 /// of their own size: hyper's is 8 KiB.
-fn rewind<I>(stream: &mut Stream<I>, read: &Bytes) {
+fn rewind<I: Abort>(stream: &mut Stream<I>, read: &Bytes) {
     if !read.is_empty() {
         let rewind = stream.get_mut();
         let mut prefix = Vec::with_capacity(read.len() + rewind.prefix.len());

@@ -6,9 +6,10 @@
 //! body, its upstream connection and its in-flight slot for ever; enough of
 //! them shed every other caller as `overloaded`. A response that keeps
 //! flowing, however slowly, is never cut: only a write that stays pending
-//! for the whole `write_timeout` is. Its close is a reset (see [`Abort`]):
-//! what the kernel still held for it is dropped, not sent on for as long as
-//! the caller keeps its end open.
+//! for the whole `write_timeout` is. A connection let go while a write
+//! waits, for this or any other reason, is reset (see [`Abort`]): what the
+//! kernel still held for it is dropped, not sent on for as long as the
+//! caller keeps its end open.
 
 use std::io;
 use std::pin::Pin;
@@ -223,7 +224,7 @@ pin_project! {
     /// (a boxed timer in the runtime's wheel) for every request, read
     /// whole in one go or not; this one is armed only for a head that did
     /// not come whole, and is made once for a connection.
-    pub struct WriteStall<T> {
+    pub struct WriteStall<T: Abort> {
         #[pin]
         inner: T,
         writes: Arc<Writes>,
@@ -239,9 +240,22 @@ pin_project! {
         // as what every idle connection keeps is.
         head_timeout_ms: u32,
     }
+
+    /// A connection let go while its latest write waits for the caller to
+    /// read (cut for it, closed outright after lingering, given up at the
+    /// end of a drain) is reset: what it queued is dropped, not sent on
+    /// for as long as the caller keeps its end open.
+    impl<T: Abort> PinnedDrop for WriteStall<T> {
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            if this.writes.blocked.load(Ordering::Relaxed) {
+                this.inner.as_ref().get_ref().abort_on_close();
+            }
+        }
+    }
 }
 
-impl<T> WriteStall<T> {
+impl<T: Abort> WriteStall<T> {
     pub fn new(inner: T, timeout: Duration, writes: Arc<Writes>) -> Self {
         Self {
             inner,
@@ -325,7 +339,7 @@ fn watch<R>(
 
 use std::future::Future as _;
 
-impl<T: AsyncRead> AsyncRead for WriteStall<T> {
+impl<T: AsyncRead + Abort> AsyncRead for WriteStall<T> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,

@@ -287,3 +287,53 @@ async fn a_drain_timeout_that_cuts_connections_logs_how_many() {
         caller.abort();
     }
 }
+
+/// A caller that reads nothing of its answer until the drain runs out of
+/// time is reset: what was queued for it is dropped with the connection,
+/// not sent on after the process is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_timeout_resets_a_caller_that_reads_nothing() {
+    use common::process::Binary;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let big = upstream(|_| async { http::Response::new(full(vec![b'x'; 32 << 20])) }).await;
+    let hg = Binary::start_with(
+        "drain_timeout = \"300ms\"",
+        &format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+            big.url()
+        ),
+    )
+    .await;
+    let mut stuck = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+    stuck
+        .write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    eventually(
+        std::time::Duration::from_secs(5),
+        "the answer is under way",
+        || async { hg.metric(r#"herdguard_in_flight{upstream="u"}"#).await == 1.0 },
+    )
+    .await;
+    hg.sigterm();
+    hg.exited().await;
+    let mut buf = vec![0u8; 1 << 16];
+    let mut got = 0;
+    let end = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            match stuck.read(&mut buf).await {
+                Ok(0) => break Ok(()),
+                Ok(n) => got += n,
+                Err(e) => break Err(e.kind()),
+            }
+        }
+    })
+    .await
+    .expect("the connection ends");
+    assert_eq!(
+        end,
+        Err(std::io::ErrorKind::ConnectionReset),
+        "after {got} bytes"
+    );
+    assert!(got < 32 << 20, "{got}");
+}

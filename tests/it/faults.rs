@@ -453,19 +453,7 @@ async fn a_caller_that_stops_reading_lets_go_of_its_upstream_slot() {
     assert_eq!(body.len(), 32 << 20);
     // The stuck connection was reset, not closed: what the kernel held for
     // it was dropped rather than kept to be sent for as long as it stays.
-    let mut buf = vec![0u8; 1 << 16];
-    let mut got = 0;
-    let end = tokio::time::timeout(std::time::Duration::from_secs(10), async {
-        loop {
-            match stuck.read(&mut buf).await {
-                Ok(0) => break Ok(()),
-                Ok(n) => got += n,
-                Err(e) => break Err(e.kind()),
-            }
-        }
-    })
-    .await
-    .expect("the stuck connection ends");
+    let (got, end) = read_to_end(&mut stuck).await;
     assert_eq!(
         end,
         Err(std::io::ErrorKind::ConnectionReset),

@@ -275,6 +275,28 @@ where
     panic!("not within {limit:?}: {what}");
 }
 
+/// Reads `stream` to its end, for at most 10 s: the bytes read, and how it
+/// ended (`Ok`: a clean end; else the error's kind, such as a reset).
+pub async fn read_to_end(
+    stream: &mut tokio::net::TcpStream,
+) -> (usize, Result<(), std::io::ErrorKind>) {
+    use tokio::io::AsyncReadExt as _;
+    let mut buf = vec![0u8; 1 << 16];
+    let mut got = 0;
+    let end = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) => break Ok(()),
+                Ok(n) => got += n,
+                Err(e) => break Err(e.kind()),
+            }
+        }
+    })
+    .await
+    .expect("the connection ends within 10 s");
+    (got, end)
+}
+
 /// An upstream that holds every request until released, and says when one arrived.
 pub struct Held {
     pub upstream: Upstream,

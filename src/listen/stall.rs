@@ -4,9 +4,10 @@
 //!
 //! Why: a caller that stops reading a large response keeps its response
 //! body, its upstream connection and its in-flight slot for ever; enough of
-//! them shed every other caller as `overloaded`. A response that keeps
-//! flowing, however slowly, is never cut: only a write that stays pending
-//! for the whole `write_timeout` is. A connection let go while a write
+//! them shed every other caller as `overloaded`. Only a write that stays
+//! pending for the whole `write_timeout` is cut. The kernel wakes a waiting
+//! write once about a third of the send buffer is free, so a caller reading
+//! under about two thirds of it per `write_timeout` is cut too (README). A connection let go while a write
 //! waits, for this or any other reason, is reset (see [`Abort`]): what the
 //! kernel still held for it is dropped, not sent on for as long as the
 //! caller keeps its end open.

@@ -294,7 +294,6 @@ async fn a_drain_timeout_that_cuts_connections_logs_how_many() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_timeout_resets_a_caller_that_reads_nothing() {
     use common::process::Binary;
-    use tokio::io::AsyncWriteExt as _;
     let big = upstream(|_| async { http::Response::new(full(vec![b'x'; 32 << 20])) }).await;
     let hg = Binary::start_with(
         "drain_timeout = \"300ms\"",
@@ -304,17 +303,7 @@ async fn a_drain_timeout_resets_a_caller_that_reads_nothing() {
         ),
     )
     .await;
-    let mut stuck = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
-    stuck
-        .write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")
-        .await
-        .unwrap();
-    eventually(
-        std::time::Duration::from_secs(5),
-        "the answer is under way",
-        || async { hg.metric(r#"herdguard_in_flight{upstream="u"}"#).await == 1.0 },
-    )
-    .await;
+    let mut stuck = stuck_caller(&hg).await;
     hg.sigterm();
     hg.exited().await;
     let (got, end) = read_to_end(&mut stuck).await;

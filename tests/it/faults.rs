@@ -430,17 +430,7 @@ async fn a_caller_that_stops_reading_lets_go_of_its_upstream_slot() {
     )
     .await;
     // Asks for 32 MiB and reads none of it.
-    let mut stuck = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
-    stuck
-        .write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")
-        .await
-        .unwrap();
-    eventually(
-        std::time::Duration::from_secs(5),
-        "the slot is taken",
-        || async { hg.metric(IN_FLIGHT).await == 1.0 },
-    )
-    .await;
+    let mut stuck = stuck_caller(&hg).await;
     eventually(
         std::time::Duration::from_secs(10),
         "the slot comes back",

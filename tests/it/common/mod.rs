@@ -275,6 +275,24 @@ where
     panic!("not within {limit:?}: {what}");
 }
 
+/// A caller that asks `hg` for `GET /big` and reads none of it, once its
+/// request holds upstream `u`'s slot.
+pub async fn stuck_caller(hg: &process::Binary) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt as _;
+    let mut stuck = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+    stuck
+        .write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    eventually(
+        std::time::Duration::from_secs(5),
+        "the answer is under way",
+        || async { hg.metric(r#"herdguard_in_flight{upstream="u"}"#).await == 1.0 },
+    )
+    .await;
+    stuck
+}
+
 /// Reads `stream` to its end, for at most 10 s: the bytes read, and how it
 /// ended (`Ok`: a clean end; else the error's kind, such as a reset).
 pub async fn read_to_end(

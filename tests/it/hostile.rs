@@ -765,8 +765,10 @@ async fn one_failing_path_is_refused_alone() {
     })
     .await;
     // Timeouts far above what an answer takes: beside the rest of the suite
-    // on two cores, a victim's attempt slowed past the default 2 s failed,
-    // and the next failure of the hammered path then counted for the route.
+    // on two cores, a victim's attempt slowed past the default 2 s would
+    // fail, and the next failure of the hammered path would then count for
+    // the route (the likely cause of a run at 85/100; the outcomes below
+    // tell, should it fail again).
     let config = format!(
         "[upstreams.u]\nendpoints = [\"{}\"]\nconnect_timeout = \"10s\"\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n\
          retry = {{ per_try_timeout = \"30s\", timeout = \"30s\" }}\n",

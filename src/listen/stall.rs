@@ -7,10 +7,12 @@
 //! them shed every other caller as `overloaded`. Only a write that stays
 //! pending for the whole `write_timeout` is cut. The kernel wakes a waiting
 //! write once about a third of the send buffer is free, so a caller reading
-//! under about two thirds of it per `write_timeout` is cut too (README). A connection let go while a write
-//! waits, for this or any other reason, is reset (see [`Abort`]): what the
-//! kernel still held for it is dropped, not sent on for as long as the
-//! caller keeps its end open.
+//! under about two thirds of it per `write_timeout` is cut too (README).
+//!
+//! A connection let go while a write waits, for this or any other reason,
+//! is reset (`WriteStall`'s drop, see [`Abort`]): what the kernel still held
+//! for it is dropped, not sent on for as long as the caller keeps its end
+//! open.
 
 use std::io;
 use std::pin::Pin;
@@ -327,13 +329,11 @@ fn watch<R>(
         timer.as_mut().reset(deadline);
     }
     match timer.as_mut().poll(cx) {
-        Poll::Ready(()) => {
-            abort();
-            Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the caller read nothing for write_timeout",
-            )))
-        }
+        // The write is still pending (`blocked`): the drop resets it.
+        Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "the caller read nothing for write_timeout",
+        ))),
         Poll::Pending => Poll::Pending,
     }
 }

@@ -657,6 +657,58 @@ async fn a_caller_that_reads_nothing_holds_one_send_buffer_in_the_kernel() {
     }
 }
 
+/// An answer written whole and closed to a caller that reads none of it
+/// does not stay queued in the kernel for as long as the caller stays:
+/// once the caller's window has been shut for `write_timeout`, the kernel
+/// drops the connection (`TCP_USER_TIMEOUT`), and the caller is reset when
+/// it reads on. Before, the closed socket kept its queue (FIN-WAIT-1) for
+/// as long as the caller acknowledged the kernel's window probes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_closed_to_a_caller_that_reads_nothing_is_dropped_after_write_timeout() {
+    use tokio::io::AsyncWriteExt as _;
+    // 128 KiB: the whole answer fits the caller's send buffer (twice the
+    // default `send_buffer`), so no write of the proxy's waits.
+    let (_up, toml) = big_answers(128 << 10, 1).await;
+    let hg = Binary::start_with("write_timeout = \"1s\"", &toml).await;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stuck = socket.connect(hg.listen.parse().unwrap()).await.unwrap();
+    stuck
+        .write_all(b"GET /r0/big HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let caller = stuck.local_addr().unwrap().port();
+    let listen = port(&hg.listen);
+    eventually(
+        Duration::from_secs(10),
+        "the answer queued",
+        || async move { send_queue(listen, caller).unwrap_or(0) > 64 << 10 },
+    )
+    .await;
+    // The proxy is done with the connection: nothing of it is in flight.
+    eventually(Duration::from_secs(10), "the request ended", || async {
+        hg.metric(r#"herdguard_in_flight{upstream="u0"}"#).await == 0.0
+    })
+    .await;
+    eventually(
+        Duration::from_secs(20),
+        "the queue dropped",
+        || async move { send_queue(listen, caller).is_none() },
+    )
+    .await;
+    let (got, end) = read_to_end(&mut stuck).await;
+    assert_eq!(
+        end,
+        Err(std::io::ErrorKind::ConnectionReset),
+        "after {got} bytes"
+    );
+    assert!(got < 64 << 10, "{got}");
+    // A caller that reads gets its whole answer, closed cleanly.
+    let (status, _, body) = get_at(&hg.listen, "/r0/big").await;
+    assert_eq!((status, body.len()), (StatusCode::OK, 128 << 10));
+    hg.terminate().await;
+}
+
 /// A reload to a config whose own state would fill the bound (hundreds of
 /// routes in 16 MiB) is refused as the start is, before it is built, and
 /// the running config goes on serving; one that fits is applied after it,

@@ -12,10 +12,14 @@ use herdguard::observe::telemetry::{self, LogFormat};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info, warn};
 
-// The one module with `unsafe`: calls into glibc's malloc interface.
+// The modules with `unsafe`: calls into glibc's malloc interface, and the
+// one `ioctl` that reads a socket's send queue.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 mod malloc;
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+mod sockets;
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[global_allocator]
@@ -128,6 +132,8 @@ fn main() -> ExitCode {
         malloc::trim_freed_memory();
         herdguard::listen::pressure::measure_with(malloc::counted);
     }
+    #[cfg(target_os = "linux")]
+    herdguard::listen::send_queue_with(sockets::send_queue);
     let cli = Cli::parse();
     match cli.command {
         Some(Command::Check { config, quiet }) => check(&config, quiet),

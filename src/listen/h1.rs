@@ -64,6 +64,10 @@ impl<S: Abort> Abort for Rewind<S> {
     fn abort_on_close(&self) {
         self.inner.abort_on_close();
     }
+
+    fn send_queue(&self) -> Option<usize> {
+        self.inner.send_queue()
+    }
 }
 
 impl<S> Rewind<S> {

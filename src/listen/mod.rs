@@ -6,6 +6,7 @@ pub mod h1;
 pub mod pressure;
 mod sniff;
 pub(crate) mod stall;
+pub use stall::send_queue_with;
 
 use std::convert::Infallible;
 use std::future::Future;

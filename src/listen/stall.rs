@@ -5,9 +5,12 @@
 //! Why: a caller that stops reading a large response keeps its response
 //! body, its upstream connection and its in-flight slot for ever; enough of
 //! them shed every other caller as `overloaded`. Only a write that stays
-//! pending for the whole `write_timeout` is cut. The kernel wakes a waiting
-//! write once about a third of the send buffer is free, so a caller reading
-//! under about two thirds of it per `write_timeout` is cut too (README).
+//! pending for the whole `write_timeout`, with the socket's send queue no
+//! shorter at its end than at its start, is cut: the kernel wakes a waiting
+//! write only once about a third of the send buffer is free, so a caller
+//! reading slowly leaves it waiting for long, and what it did read shows in
+//! the queue alone. The queue is read through the binary's hook
+//! ([`send_queue_with`]); without it, a write pending `write_timeout` is cut.
 //!
 //! A connection let go while a write waits, for this or any other reason,
 //! is reset (`WriteStall`'s drop, see [`Abort`]): what the kernel still held
@@ -15,9 +18,10 @@
 //! open.
 
 use std::io;
+use std::os::fd::{AsFd as _, BorrowedFd};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -200,24 +204,46 @@ const SENT: usize = 1;
 /// Bytes a connection counts before it adds them to its listener's.
 const FLUSH_AT: u64 = 64 * 1024;
 
-/// A caller's transport whose close can drop what the caller has not read.
+/// How the bytes in a socket's send queue are read (the binary:
+/// `SIOCOUTQ`); until it is installed, nothing reads them.
+static SEND_QUEUE: OnceLock<fn(BorrowedFd<'_>) -> Option<usize>> = OnceLock::new();
+
+/// Installs how a socket's send queue is read: the bytes written to it
+/// and not yet acknowledged by the caller.
+pub fn send_queue_with(read: fn(BorrowedFd<'_>) -> Option<usize>) {
+    let _ = SEND_QUEUE.set(read);
+}
+
+/// A caller's transport: its close can drop what the caller has not
+/// read, and its kernel send queue can be read.
 pub trait Abort {
     /// Makes the coming close abortive (`SO_LINGER` 0: a reset): a
     /// connection cut for reading nothing would otherwise keep its whole
     /// send queue in the kernel, closing, for as long as its caller keeps
     /// its end open (250 KiB a connection, outside any count).
     fn abort_on_close(&self);
+
+    /// The bytes in the socket's send queue, if they can be read.
+    fn send_queue(&self) -> Option<usize>;
 }
 
 impl Abort for tokio::net::TcpStream {
     fn abort_on_close(&self) {
         let _ = socket2::SockRef::from(self).set_linger(Some(Duration::ZERO));
     }
+
+    fn send_queue(&self) -> Option<usize> {
+        SEND_QUEUE.get().and_then(|read| read(self.as_fd()))
+    }
 }
 
 impl<S: Abort> Abort for tokio_rustls::server::TlsStream<S> {
     fn abort_on_close(&self) {
         self.get_ref().0.abort_on_close();
+    }
+
+    fn send_queue(&self) -> Option<usize> {
+        self.get_ref().0.send_queue()
     }
 }
 
@@ -232,9 +258,7 @@ pin_project! {
         inner: T,
         writes: Arc<Writes>,
         timeout: Duration,
-        // Armed while a write is pending; made on the first stall only.
-        timer: Option<Pin<Box<Sleep>>>,
-        stalled: bool,
+        stall: Stall,
         // Armed while a read waits in the middle of a head; made on the
         // first such wait only.
         head_timer: Option<Pin<Box<Sleep>>>,
@@ -264,8 +288,7 @@ impl<T: Abort> WriteStall<T> {
             inner,
             writes,
             timeout,
-            timer: None,
-            stalled: false,
+            stall: Stall::default(),
             head_timer: None,
             head_armed: false,
             head_timeout_ms: 0,
@@ -296,19 +319,29 @@ impl<T: Abort> WriteStall<T> {
     }
 }
 
-/// Turns a pending write into an error once it has been pending `timeout`.
-fn watch<R>(
+/// A pending write's timer.
+#[derive(Default)]
+struct Stall {
+    /// Armed while a write is pending; made on the first stall only.
+    timer: Option<Pin<Box<Sleep>>>,
+    stalled: bool,
+    /// The socket's send queue when the timer was armed, if it was read.
+    queued: Option<usize>,
+}
+
+/// Turns a pending write into an error once it has been pending `timeout`
+/// and the caller took nothing of the socket's send queue meanwhile.
+fn watch<R, T: Abort>(
     polled: Poll<io::Result<R>>,
     timeout: Duration,
-    timer: &mut Option<Pin<Box<Sleep>>>,
-    stalled: &mut bool,
+    stall: &mut Stall,
     writes: &Writes,
     cx: &mut Context<'_>,
-    abort: impl FnOnce(),
+    transport: &T,
 ) -> Poll<io::Result<R>> {
     if polled.is_ready() {
-        if *stalled {
-            *stalled = false;
+        if stall.stalled {
+            stall.stalled = false;
             writes.blocked.store(false, Ordering::Relaxed);
         }
         return polled;
@@ -316,25 +349,40 @@ fn watch<R>(
     // Registered before the flag is read: a cut made in between wakes it.
     writes.waker.register(cx.waker());
     if writes.is_cut() {
-        abort();
+        transport.abort_on_close();
         return Poll::Ready(Err(io::Error::other(
             "cut: the caller read nothing while memory ran short",
         )));
     }
     let deadline = Instant::now() + timeout;
-    let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-    if !*stalled {
-        *stalled = true;
+    let timer = stall
+        .timer
+        .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+    if !stall.stalled {
+        stall.stalled = true;
         writes.blocked.store(true, Ordering::Relaxed);
         timer.as_mut().reset(deadline);
+        stall.queued = transport.send_queue();
     }
-    match timer.as_mut().poll(cx) {
-        // The write is still pending (`blocked`): the drop resets it.
-        Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            "the caller read nothing for write_timeout",
-        ))),
-        Poll::Pending => Poll::Pending,
+    loop {
+        if timer.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        // The caller read some of what was queued: a slow reader, not a
+        // stalled one. Timed again from here.
+        match (stall.queued, transport.send_queue()) {
+            (Some(before), Some(now)) if now < before => {
+                stall.queued = Some(now);
+                timer.as_mut().reset(Instant::now() + timeout);
+            }
+            // The write is still pending (`blocked`): the drop resets it.
+            _ => {
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the caller read nothing for write_timeout",
+                )))
+            }
+        }
     }
 }
 
@@ -411,11 +459,10 @@ impl<T: AsyncWrite + Abort> AsyncWrite for WriteStall<T> {
         watch(
             polled,
             *this.timeout,
-            this.timer,
-            this.stalled,
+            this.stall,
             this.writes,
             cx,
-            || this.inner.as_ref().get_ref().abort_on_close(),
+            this.inner.as_ref().get_ref(),
         )
     }
 
@@ -434,11 +481,10 @@ impl<T: AsyncWrite + Abort> AsyncWrite for WriteStall<T> {
         watch(
             polled,
             *this.timeout,
-            this.timer,
-            this.stalled,
+            this.stall,
             this.writes,
             cx,
-            || this.inner.as_ref().get_ref().abort_on_close(),
+            this.inner.as_ref().get_ref(),
         )
     }
 
@@ -452,11 +498,10 @@ impl<T: AsyncWrite + Abort> AsyncWrite for WriteStall<T> {
         watch(
             polled,
             *this.timeout,
-            this.timer,
-            this.stalled,
+            this.stall,
             this.writes,
             cx,
-            || this.inner.as_ref().get_ref().abort_on_close(),
+            this.inner.as_ref().get_ref(),
         )
     }
 
@@ -469,6 +514,10 @@ impl<T: AsyncWrite + Abort> AsyncWrite for WriteStall<T> {
 mod tests {
     impl super::Abort for tokio::io::DuplexStream {
         fn abort_on_close(&self) {}
+
+        fn send_queue(&self) -> Option<usize> {
+            None
+        }
     }
 
     use super::*;

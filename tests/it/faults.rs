@@ -453,6 +453,53 @@ async fn a_caller_that_stops_reading_lets_go_of_its_upstream_slot() {
     hg.terminate().await;
 }
 
+/// A caller that reads slowly but steadily is never cut by write_timeout,
+/// though each write waits far longer than it for the kernel (which wakes
+/// a waiting write only once a third of the send buffer is free): the
+/// queue the caller takes from is what counts as progress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_reads_slowly_but_steadily_gets_its_whole_answer() {
+    const SIZE: usize = 256 << 10;
+    let up = upstream(|_| async { http::Response::new(full(vec![b'x'; SIZE])) }).await;
+    let hg = Binary::start_with(
+        "write_timeout = \"300ms\"\nsend_buffer = \"64KiB\"",
+        &format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+            up.url()
+        ),
+    )
+    .await;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut slow = socket.connect(hg.listen.parse().unwrap()).await.unwrap();
+    slow.write_all(b"GET /slow HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    // 8 KiB every 150 ms (about 53 KB/s): 16 KiB a write_timeout, less
+    // than the third of the send buffer that wakes a waiting write.
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 8 << 10];
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+            match slow.read(&mut buf).await {
+                Ok(0) => break Ok(()),
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => break Err(e.kind()),
+            }
+        }
+    })
+    .await
+    .expect("read within 30 s");
+    let body_at = got
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|at| at + 4);
+    assert_eq!(ended, Ok(()), "after {} bytes", got.len());
+    assert_eq!(body_at.map(|at| got.len() - at), Some(SIZE));
+    hg.terminate().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h2_streams_given_no_window_let_go_of_their_upstream_slots() {
     let up = upstream(|_| async { http::Response::new(full(vec![b'x'; 64 << 10])) }).await;

@@ -68,6 +68,10 @@ impl<S: Abort> Abort for Rewind<S> {
     fn send_queue(&self) -> Option<usize> {
         self.inner.send_queue()
     }
+
+    fn bound_close(&self, within: Duration) {
+        self.inner.bound_close(within);
+    }
 }
 
 impl<S> Rewind<S> {

@@ -815,21 +815,9 @@ where
 
 /// Sets a new connection's socket options (no Nagle; the send buffer the
 /// listener asks for, before anything is written: the kernel then never
-/// grows it; `TCP_USER_TIMEOUT` at `write_timeout`), and reads where it was
-/// going if it was redirected.
-///
-/// With `TCP_USER_TIMEOUT` the kernel drops the connection once what it
-/// sent has gone unacknowledged, or the caller's receive window has stayed
-/// shut, for `write_timeout`, whether the proxy still holds the socket or
-/// has closed it. Without it, an answer written whole and closed to a
-/// caller that reads nothing stays queued for as long as the caller acks
-/// the kernel's window probes (200 callers asking 150 KiB each held 42 MB
-/// of kernel memory until they left), and a caller gone without a word
-/// keeps its unacknowledged data retransmitted for about 15 minutes.
+/// grows it), and reads where it was going if it was redirected.
 fn tune(stream: &tokio::net::TcpStream, limits: &Limits) -> Option<SocketAddr> {
     let _ = stream.set_nodelay(true);
-    let user_timeout = u32::try_from(limits.write_timeout.as_millis()).unwrap_or(u32::MAX);
-    let _ = rustix::net::sockopt::set_tcp_user_timeout(stream, user_timeout.max(1));
     if let Some(size) = limits.send_buffer {
         let _ = rustix::net::sockopt::set_socket_send_buffer_size(stream, size);
     }

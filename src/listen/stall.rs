@@ -15,7 +15,8 @@
 //! A connection let go while a write waits, for this or any other reason,
 //! is reset (`WriteStall`'s drop, see [`Abort`]): what the kernel still held
 //! for it is dropped, not sent on for as long as the caller keeps its end
-//! open.
+//! open. One closed with its writes done but some of them still queued
+//! leaves them to the kernel for `write_timeout` ([`Abort::bound_close`]).
 
 use std::io;
 use std::os::fd::{AsFd as _, BorrowedFd};
@@ -225,11 +226,27 @@ pub trait Abort {
 
     /// The bytes in the socket's send queue, if they can be read.
     fn send_queue(&self) -> Option<usize>;
+
+    /// Gives what the coming close leaves queued `within` to go out: the
+    /// kernel drops the connection once its caller's window has stayed
+    /// shut (or what was sent gone unacknowledged) that long
+    /// (`TCP_USER_TIMEOUT`). Without it, an answer closed to a caller that
+    /// reads none of it stays queued, outside any count, for as long as the
+    /// caller acks the kernel's window probes. Set at the close only: on an open
+    /// connection the kernel's count restarts only when the window opens by
+    /// a whole segment (64 KiB on loopback), so it would cut callers that
+    /// read slowly but steadily.
+    fn bound_close(&self, within: Duration);
 }
 
 impl Abort for tokio::net::TcpStream {
     fn abort_on_close(&self) {
         let _ = socket2::SockRef::from(self).set_linger(Some(Duration::ZERO));
+    }
+
+    fn bound_close(&self, within: Duration) {
+        let ms = u32::try_from(within.as_millis()).unwrap_or(u32::MAX).max(1);
+        let _ = rustix::net::sockopt::set_tcp_user_timeout(self, ms);
     }
 
     fn send_queue(&self) -> Option<usize> {
@@ -244,6 +261,10 @@ impl<S: Abort> Abort for tokio_rustls::server::TlsStream<S> {
 
     fn send_queue(&self) -> Option<usize> {
         self.get_ref().0.send_queue()
+    }
+
+    fn bound_close(&self, within: Duration) {
+        self.get_ref().0.bound_close(within);
     }
 }
 
@@ -271,12 +292,17 @@ pin_project! {
     /// A connection let go while its latest write waits for the caller to
     /// read (cut for it, closed outright after lingering, given up at the
     /// end of a drain) is reset: what it queued is dropped, not sent on
-    /// for as long as the caller keeps its end open.
+    /// for as long as the caller keeps its end open. One closed with its
+    /// writes done but some of them still queued has `write_timeout` for
+    /// them to go out ([`Abort::bound_close`]).
     impl<T: Abort> PinnedDrop for WriteStall<T> {
         fn drop(this: Pin<&mut Self>) {
             let this = this.project();
+            let transport = this.inner.as_ref().get_ref();
             if this.writes.blocked.load(Ordering::Relaxed) {
-                this.inner.as_ref().get_ref().abort_on_close();
+                transport.abort_on_close();
+            } else if transport.send_queue() != Some(0) {
+                transport.bound_close(*this.timeout);
             }
         }
     }
@@ -518,6 +544,8 @@ mod tests {
         fn send_queue(&self) -> Option<usize> {
             None
         }
+
+        fn bound_close(&self, _: Duration) {}
     }
 
     use super::*;

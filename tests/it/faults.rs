@@ -456,48 +456,68 @@ async fn a_caller_that_stops_reading_lets_go_of_its_upstream_slot() {
 /// A caller that reads slowly but steadily is never cut by write_timeout,
 /// though each write waits far longer than it for the kernel (which wakes
 /// a waiting write only once a third of the send buffer is free): the
-/// queue the caller takes from is what counts as progress.
+/// queue the caller takes from is what counts as progress. With a small
+/// receive buffer (its window opens 2 KiB at a time), closed after the
+/// answer, and with the usual one (it opens only once tens of KiB were
+/// read), kept alive: on a closed connection the kernel's own rule takes
+/// over (`TCP_USER_TIMEOUT`), which such a caller would not pass at 3 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_that_reads_slowly_but_steadily_gets_its_whole_answer() {
     const SIZE: usize = 256 << 10;
     let up = upstream(|_| async { http::Response::new(full(vec![b'x'; SIZE])) }).await;
-    let hg = Binary::start_with(
-        "write_timeout = \"300ms\"\nsend_buffer = \"64KiB\"",
-        &format!(
-            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
-            up.url()
-        ),
-    )
-    .await;
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(4096).unwrap();
-    let mut slow = socket.connect(hg.listen.parse().unwrap()).await.unwrap();
-    slow.write_all(b"GET /slow HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    // 8 KiB every 150 ms (about 53 KB/s): 16 KiB a write_timeout, less
-    // than the third of the send buffer that wakes a waiting write.
-    let mut got = Vec::new();
-    let mut buf = vec![0u8; 8 << 10];
-    let ended = tokio::time::timeout(std::time::Duration::from_secs(30), async {
-        loop {
-            tokio::time::sleep(std::time::Duration::from_millis(150)).await;
-            match slow.read(&mut buf).await {
-                Ok(0) => break Ok(()),
-                Ok(n) => got.extend_from_slice(&buf[..n]),
-                Err(e) => break Err(e.kind()),
-            }
+    let routes = format!(
+        "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+        up.url()
+    );
+    // 8 KiB every 150 ms (53 KB/s) at write_timeout 300ms: 16 KiB a
+    // write_timeout, less than the third of the send buffer that wakes a
+    // waiting write. 8 KiB every 200 ms (40 KB/s) at 3s, kept alive: the
+    // kernel's own count (TCP_USER_TIMEOUT) would cut it.
+    let cases = [
+        ("300ms", Some(4096), 150, "close"),
+        ("3s", None, 200, "keep-alive"),
+    ];
+    for (write_timeout, receive_buffer, pause_ms, connection) in cases {
+        let hg = Binary::start_with(
+            &format!("write_timeout = \"{write_timeout}\"\nsend_buffer = \"64KiB\""),
+            &routes,
+        )
+        .await;
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        if let Some(size) = receive_buffer {
+            socket.set_recv_buffer_size(size).unwrap();
         }
-    })
-    .await
-    .expect("read within 30 s");
-    let body_at = got
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map(|at| at + 4);
-    assert_eq!(ended, Ok(()), "after {} bytes", got.len());
-    assert_eq!(body_at.map(|at| got.len() - at), Some(SIZE));
-    hg.terminate().await;
+        let mut slow = socket.connect(hg.listen.parse().unwrap()).await.unwrap();
+        let request = format!("GET /slow HTTP/1.1\r\nHost: a\r\nConnection: {connection}\r\n\r\n");
+        slow.write_all(request.as_bytes()).await.unwrap();
+        let body_at = |got: &[u8]| {
+            got.windows(4)
+                .position(|w| w == b"\r\n\r\n")
+                .map(|at| at + 4)
+        };
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 8 << 10];
+        let ended = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_millis(pause_ms)).await;
+                match slow.read(&mut buf).await {
+                    Ok(0) => break Ok(()),
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                    Err(e) => break Err(e.kind()),
+                }
+                // Kept alive: whole at its length.
+                if body_at(&got).is_some_and(|at| got.len() - at == SIZE) {
+                    break Ok(());
+                }
+            }
+        })
+        .await
+        .expect("read within 30 s");
+        let case = format!("write_timeout {write_timeout}, receive buffer {receive_buffer:?}");
+        assert_eq!(ended, Ok(()), "{case}: after {} bytes", got.len());
+        assert_eq!(body_at(&got).map(|at| got.len() - at), Some(SIZE), "{case}");
+        hg.terminate().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -77,6 +77,7 @@ impl ResponseBody {
         let watch = Arc::new(Watch {
             last: Stamp::new(),
             waiting: AtomicBool::new(false),
+            caller_stalled: AtomicBool::new(false),
             slot: std::sync::Mutex::new(Some(slot)),
             done: Arc::new(Notify::new()),
         });
@@ -180,6 +181,11 @@ impl Slot {
         }
     }
 
+    /// The watchdog let the slot go because the caller took nothing.
+    fn caller_stalled(&self) -> bool {
+        matches!(self, Slot::Watched(watch) if watch.caller_stalled.load(Ordering::Relaxed))
+    }
+
     /// A frame went out toward the caller.
     fn progress(&self) {
         if let Slot::Watched(watch) = self {
@@ -203,6 +209,10 @@ struct Watch {
     /// The body was polled and the upstream had nothing: a stall then is
     /// the upstream's, not the caller's.
     waiting: AtomicBool,
+    /// The watchdog let the slot go for the caller's stall: the body's
+    /// end that follows (its upstream connection closed) is no verdict on
+    /// the upstream.
+    caller_stalled: AtomicBool,
     slot: std::sync::Mutex<Option<InFlight>>,
     /// Wakes the watchdog when the body is done or dropped.
     done: Arc<Notify>,
@@ -241,6 +251,8 @@ async fn watchdog(watch: std::sync::Weak<Watch>, done: Arc<Notify>, idle: Durati
                 // stopped taking frames, and the upstream answered well.
                 if w.waiting.load(Ordering::Relaxed) {
                     slot.broken();
+                } else {
+                    w.caller_stalled.store(true, Ordering::Relaxed);
                 }
                 slot.abandon();
                 tracing::debug!(idle = ?idle, "a response made no progress toward its caller; its upstream slot is freed");
@@ -309,7 +321,7 @@ impl Body for ResponseBody {
                         // endpoint's, and the route's breaker's when the
                         // retry loop left it to the body.
                         slot.ended(whole);
-                        route.end(whole);
+                        route.end(whole || slot.caller_stalled());
                         slot.release();
                     }
                     None => slot.progress(),

@@ -122,8 +122,9 @@ impl Reloader {
     }
 }
 
-/// A reload cannot move a bound listener: a new address or TLS setting is
-/// said, and the running one kept.
+/// A reload cannot move a bound listener: a new address, TLS setting or
+/// connection limit (what each connection took at its accept) is said, and
+/// the running one kept.
 fn warn_of_kept_listeners(running: &Config, new: &Config) {
     for (what, old, new) in [
         ("listen.address", running.listen.address, new.listen.address),
@@ -144,6 +145,38 @@ fn warn_of_kept_listeners(running: &Config, new: &Config) {
             key = "metrics",
             "a change to [metrics] needs a restart; keeping the running histogram buckets"
         );
+    }
+    let (old, fresh) = (&running.listen, &new.listen);
+    for (key, changed) in [
+        (
+            "listen.max_connections",
+            old.max_connections != fresh.max_connections,
+        ),
+        (
+            "listen.header_read_timeout",
+            old.header_read_timeout != fresh.header_read_timeout,
+        ),
+        (
+            "listen.write_timeout",
+            old.write_timeout != fresh.write_timeout,
+        ),
+        (
+            "listen.idle_timeout",
+            old.idle_timeout != fresh.idle_timeout,
+        ),
+        (
+            "listen.drain_timeout",
+            old.drain_timeout != fresh.drain_timeout,
+        ),
+        ("listen.send_buffer", old.send_buffer != fresh.send_buffer),
+        ("listen.transparent", old.transparent != fresh.transparent),
+    ] {
+        if changed {
+            warn!(
+                key,
+                "a change to {key} needs a restart: the listener keeps the one it started with"
+            );
+        }
     }
     if new.listen.tls != running.listen.tls {
         warn!(

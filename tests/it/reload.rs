@@ -522,3 +522,37 @@ async fn an_edit_and_a_sighup_reload_once() {
     assert_eq!(hg.metric(ok).await, 1.0, "reloaded again");
     hg.terminate().await;
 }
+
+/// The listener's connection settings are taken at its start: a reload
+/// that changes one says it needs a restart, naming it, and the running
+/// config's other changes are applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_changes_a_connection_setting_says_it_needs_a_restart() {
+    let up = ok_upstream("ok").await;
+    let routes = |name: &str| {
+        format!(
+            "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"{name}\"\nupstream = \"u\"\n",
+            up.url()
+        )
+    };
+    let hg = process::Binary::start_with("write_timeout = \"30s\"", &routes("a")).await;
+    hg.reload_with(
+        "write_timeout = \"1s\"\nidle_timeout = \"5s\"",
+        &routes("b"),
+    );
+    eventually(Duration::from_secs(10), "the reload applied", || async {
+        hg.metric(r#"herdguard_config_reloads_total{result="ok"}"#)
+            .await
+            >= 1.0
+    })
+    .await;
+    let lines = hg.terminate().await;
+    let said = |key: &str| {
+        lines
+            .iter()
+            .any(|l| l.contains(&format!("a change to {key} needs a restart")))
+    };
+    assert!(said("listen.write_timeout"), "{lines:#?}");
+    assert!(said("listen.idle_timeout"), "{lines:#?}");
+    assert!(!said("listen.send_buffer"), "{lines:#?}");
+}

@@ -51,7 +51,7 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt as _, ReadBuf};
 use tokio::sync::oneshot;
 
 use crate::listen::drain::{Drain, Signal};
-use crate::listen::stall::{Abort, WriteStall, Writes};
+use crate::listen::stall::{CallerSocket, WriteStall, Writes};
 use crate::wire::caller::{BodyEnd, CallerBody, CallerUpgrade, Upgraded};
 
 /// A stream whose first bytes were read ahead: they are read again first.
@@ -60,7 +60,7 @@ pub struct Rewind<S> {
     inner: S,
 }
 
-impl<S: Abort> Abort for Rewind<S> {
+impl<S: CallerSocket> CallerSocket for Rewind<S> {
     fn abort_on_close(&self) {
         self.inner.abort_on_close();
     }
@@ -107,7 +107,7 @@ crate::wire::write_through!(Rewind);
 /// A caller's stream that can wait for the caller's next bytes without a
 /// buffer of its own.
 pub trait Readable:
-    AsyncRead + AsyncWrite + crate::listen::stall::Abort + Unpin + Send + 'static
+    AsyncRead + AsyncWrite + crate::listen::stall::CallerSocket + Unpin + Send + 'static
 {
     /// Ready once the caller sends again or closes. Bytes read to find out
     /// are returned, to be read again. Polled, not async: a connection
@@ -123,7 +123,7 @@ impl Readable for tokio::net::TcpStream {
 
 impl<S> Readable for tokio_rustls::server::TlsStream<S>
 where
-    S: AsyncRead + AsyncWrite + crate::listen::stall::Abort + Unpin + Send + 'static,
+    S: AsyncRead + AsyncWrite + crate::listen::stall::CallerSocket + Unpin + Send + 'static,
 {
     fn poll_readable(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<Bytes>> {
         // Decrypted bytes may wait in the TLS session, where the socket's
@@ -471,7 +471,7 @@ type Parts<I, S> = http1::Parts<TokioIo<Stream<I>>, Cycled<S>>;
 
 /// How one hyper connection (one exchange, or a run of pipelined ones)
 /// ended.
-enum Ended<I: Abort, S> {
+enum Ended<I: CallerSocket, S> {
     /// Idle after its answer: the stream can serve the next request.
     Idle(Parts<I, S>),
     /// The answer switched protocols: the stream goes to the proxy.
@@ -675,7 +675,7 @@ impl Serving<'_> {
 
 /// The stream and service of a connection whose exchange ended idle, with
 /// what hyper read ahead put back.
-fn resumed<I: Abort, S>(parts: Parts<I, S>) -> (Stream<I>, Cycled<S>) {
+fn resumed<I: CallerSocket, S>(parts: Parts<I, S>) -> (Stream<I>, Cycled<S>) {
     let mut stream = parts.io.into_inner();
     rewind(&mut stream, &parts.read_buf);
     (stream, parts.service)
@@ -742,7 +742,7 @@ impl Serving<'_> {
 
 /// Puts bytes hyper read ahead back in front of the stream, in a buffer
 /// of their own size: hyper's is 8 KiB.
-fn rewind<I: Abort>(stream: &mut Stream<I>, read: &Bytes) {
+fn rewind<I: CallerSocket>(stream: &mut Stream<I>, read: &Bytes) {
     if !read.is_empty() {
         let rewind = stream.get_mut();
         let mut prefix = Vec::with_capacity(read.len() + rewind.prefix.len());

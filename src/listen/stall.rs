@@ -13,10 +13,10 @@
 //! ([`send_queue_with`]); without it, a write pending `write_timeout` is cut.
 //!
 //! A connection let go while a write waits, for this or any other reason,
-//! is reset (`WriteStall`'s drop, see [`Abort`]): what the kernel still held
+//! is reset (`WriteStall`'s drop, see [`CallerSocket`]): what the kernel still held
 //! for it is dropped, not sent on for as long as the caller keeps its end
 //! open. One closed with its writes done but some of them still queued
-//! leaves them to the kernel for `write_timeout` ([`Abort::bound_close`]).
+//! leaves them to the kernel for `write_timeout` ([`CallerSocket::bound_close`]).
 
 use std::io;
 use std::os::fd::{AsFd as _, BorrowedFd};
@@ -217,7 +217,7 @@ pub fn send_queue_with(read: fn(BorrowedFd<'_>) -> Option<usize>) {
 
 /// A caller's transport: its close can drop what the caller has not
 /// read, and its kernel send queue can be read.
-pub trait Abort {
+pub trait CallerSocket {
     /// Makes the coming close abortive (`SO_LINGER` 0: a reset): a
     /// connection cut for reading nothing would otherwise keep its whole
     /// send queue in the kernel, closing, for as long as its caller keeps
@@ -239,7 +239,7 @@ pub trait Abort {
     fn bound_close(&self, within: Duration);
 }
 
-impl Abort for tokio::net::TcpStream {
+impl CallerSocket for tokio::net::TcpStream {
     fn abort_on_close(&self) {
         let _ = socket2::SockRef::from(self).set_linger(Some(Duration::ZERO));
     }
@@ -254,7 +254,7 @@ impl Abort for tokio::net::TcpStream {
     }
 }
 
-impl<S: Abort> Abort for tokio_rustls::server::TlsStream<S> {
+impl<S: CallerSocket> CallerSocket for tokio_rustls::server::TlsStream<S> {
     fn abort_on_close(&self) {
         self.get_ref().0.abort_on_close();
     }
@@ -274,7 +274,7 @@ pin_project! {
     /// (a boxed timer in the runtime's wheel) for every request, read
     /// whole in one go or not; this one is armed only for a head that did
     /// not come whole, and is made once for a connection.
-    pub struct WriteStall<T: Abort> {
+    pub struct WriteStall<T: CallerSocket> {
         #[pin]
         inner: T,
         writes: Arc<Writes>,
@@ -294,8 +294,8 @@ pin_project! {
     /// end of a drain) is reset: what it queued is dropped, not sent on
     /// for as long as the caller keeps its end open. One closed with its
     /// writes done but some of them still queued has `write_timeout` for
-    /// them to go out ([`Abort::bound_close`]).
-    impl<T: Abort> PinnedDrop for WriteStall<T> {
+    /// them to go out ([`CallerSocket::bound_close`]).
+    impl<T: CallerSocket> PinnedDrop for WriteStall<T> {
         fn drop(this: Pin<&mut Self>) {
             let this = this.project();
             let transport = this.inner.as_ref().get_ref();
@@ -308,7 +308,7 @@ pin_project! {
     }
 }
 
-impl<T: Abort> WriteStall<T> {
+impl<T: CallerSocket> WriteStall<T> {
     pub fn new(inner: T, timeout: Duration, writes: Arc<Writes>) -> Self {
         Self {
             inner,
@@ -357,7 +357,7 @@ struct Stall {
 
 /// Turns a pending write into an error once it has been pending `timeout`
 /// and the caller took nothing of the socket's send queue meanwhile.
-fn watch<R, T: Abort>(
+fn watch<R, T: CallerSocket>(
     polled: Poll<io::Result<R>>,
     timeout: Duration,
     stall: &mut Stall,
@@ -414,7 +414,7 @@ fn watch<R, T: Abort>(
 
 use std::future::Future as _;
 
-impl<T: AsyncRead + Abort> AsyncRead for WriteStall<T> {
+impl<T: AsyncRead + CallerSocket> AsyncRead for WriteStall<T> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -470,7 +470,7 @@ fn head_wait(
     }
 }
 
-impl<T: AsyncWrite + Abort> AsyncWrite for WriteStall<T> {
+impl<T: AsyncWrite + CallerSocket> AsyncWrite for WriteStall<T> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -538,7 +538,7 @@ impl<T: AsyncWrite + Abort> AsyncWrite for WriteStall<T> {
 
 #[cfg(test)]
 mod tests {
-    impl super::Abort for tokio::io::DuplexStream {
+    impl super::CallerSocket for tokio::io::DuplexStream {
         fn abort_on_close(&self) {}
 
         fn send_queue(&self) -> Option<usize> {

@@ -815,9 +815,22 @@ where
 
 /// Sets a new connection's socket options (no Nagle; the send buffer the
 /// listener asks for, before anything is written: the kernel then never
-/// grows it), and reads where it was going if it was redirected.
+/// grows it; `TCP_USER_TIMEOUT` at twice `write_timeout`), and reads where
+/// it was going if it was redirected.
+///
+/// The user timeout is the kernel's backstop for what no pending write
+/// shows: an answer that fit the socket whole, to a caller that reads
+/// nothing and keeps its connection, sat queued until `idle_timeout`; a
+/// caller gone without a word kept what was sent to it retransmitted for
+/// about 15 minutes. Twice `write_timeout`, as the kernel's count restarts
+/// only when the caller's window opens by a whole segment, where the
+/// proxy's own look at the send queue counts any of it taken (see
+/// `stall`); a close with data queued sets it to `write_timeout`.
 fn tune(stream: &tokio::net::TcpStream, limits: &Limits) -> Option<SocketAddr> {
     let _ = stream.set_nodelay(true);
+    let backstop = limits.write_timeout.saturating_mul(2).as_millis();
+    let backstop = u32::try_from(backstop).unwrap_or(u32::MAX).max(1);
+    let _ = rustix::net::sockopt::set_tcp_user_timeout(stream, backstop);
     if let Some(size) = limits.send_buffer {
         let _ = rustix::net::sockopt::set_socket_send_buffer_size(stream, size);
     }

@@ -351,12 +351,21 @@ struct Stall {
     /// Armed while a write is pending; made on the first stall only.
     timer: Option<Pin<Box<Sleep>>>,
     stalled: bool,
-    /// The socket's send queue when the timer was armed, if it was read.
+    /// The socket's send queue at the last look, if it was read.
     queued: Option<usize>,
+    /// When the queue last shrank (or the write began to wait).
+    progressed: Option<Instant>,
 }
 
-/// Turns a pending write into an error once it has been pending `timeout`
-/// and the caller took nothing of the socket's send queue meanwhile.
+/// How many looks at the send queue a `write_timeout` takes: the caller's
+/// kernel takes what fits its receive buffer in the first moments of a
+/// wait, and a single look at the end would count that as the caller
+/// reading (a caller reading nothing was cut at twice `write_timeout`).
+const LOOKS: u32 = 4;
+
+/// Turns a pending write into an error once the caller has taken nothing
+/// of the socket's send queue for `timeout` (without the queue's reading,
+/// once the write has been pending `timeout`).
 fn watch<R, T: CallerSocket>(
     polled: Poll<io::Result<R>>,
     timeout: Duration,
@@ -380,35 +389,46 @@ fn watch<R, T: CallerSocket>(
             "cut: the caller read nothing while memory ran short",
         )));
     }
-    let deadline = Instant::now() + timeout;
+    let now = Instant::now();
     let timer = stall
         .timer
-        .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(now + timeout)));
     if !stall.stalled {
         stall.stalled = true;
         writes.blocked.store(true, Ordering::Relaxed);
-        timer.as_mut().reset(deadline);
         stall.queued = transport.send_queue();
+        stall.progressed = Some(now);
+        let look = if stall.queued.is_some() {
+            timeout / LOOKS
+        } else {
+            timeout
+        };
+        timer.as_mut().reset(now + look);
     }
     loop {
         if timer.as_mut().poll(cx).is_pending() {
             return Poll::Pending;
         }
-        // The caller read some of what was queued: a slow reader, not a
-        // stalled one. Timed again from here.
-        match (stall.queued, transport.send_queue()) {
-            (Some(before), Some(now)) if now < before => {
-                stall.queued = Some(now);
-                timer.as_mut().reset(Instant::now() + timeout);
-            }
-            // The write is still pending (`blocked`): the drop resets it.
-            _ => {
-                return Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "the caller read nothing for write_timeout",
-                )))
+        let now = Instant::now();
+        let queued = transport.send_queue();
+        // The caller took some of what was queued: it reads.
+        if let (Some(before), Some(left)) = (stall.queued, queued) {
+            if left < before {
+                stall.progressed = Some(now);
             }
         }
+        stall.queued = queued;
+        let last = stall.progressed.unwrap_or(now);
+        if queued.is_none() || now.saturating_duration_since(last) >= timeout {
+            // The write is still pending (`blocked`): the drop resets it.
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the caller read nothing for write_timeout",
+            )));
+        }
+        timer
+            .as_mut()
+            .reset((now + timeout / LOOKS).min(last + timeout));
     }
 }
 

@@ -709,6 +709,44 @@ async fn an_answer_closed_to_a_caller_that_reads_nothing_is_dropped_after_write_
     hg.terminate().await;
 }
 
+/// The same answer to a caller that keeps its connection and reads none
+/// of it: no write waits (the answer fit the socket whole), so only the
+/// kernel sees the stall, and drops the connection once the caller's
+/// window has been shut for twice `write_timeout`, long before
+/// `idle_timeout` would close it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_kept_queued_for_a_caller_that_reads_nothing_is_dropped_by_the_kernel() {
+    use tokio::io::AsyncWriteExt as _;
+    let (_up, toml) = big_answers(128 << 10, 1).await;
+    let hg = Binary::start_with("write_timeout = \"1s\"\nidle_timeout = \"60s\"", &toml).await;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stuck = socket.connect(hg.listen.parse().unwrap()).await.unwrap();
+    stuck
+        .write_all(b"GET /r0/big HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let caller = stuck.local_addr().unwrap().port();
+    let listen = port(&hg.listen);
+    eventually(
+        Duration::from_secs(10),
+        "the answer queued",
+        || async move { send_queue(listen, caller).unwrap_or(0) > 64 << 10 },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(20),
+        "the queue dropped",
+        || async move { send_queue(listen, caller).is_none() },
+    )
+    .await;
+    assert_eq!(
+        hg.metric(r#"herdguard_in_flight{upstream="u0"}"#).await,
+        0.0
+    );
+    hg.terminate().await;
+}
+
 /// A reload to a config whose own state would fill the bound (hundreds of
 /// routes in 16 MiB) is refused as the start is, before it is built, and
 /// the running config goes on serving; one that fits is applied after it,

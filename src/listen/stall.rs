@@ -345,27 +345,30 @@ impl<T: CallerSocket> WriteStall<T> {
     }
 }
 
-/// A pending write's timer.
+/// A pending write's timer. Small: every connection keeps one.
 #[derive(Default)]
 struct Stall {
     /// Armed while a write is pending; made on the first stall only.
     timer: Option<Pin<Box<Sleep>>>,
     stalled: bool,
-    /// The socket's send queue at the last look, if it was read.
-    queued: Option<usize>,
-    /// When the queue last shrank (or the write began to wait).
-    progressed: Option<Instant>,
+    /// The socket's send queue at the last look (`UNREAD`: not read).
+    queued: u32,
+    /// Looks in a row that found it no shorter.
+    quiet: u8,
 }
+
+/// [`Stall::queued`] when the queue could not be read.
+const UNREAD: u32 = u32::MAX;
 
 /// How many looks at the send queue a `write_timeout` takes: the caller's
 /// kernel takes what fits its receive buffer in the first moments of a
 /// wait, and a single look at the end would count that as the caller
 /// reading (a caller reading nothing was cut at twice `write_timeout`).
-const LOOKS: u32 = 4;
+const LOOKS: u8 = 4;
 
 /// Turns a pending write into an error once the caller has taken nothing
-/// of the socket's send queue for `timeout` (without the queue's reading,
-/// once the write has been pending `timeout`).
+/// of the socket's send queue for `timeout` (`LOOKS` looks in a row; if
+/// the queue cannot be read, once the write has been pending `timeout`).
 fn watch<R, T: CallerSocket>(
     polled: Poll<io::Result<R>>,
     timeout: Duration,
@@ -389,6 +392,7 @@ fn watch<R, T: CallerSocket>(
             "cut: the caller read nothing while memory ran short",
         )));
     }
+    let look = timeout / u32::from(LOOKS);
     let now = Instant::now();
     let timer = stall
         .timer
@@ -396,40 +400,43 @@ fn watch<R, T: CallerSocket>(
     if !stall.stalled {
         stall.stalled = true;
         writes.blocked.store(true, Ordering::Relaxed);
-        stall.queued = transport.send_queue();
-        stall.progressed = Some(now);
-        let look = if stall.queued.is_some() {
-            timeout / LOOKS
-        } else {
+        stall.queued = read_queue(transport);
+        stall.quiet = 0;
+        let first = if stall.queued == UNREAD {
             timeout
+        } else {
+            look
         };
-        timer.as_mut().reset(now + look);
+        timer.as_mut().reset(now + first);
     }
     loop {
         if timer.as_mut().poll(cx).is_pending() {
             return Poll::Pending;
         }
-        let now = Instant::now();
-        let queued = transport.send_queue();
+        let queued = read_queue(transport);
         // The caller took some of what was queued: it reads.
-        if let (Some(before), Some(left)) = (stall.queued, queued) {
-            if left < before {
-                stall.progressed = Some(now);
-            }
+        match queued < stall.queued {
+            true => stall.quiet = 0,
+            false => stall.quiet = stall.quiet.saturating_add(1),
         }
         stall.queued = queued;
-        let last = stall.progressed.unwrap_or(now);
-        if queued.is_none() || now.saturating_duration_since(last) >= timeout {
+        if queued == UNREAD || stall.quiet >= LOOKS {
             // The write is still pending (`blocked`): the drop resets it.
             return Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::TimedOut,
                 "the caller read nothing for write_timeout",
             )));
         }
-        timer
-            .as_mut()
-            .reset((now + timeout / LOOKS).min(last + timeout));
+        timer.as_mut().reset(Instant::now() + look);
     }
+}
+
+/// The socket's send queue, or [`UNREAD`].
+fn read_queue(transport: &impl CallerSocket) -> u32 {
+    transport
+        .send_queue()
+        .and_then(|queued| u32::try_from(queued).ok())
+        .map_or(UNREAD, |queued| queued.min(UNREAD - 1))
 }
 
 use std::future::Future as _;

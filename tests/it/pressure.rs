@@ -657,34 +657,41 @@ async fn a_caller_that_reads_nothing_holds_one_send_buffer_in_the_kernel() {
     }
 }
 
+/// A caller asking a 128 KiB answer (which fits its socket whole: no write
+/// of the proxy's waits) with `connection`, and reading none of it, once
+/// the answer is queued: the stream, and a look at its queue.
+async fn answer_queued_unread(
+    hg: &Binary,
+    connection: &str,
+) -> (tokio::net::TcpStream, impl Fn() -> Option<u64> + Copy) {
+    use tokio::io::AsyncWriteExt as _;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stuck = socket.connect(hg.listen.parse().unwrap()).await.unwrap();
+    let request = format!("GET /r0/big HTTP/1.1\r\nHost: a\r\nConnection: {connection}\r\n\r\n");
+    stuck.write_all(request.as_bytes()).await.unwrap();
+    let (listen, caller) = (port(&hg.listen), stuck.local_addr().unwrap().port());
+    let queue = move || send_queue(listen, caller);
+    eventually(
+        Duration::from_secs(10),
+        "the answer queued",
+        || async move { queue().unwrap_or(0) > 64 << 10 },
+    )
+    .await;
+    (stuck, queue)
+}
+
 /// An answer written whole and closed to a caller that reads none of it
 /// does not stay queued in the kernel for as long as the caller stays:
 /// once the caller's window has been shut for `write_timeout`, the kernel
 /// drops the connection (`TCP_USER_TIMEOUT`), and the caller is reset when
-/// it reads on. Before, the closed socket kept its queue (FIN-WAIT-1) for
-/// as long as the caller acknowledged the kernel's window probes.
+/// it reads on. Without it, the closed socket kept its queue (FIN-WAIT-1)
+/// for as long as the caller acknowledged the kernel's window probes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_closed_to_a_caller_that_reads_nothing_is_dropped_after_write_timeout() {
-    use tokio::io::AsyncWriteExt as _;
-    // 128 KiB: the whole answer fits the caller's send buffer (twice the
-    // default `send_buffer`), so no write of the proxy's waits.
     let (_up, toml) = big_answers(128 << 10, 1).await;
     let hg = Binary::start_with("write_timeout = \"1s\"", &toml).await;
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(4096).unwrap();
-    let mut stuck = socket.connect(hg.listen.parse().unwrap()).await.unwrap();
-    stuck
-        .write_all(b"GET /r0/big HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let caller = stuck.local_addr().unwrap().port();
-    let listen = port(&hg.listen);
-    eventually(
-        Duration::from_secs(10),
-        "the answer queued",
-        || async move { send_queue(listen, caller).unwrap_or(0) > 64 << 10 },
-    )
-    .await;
+    let (mut stuck, queue) = answer_queued_unread(&hg, "close").await;
     // The proxy is done with the connection: nothing of it is in flight.
     eventually(Duration::from_secs(10), "the request ended", || async {
         hg.metric(r#"herdguard_in_flight{upstream="u0"}"#).await == 0.0
@@ -693,7 +700,7 @@ async fn an_answer_closed_to_a_caller_that_reads_nothing_is_dropped_after_write_
     eventually(
         Duration::from_secs(20),
         "the queue dropped",
-        || async move { send_queue(listen, caller).is_none() },
+        || async move { queue().is_none() },
     )
     .await;
     let (got, end) = read_to_end(&mut stuck).await;
@@ -710,34 +717,18 @@ async fn an_answer_closed_to_a_caller_that_reads_nothing_is_dropped_after_write_
 }
 
 /// The same answer to a caller that keeps its connection and reads none
-/// of it: no write waits (the answer fit the socket whole), so only the
-/// kernel sees the stall, and drops the connection once the caller's
-/// window has been shut for twice `write_timeout`, long before
-/// `idle_timeout` would close it.
+/// of it: no write waits, so only the kernel sees the stall, and drops the
+/// connection once the caller's window has been shut for twice
+/// `write_timeout`, long before `idle_timeout` would close it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_kept_queued_for_a_caller_that_reads_nothing_is_dropped_by_the_kernel() {
-    use tokio::io::AsyncWriteExt as _;
     let (_up, toml) = big_answers(128 << 10, 1).await;
     let hg = Binary::start_with("write_timeout = \"1s\"\nidle_timeout = \"60s\"", &toml).await;
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(4096).unwrap();
-    let mut stuck = socket.connect(hg.listen.parse().unwrap()).await.unwrap();
-    stuck
-        .write_all(b"GET /r0/big HTTP/1.1\r\nHost: a\r\n\r\n")
-        .await
-        .unwrap();
-    let caller = stuck.local_addr().unwrap().port();
-    let listen = port(&hg.listen);
-    eventually(
-        Duration::from_secs(10),
-        "the answer queued",
-        || async move { send_queue(listen, caller).unwrap_or(0) > 64 << 10 },
-    )
-    .await;
+    let (_stuck, queue) = answer_queued_unread(&hg, "keep-alive").await;
     eventually(
         Duration::from_secs(20),
         "the queue dropped",
-        || async move { send_queue(listen, caller).is_none() },
+        || async move { queue().is_none() },
     )
     .await;
     assert_eq!(

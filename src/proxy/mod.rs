@@ -839,7 +839,7 @@ fn checked_head(
                 })
         })
         .and_then(|host| {
-            headers::check_look_alikes(req.uri(), req.headers())
+            headers::check_look_alikes(req.uri(), req.headers(), present)
                 .map(|()| host)
                 .map_err(|problem| (LocalError::BadRequest, problem))
         });

@@ -336,6 +336,7 @@ impl<'a> Forward<'a> {
                 method,
                 fields,
                 body,
+                upgrade: self.upgrade,
             },
             progress,
         )

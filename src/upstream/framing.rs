@@ -198,7 +198,13 @@ struct Seen {
     /// `Connection: close`.
     close: bool,
     transfer_encoding: bool,
-    content_length: bool,
+    /// The length every `Content-Length` said, read as the head is.
+    length: Option<u64>,
+    /// How many lengths it was said in (one with leading zeros counts
+    /// twice: it goes on said plainly).
+    length_parts: u32,
+    /// A `Content-Length` that is not a length, or that said another.
+    bad_length: bool,
 }
 
 impl Seen {
@@ -221,8 +227,28 @@ impl Seen {
             return names_others;
         }
         self.transfer_encoding |= *name == TRANSFER_ENCODING;
-        self.content_length |= *name == CONTENT_LENGTH;
+        if *name == CONTENT_LENGTH {
+            self.length_of(value.as_bytes());
+        }
         true
+    }
+
+    /// Notes the lengths a `Content-Length` says (a list, `5, 5`, is
+    /// allowed if they agree).
+    fn length_of(&mut self, value: &[u8]) {
+        for part in value.split(|b| *b == b',') {
+            let part = part.trim_ascii();
+            match parse_length(part) {
+                Some(n) if self.length.is_none_or(|l| l == n) => {
+                    self.length = Some(n);
+                    self.length_parts += match part.len() > 1 && part[0] == b'0' {
+                        true => 2,
+                        false => 1,
+                    };
+                }
+                _ => self.bad_length = true,
+            }
+        }
     }
 }
 
@@ -266,26 +292,13 @@ fn framing_of(
             (_, Some(false)) => Ok((Framing::Close, false)),
         };
     }
-    let (mut length, mut parts) = (None, 0);
-    let lengths = seen.content_length.then(|| headers.get_all(CONTENT_LENGTH));
-    for value in lengths.into_iter().flatten() {
-        for part in value.as_bytes().split(|b| *b == b',') {
-            let part = part.trim_ascii();
-            let n = parse_length(part).ok_or(Malformed::ContentLength)?;
-            if length.is_some_and(|l| l != n) {
-                return Err(Malformed::ContentLength);
-            }
-            length = Some(n);
-            parts += if part.len() > 1 && part[0] == b'0' {
-                2
-            } else {
-                1
-            };
-        }
+    if seen.bad_length {
+        return Err(Malformed::ContentLength);
     }
+    let length = seen.length;
     // A length said twice, or with leading zeros, goes on said once and
     // plainly: the caller's parser may not be as lenient.
-    if let (Some(n), 2..) = (length, parts) {
+    if let (Some(n), 2..) = (length, seen.length_parts) {
         headers.insert(CONTENT_LENGTH, HeaderValue::from(n));
     }
     Ok(match length {

@@ -360,7 +360,7 @@ impl H1Pool {
     ) -> impl Future<Output = Sent> + 'a {
         // An upgrade takes a connection of its own, driven by hyper until
         // it is handed over: never pooled before, never parked after.
-        let upgrade = req.fields.contains(http::header::UPGRADE);
+        let upgrade = req.upgrade;
         if own && !upgrade && req.body.is_empty() && req.method != http::Method::CONNECT {
             return Either::Plain {
                 send: self.send_plain(req, path_and_query, careful),

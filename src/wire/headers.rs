@@ -99,6 +99,10 @@ impl Present {
     /// Not a field: the request's id is to be made where it is forwarded
     /// (see [`HopFields`]), not put in the caller's map.
     pub const MAKE_ID: u32 = 1 << 16;
+    pub const CONTENT_LENGTH: u32 = 1 << 17;
+    /// A name like a framing field's with `_` for `-`
+    /// (`transfer_encoding`), see [`check_look_alikes`].
+    pub const LOOK_ALIKE: u32 = 1 << 18;
     /// The hop-by-hop fields, in the order of [`HOP_BY_HOP`].
     const HOPS: [u32; HOPS] = [
         Self::CONNECTION,
@@ -136,6 +140,7 @@ fn bit_of(name: &HeaderName) -> u32 {
         (10, "connection") => Present::CONNECTION,
         (10, "keep-alive") => Present::KEEP_ALIVE,
         (12, "content-type") => Present::CONTENT_TYPE,
+        (14, "content-length") => Present::CONTENT_LENGTH,
         (14, "http2-settings") => Present::HTTP2_SETTINGS,
         (15, "x-forwarded-for") => Present::X_FORWARDED_FOR,
         (16, "x-forwarded-host") => Present::X_FORWARDED_HOST,
@@ -146,8 +151,23 @@ fn bit_of(name: &HeaderName) -> u32 {
         (17, "x-herdguard-fault") => Present::FAULT,
         (19, "x-herdguard-explain") => Present::EXPLAIN,
         (19, "x-herdguard-attempt") => Present::ATTEMPT,
+        // Only a name as long as one of the two can pass for it.
+        (14 | 17, _) if name.contains('_') && framing_look_alike(name) => Present::LOOK_ALIKE,
         _ => 0,
     }
+}
+
+/// `transfer_encoding` or `content_length`, and the like with only some
+/// `-` written `_`: CGI, WSGI and PHP stacks fold `_` and `-` into one.
+fn framing_look_alike(name: &str) -> bool {
+    let dashed = |framing: &str| {
+        name.len() == framing.len()
+            && name
+                .bytes()
+                .zip(framing.bytes())
+                .all(|(n, f)| n == f || (n == b'_' && f == b'-'))
+    };
+    dashed("transfer-encoding") || dashed("content-length")
 }
 
 /// Removes hop-by-hop fields and every field the `Connection` header names.
@@ -534,21 +554,22 @@ pub fn check_framing(headers: &HeaderMap) -> Result<(), (http::StatusCode, &'sta
 /// WSGI and PHP stacks fold the two into one), a `Content-Length` not in
 /// its plain decimal form (`000035`, `+35`), and an authority carrying
 /// userinfo (`:authority: a@b`, as `Host: a@b` is).
-pub fn check_look_alikes(uri: &http::Uri, headers: &HeaderMap) -> Result<(), &'static str> {
+///
+/// `present` is [`Present::of`] the same fields: a field it did not find
+/// is not looked up.
+pub fn check_look_alikes(
+    uri: &http::Uri,
+    headers: &HeaderMap,
+    present: Present,
+) -> Result<(), &'static str> {
     if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
         return Err("the request's authority carries userinfo (user@host)");
     }
-    for name in headers.keys() {
-        let name = name.as_str();
-        // Only a name as long as one of the two can pass for it.
-        let framing_long =
-            name.len() == "transfer-encoding".len() || name.len() == "content-length".len();
-        if framing_long && name.as_bytes().contains(&b'_') {
-            let dashed = name.replace('_', "-");
-            if dashed == "transfer-encoding" || dashed == "content-length" {
-                return Err("a field named like a framing field, with '_' for '-'");
-            }
-        }
+    if present.any(Present::LOOK_ALIKE) {
+        return Err("a field named like a framing field, with '_' for '-'");
+    }
+    if !present.any(Present::CONTENT_LENGTH) {
+        return Ok(());
     }
     let plain = |v: &HeaderValue| {
         let b = v.as_bytes();
@@ -1101,7 +1122,11 @@ mod grpc_tests {
                 HeaderName::from_bytes(name.as_bytes()).unwrap(),
                 HeaderValue::from_static("5"),
             );
-            assert_eq!(check_look_alikes(&uri, &h).is_err(), refused, "{name}");
+            assert_eq!(
+                check_look_alikes(&uri, &h, Present::of(&h)).is_err(),
+                refused,
+                "{name}"
+            );
         }
     }
 }

@@ -27,17 +27,39 @@ pin_project! {
     pub enum ResponseBody {
         Upstream {
             #[pin] body: UpstreamBody,
-            slot: Slot,
-            // Told when the upstream breaks the body off: a failure of the
-            // route, for its breaker, though the attempt had answered.
-            route: Pending,
-            // How long the upstream may send nothing more (`write_timeout`),
-            // and the timer that runs while it does.
-            idle: Duration,
-            timer: Option<Pin<Box<Sleep>>>,
-            waiting: bool,
+            // On the heap: a response is moved half a dozen times on its
+            // way to the caller, and each move copies it whole.
+            held: Box<Held>,
         },
         Local { #[pin] body: Full<Bytes> },
+    }
+}
+
+/// What an upstream's body holds beside the body itself.
+struct Held {
+    slot: Slot,
+    // Told when the upstream breaks the body off: a failure of the
+    // route, for its breaker, though the attempt had answered.
+    route: Pending,
+    // How long the upstream may send nothing more (`write_timeout`),
+    // and the timer that runs while it does.
+    idle: Duration,
+    timer: Option<Pin<Box<Sleep>>>,
+    waiting: bool,
+}
+
+impl ResponseBody {
+    fn held(body: UpstreamBody, slot: Slot, route: Pending, idle: Duration) -> Self {
+        ResponseBody::Upstream {
+            body,
+            held: Box::new(Held {
+                slot,
+                route,
+                idle,
+                timer: None,
+                waiting: false,
+            }),
+        }
     }
 }
 
@@ -50,14 +72,7 @@ impl ResponseBody {
         idle: Duration,
         route: Option<(Arc<super::Route>, PathKey)>,
     ) -> Self {
-        ResponseBody::Upstream {
-            body,
-            slot: Slot::Own(Some(slot)),
-            route: Pending(route),
-            idle,
-            timer: None,
-            waiting: false,
-        }
+        Self::held(body, Slot::Own(Some(slot)), Pending(route), idle)
     }
 
     /// Like [`upstream`](Self::upstream), for a caller whose connection
@@ -82,26 +97,17 @@ impl ResponseBody {
             done: Arc::new(Notify::new()),
         });
         tokio::spawn(watchdog(Arc::downgrade(&watch), watch.done.clone(), idle));
-        ResponseBody::Upstream {
-            body,
-            slot: Slot::Watched(watch),
-            route: Pending(route),
-            idle,
-            timer: None,
-            waiting: false,
-        }
+        Self::held(body, Slot::Watched(watch), Pending(route), idle)
     }
 
     /// A passed-through host's body: no slot, no route to tell.
     pub fn passthrough(body: hyper::body::Incoming, idle: Duration) -> Self {
-        ResponseBody::Upstream {
-            body: UpstreamBody::hyper(body),
-            slot: Slot::Own(None),
-            route: Pending(None),
+        Self::held(
+            UpstreamBody::hyper(body),
+            Slot::Own(None),
+            Pending(None),
             idle,
-            timer: None,
-            waiting: false,
-        }
+        )
     }
 
     pub fn local(text: impl Into<Bytes>) -> Self {
@@ -275,14 +281,14 @@ impl Body for ResponseBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.project() {
-            ResponseBodyProj::Upstream {
-                body,
-                slot,
-                route,
-                idle,
-                timer,
-                waiting,
-            } => {
+            ResponseBodyProj::Upstream { body, held } => {
+                let Held {
+                    slot,
+                    route,
+                    idle,
+                    timer,
+                    waiting,
+                } = &mut **held;
                 let mut body = body;
                 let polled = body.as_mut().poll_frame(cx);
                 if polled.is_pending() {

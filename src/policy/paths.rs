@@ -50,19 +50,21 @@ impl PathKey {
 
 /// The first [`SEGMENTS`] segments of `path` (without its query).
 fn prefix(path: &str) -> &str {
-    let path = path.split(['?', '#']).next().unwrap_or(path);
-    let mut end = 0;
     let mut seen = 0;
     for (i, b) in path.bytes().enumerate() {
-        if b == b'/' && i > 0 {
-            seen += 1;
-            if seen == SEGMENTS {
-                return &path[..i];
+        match b {
+            // (Each is ASCII: `i` is a character boundary.)
+            b'?' | b'#' => return &path[..i],
+            b'/' if i > 0 => {
+                seen += 1;
+                if seen == SEGMENTS {
+                    return &path[..i];
+                }
             }
+            _ => {}
         }
-        end = i + 1;
     }
-    &path[..end]
+    path
 }
 
 /// The segments that name a path, an id among them as `*`: `/orders/42`
@@ -95,7 +97,10 @@ struct Tracked {
 /// The path breakers of one route.
 pub struct PathBreakers {
     config: BreakerConfig,
-    hasher: std::collections::hash_map::RandomState,
+    /// Seeded at random per route: callers choose paths. foldhash, not
+    /// std's SipHash: a path's key is made for every request, and a short
+    /// path hashed cost SipHash about 150 instructions.
+    hasher: foldhash::quality::RandomState,
     paths: Mutex<HashMap<PathKey, Tracked>>,
     /// Paths tracked now: none, and nothing is locked per request.
     tracked: AtomicUsize,

@@ -694,17 +694,7 @@ impl Proxy {
             trace,
         )
         .await;
-        // The upstream's own x-herdguard-error was dropped: one left is ours.
-        let h = resp.headers();
-        let marked = Present::of(h);
-        let source = match marked.any(Present::ERROR)
-            || (marked.any(Present::FAULT)
-                && h.get(&headers::X_HERDGUARD_FAULT)
-                    .is_some_and(|v| v == "abort"))
-        {
-            true => metrics::Source::Proxy,
-            false => metrics::Source::Upstream,
-        };
+        let source = answered_by(&resp);
         counted.disarm();
         route.guards.metrics.request(
             resp.status(),
@@ -712,6 +702,27 @@ impl Proxy {
             clock::now().saturating_duration_since(start),
         );
         resp
+    }
+}
+
+/// Who made a routed request's answer, for its metrics: an answer with the
+/// upstream's body is the upstream's (an inner hop's `x-herdguard-error`
+/// or `x-herdguard-fault` included: that hop is upstream of this one);
+/// one the proxy made says so in its fields. The upstream's own
+/// `x-herdguard-error` was dropped from them: one left is ours.
+fn answered_by(resp: &Response<ResponseBody>) -> metrics::Source {
+    if resp.body().is_upstream() {
+        return metrics::Source::Upstream;
+    }
+    let h = resp.headers();
+    let marked = Present::of(h);
+    match marked.any(Present::ERROR)
+        || (marked.any(Present::FAULT)
+            && h.get(&headers::X_HERDGUARD_FAULT)
+                .is_some_and(|v| v == "abort"))
+    {
+        true => metrics::Source::Proxy,
+        false => metrics::Source::Upstream,
     }
 }
 

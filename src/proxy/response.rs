@@ -110,6 +110,11 @@ impl ResponseBody {
         )
     }
 
+    /// Whether it is an upstream's body, not one the proxy made.
+    pub fn is_upstream(&self) -> bool {
+        matches!(self, ResponseBody::Upstream { .. })
+    }
+
     pub fn local(text: impl Into<Bytes>) -> Self {
         ResponseBody::Local {
             body: Full::new(text.into()),

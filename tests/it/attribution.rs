@@ -597,3 +597,36 @@ async fn an_http2_caller_that_cancels_mid_upload_is_never_the_upstreams_fault() 
         "the breaker stays closed:\n{t}"
     );
 }
+
+/// An inner hop's own marks (another herdguard upstream of this one, which
+/// aborted a request by its fault config or answered its own error) are
+/// the upstream's answer here: counted `source="upstream"`, never as this
+/// proxy's. The upstream's `x-herdguard-error` is not passed on.
+#[tokio::test]
+async fn an_inner_hops_error_and_fault_marks_count_as_the_upstreams() {
+    let up = upstream(|req| async move {
+        let mut resp = Response::new(full("inner"));
+        *resp.status_mut() = StatusCode::from_u16(418).unwrap();
+        let mark = match req.uri().path() {
+            "/fault" => ("x-herdguard-fault", "abort"),
+            _ => ("x-herdguard-error", "overloaded"),
+        };
+        resp.headers_mut()
+            .insert(mark.0, http::HeaderValue::from_static(mark.1));
+        resp
+    })
+    .await;
+    let hg = Binary::start(&route(&up.url(), "", "")).await;
+    for path in ["/fault", "/error"] {
+        let head = format!("GET {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n");
+        let answer = request(&hg.listen, &head).await;
+        assert_eq!(answer.status, 418, "{answer:?}");
+        assert_eq!(answer.header("x-herdguard-error"), None, "{answer:?}");
+    }
+    let text = hg.metrics().await;
+    let series = |source: &str| {
+        format!(r#"herdguard_requests_total{{route="r",code="418",source="{source}"}}"#)
+    };
+    assert_eq!(metric(&text, &series("upstream")), Some(2.0), "{text}");
+    assert_eq!(metric(&text, &series("proxy")), None, "{text}");
+}

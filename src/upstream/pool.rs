@@ -516,11 +516,11 @@ impl H1Pool {
         while i > 0 {
             i -= 1;
             let conn = &idle[i];
-            if self.expired(conn, now) {
+            let idled = now.saturating_duration_since(conn.last_used);
+            if idled > self.idle_timeout {
                 idle.swap_remove(i);
                 continue;
             }
-            let idled = now.saturating_duration_since(conn.last_used);
             if max_idle_for.is_some_and(|max| idled >= max) {
                 continue;
             }

@@ -94,6 +94,11 @@ impl Matcher {
         })
     }
 
+    /// Whether it matches on the request's host (`match.host`).
+    pub fn by_host(&self) -> bool {
+        !self.hosts.is_empty()
+    }
+
     pub fn matches(&self, req: &RequestInfo<'_>) -> bool {
         if let Some(path) = &self.path {
             if req.path != path {

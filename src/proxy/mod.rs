@@ -64,6 +64,8 @@ pub struct Runtime {
     resolver: Option<Arc<hickory_resolver::TokioResolver>>,
     /// The effective config as TOML, made once (for `/config`).
     toml: std::sync::OnceLock<bytes::Bytes>,
+    /// Some route matches on the request's host.
+    by_host: bool,
 }
 
 /// A route, compiled.
@@ -143,6 +145,7 @@ impl Runtime {
             shared.with(|b| b.adopt(&fresh, now));
         }
         Ok(Self {
+            by_host: routes.iter().any(|r| r.matcher.by_host()),
             config,
             routes,
             access_log,
@@ -647,14 +650,17 @@ impl Proxy {
                 return *resp;
             }
         };
-        let host = request_host(req.uri(), host_field);
         let route = {
             let runtime = self.runtime.load();
             // Routes see the path as the upstream will resolve it:
             // `/public/../admin` is `/admin`.
             let path = crate::policy::route::without_dot_segments(req.uri().path());
             let info = RequestInfo {
-                host,
+                // Read only where a route matches on it.
+                host: match runtime.by_host {
+                    true => request_host(req.uri(), host_field),
+                    false => None,
+                },
                 method: req.method(),
                 path: &path,
                 headers: req.headers(),
@@ -669,7 +675,7 @@ impl Proxy {
             let resp = LocalError::NoRoute.response(&format!(
                 "no route for {} {}{}",
                 req.method(),
-                host.unwrap_or(""),
+                request_host(req.uri(), host_field).unwrap_or(""),
                 req.uri().path()
             ));
             metrics::unrouted(&self.metrics, resp.status());

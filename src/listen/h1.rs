@@ -72,6 +72,10 @@ impl<S: CallerSocket> CallerSocket for Rewind<S> {
     fn bound_close(&self, within: Duration) {
         self.inner.bound_close(within);
     }
+
+    fn second(&self) -> Option<std::os::fd::OwnedFd> {
+        self.inner.second()
+    }
 }
 
 impl<S> Rewind<S> {

@@ -153,7 +153,9 @@ pub struct Bound {
 /// behind each answer that holds some for its caller.
 fn counted(measure: fn() -> usize) -> usize {
     let answers = HOLDING.load(Ordering::Relaxed);
-    measure().saturating_add(answers.saturating_mul(PER_ANSWER.load(Ordering::Relaxed)))
+    measure()
+        .saturating_add(answers.saturating_mul(PER_ANSWER.load(Ordering::Relaxed)))
+        .saturating_add(super::closing::held())
 }
 
 /// Bytes in use as admission counts them: [`counted`], the upstream

@@ -15,8 +15,9 @@
 //! A connection let go while a write waits, for this or any other reason,
 //! is reset (`WriteStall`'s drop, see [`CallerSocket`]): what the kernel still held
 //! for it is dropped, not sent on for as long as the caller keeps its end
-//! open. One closed with its writes done but some of them still queued
-//! leaves them to the kernel for `write_timeout` ([`CallerSocket::bound_close`]).
+//! open. One closed with its writes done but some of them still queued is
+//! kept past the close and judged by the same rule ([`super::closing`]),
+//! with the kernel's coarser bound behind it ([`CallerSocket::bound_close`]).
 
 use std::io;
 use std::os::fd::{AsFd as _, BorrowedFd};
@@ -215,6 +216,12 @@ pub fn send_queue_with(read: fn(BorrowedFd<'_>) -> Option<usize>) {
     let _ = SEND_QUEUE.set(read);
 }
 
+/// The bytes in `fd`'s send queue, if the binary installed how they are
+/// read.
+pub(crate) fn queue_of(fd: BorrowedFd<'_>) -> Option<usize> {
+    SEND_QUEUE.get().and_then(|read| read(fd))
+}
+
 /// A caller's transport: its close can drop what the caller has not
 /// read, and its kernel send queue can be read.
 pub trait CallerSocket {
@@ -237,6 +244,10 @@ pub trait CallerSocket {
     /// a whole segment (64 KiB on loopback), so it would cut callers that
     /// read slowly but steadily.
     fn bound_close(&self, within: Duration);
+
+    /// A second descriptor of the socket, to keep it past the close while
+    /// its queue goes out ([`super::closing`]).
+    fn second(&self) -> Option<std::os::fd::OwnedFd>;
 }
 
 impl CallerSocket for tokio::net::TcpStream {
@@ -250,7 +261,11 @@ impl CallerSocket for tokio::net::TcpStream {
     }
 
     fn send_queue(&self) -> Option<usize> {
-        SEND_QUEUE.get().and_then(|read| read(self.as_fd()))
+        queue_of(self.as_fd())
+    }
+
+    fn second(&self) -> Option<std::os::fd::OwnedFd> {
+        self.as_fd().try_clone_to_owned().ok()
     }
 }
 
@@ -265,6 +280,10 @@ impl<S: CallerSocket> CallerSocket for tokio_rustls::server::TlsStream<S> {
 
     fn bound_close(&self, within: Duration) {
         self.get_ref().0.bound_close(within);
+    }
+
+    fn second(&self) -> Option<std::os::fd::OwnedFd> {
+        self.get_ref().0.second()
     }
 }
 
@@ -293,16 +312,29 @@ pin_project! {
     /// read (cut for it, closed outright after lingering, given up at the
     /// end of a drain) is reset: what it queued is dropped, not sent on
     /// for as long as the caller keeps its end open. One closed with its
-    /// writes done but some of them still queued has `write_timeout` for
-    /// them to go out ([`CallerSocket::bound_close`]).
+    /// writes done but some of them still queued is kept while they go out,
+    /// for as long as its caller reads ([`super::closing`]).
     impl<T: CallerSocket> PinnedDrop for WriteStall<T> {
         fn drop(this: Pin<&mut Self>) {
             let this = this.project();
             let transport = this.inner.as_ref().get_ref();
             if this.writes.blocked.load(Ordering::Relaxed) {
                 transport.abort_on_close();
-            } else if transport.send_queue() != Some(0) {
-                transport.bound_close(*this.timeout);
+                return;
+            }
+            let queued = transport.send_queue();
+            if queued == Some(0) {
+                return;
+            }
+            // Kept, and counted, while the caller reads what is queued, and
+            // judged as an open connection's writes are; the kernel's
+            // coarser bound behind it, as on an open one.
+            match (queued, transport.second()) {
+                (Some(queued), Some(second)) => {
+                    transport.bound_close(this.timeout.saturating_mul(2));
+                    super::closing::keep(second, queued, *this.timeout);
+                }
+                _ => transport.bound_close(*this.timeout),
             }
         }
     }
@@ -573,6 +605,10 @@ mod tests {
         }
 
         fn bound_close(&self, _: Duration) {}
+
+        fn second(&self) -> Option<std::os::fd::OwnedFd> {
+            None
+        }
     }
 
     use super::*;

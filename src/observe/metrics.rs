@@ -382,7 +382,7 @@ fn help(name: &str) -> Option<&'static str> {
         SPANS_FAILED => {
             "Finished spans lost in exports that failed (the collector down, timing out after 10 s, or answering other than 2xx); never sent twice."
         }
-        MEMORY_IN_USE => "Bytes in use as listen.max_memory counts them: allocated, and the kernel buffers behind answers whose data waits to be written (every 100 ms).",
+        MEMORY_IN_USE => "Bytes in use as listen.max_memory counts them: allocated, the kernel buffers behind answers whose data waits to be written, and what connections closed with their answers still queued hold in the kernel (every 100 ms).",
         MEMORY_PRESSURE => {
             "1 while memory in use is past listen.max_memory: new requests refused, callers that read nothing cut."
         }

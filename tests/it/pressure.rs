@@ -716,6 +716,47 @@ async fn an_answer_closed_to_a_caller_that_reads_nothing_is_dropped_after_write_
     hg.terminate().await;
 }
 
+/// What answers closed to callers that read none of them leave queued in
+/// the kernel counts toward `listen.max_memory` while it stays there
+/// (`herdguard_memory_in_use_bytes`), and stops counting once the callers
+/// go. Without it, sixteen such callers held about 2 MiB that no bound saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_closed_but_still_queued_count_toward_max_memory() {
+    const CALLERS: usize = 16;
+    let (_up, toml) = big_answers(128 << 10, 1).await;
+    let config = "write_timeout = \"30s\"\nmax_memory = \"512MiB\"";
+    let hg = Binary::start_with(config, &toml).await;
+    let in_use = || hg.metric("herdguard_memory_in_use_bytes");
+    eventually(Duration::from_secs(10), "memory looked at", || async {
+        in_use().await > 0.0
+    })
+    .await;
+    let before = in_use().await;
+    let mut callers = Vec::new();
+    for _ in 0..CALLERS {
+        callers.push(answer_queued_unread(&hg, "close").await.0);
+    }
+    eventually(Duration::from_secs(10), "the requests ended", || async {
+        hg.metric(r#"herdguard_in_flight{upstream="u0"}"#).await == 0.0
+    })
+    .await;
+    // Each queue holds what the caller's 4 KiB receive buffer left of
+    // 128 KiB; half of it all is enough to tell.
+    let queued = (CALLERS * (64 << 10)) as f64;
+    eventually(Duration::from_secs(10), "the queues counted", || async {
+        in_use().await > before + queued
+    })
+    .await;
+    // The callers go (their kernels reset the connections): nothing is
+    // queued any more.
+    drop(callers);
+    eventually(Duration::from_secs(10), "the queues let go", || async {
+        in_use().await < before + queued / 4.0
+    })
+    .await;
+    hg.terminate().await;
+}
+
 /// The same answer to a caller that keeps its connection and reads none
 /// of it: no write waits, so only the kernel sees the stall, and drops the
 /// connection once the caller's window has been shut for twice

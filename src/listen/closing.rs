@@ -57,11 +57,6 @@ pub fn held() -> usize {
     HELD.load(Ordering::Relaxed)
 }
 
-/// How many closed connections are kept for their queues now.
-pub fn count() -> usize {
-    kept().len()
-}
-
 /// Keeps `fd`, a second descriptor of a caller's socket about to be
 /// closed with `queued` bytes still in its send queue. Its end of the
 /// connection is shut now (the close's `FIN`, sent after the queue), so

@@ -1,7 +1,7 @@
 //! What talks to callers: the accept loop and its limits, HTTP/1.1 and
 //! HTTP/2 serving, TLS, eviction of silent connections and the drain.
 
-pub mod closing;
+pub(crate) mod closing;
 pub(crate) mod drain;
 pub mod h1;
 pub mod pressure;

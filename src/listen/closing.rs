@@ -29,7 +29,10 @@ use tokio::time::Instant;
 pub const LOOK: Duration = Duration::from_millis(250);
 
 /// At most this many sockets are kept (a descriptor each); one closed
-/// past it with bytes queued is reset at once.
+/// past it is left to the kernel's bound alone, as before there was this
+/// list. It binds only where answers are small: 4,096 of 150 KiB would
+/// be 600 MiB counted, far past any `max_memory` that refuses callers
+/// first.
 const MOST: usize = 4096;
 
 struct Kept {
@@ -60,19 +63,18 @@ pub fn held() -> usize {
 /// Keeps `fd`, a second descriptor of a caller's socket about to be
 /// closed with `queued` bytes still in its send queue. Its end of the
 /// connection is shut now (the close's `FIN`, sent after the queue), so
-/// the caller sees the answer end as it would have.
-pub(crate) fn keep(fd: OwnedFd, queued: usize, within: Duration) {
-    let socket = socket2::SockRef::from(&fd);
-    let _ = socket.shutdown(std::net::Shutdown::Write);
+/// the caller sees the answer end as it would have. Whether it was kept
+/// (not when [`MOST`] are).
+pub(crate) fn keep(fd: OwnedFd, queued: usize, within: Duration) -> bool {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
+        return false;
     };
     {
         let mut kept = kept();
         if kept.len() >= MOST {
-            let _ = socket.set_linger(Some(Duration::ZERO));
-            return;
+            return false;
         }
+        let _ = socket2::SockRef::from(&fd).shutdown(std::net::Shutdown::Write);
         kept.push(Kept {
             fd,
             queued,
@@ -84,6 +86,28 @@ pub(crate) fn keep(fd: OwnedFd, queued: usize, within: Duration) {
     if !LOOKING.swap(true, Ordering::AcqRel) {
         runtime.spawn(looking());
     }
+    true
+}
+
+/// Under memory pressure: resets every kept socket whose queue has not
+/// shrunk for `stalled`, as an open connection whose caller reads nothing
+/// is cut then, rather than waiting out its `write_timeout`. Gives back
+/// how many.
+pub(crate) fn cut_stalled(stalled: Duration) -> usize {
+    let now = Instant::now();
+    let mut kept = kept();
+    let before = kept.len();
+    let mut held = 0usize;
+    kept.retain(|k| {
+        if now.saturating_duration_since(k.since) < stalled {
+            held = held.saturating_add(k.queued);
+            return true;
+        }
+        let _ = socket2::SockRef::from(&k.fd).set_linger(Some(Duration::ZERO));
+        false
+    });
+    HELD.store(held, Ordering::Relaxed);
+    before - kept.len()
 }
 
 /// Looks every [`LOOK`] while any socket is kept.

@@ -389,7 +389,9 @@ impl Pressure {
         for (_, conduct) in idle.into_iter().take(share) {
             cut += usize::from(conduct.expel_idle());
         }
-        cut
+        // Connections already closed with answers queued that their
+        // callers do not read: by the rule for open HTTP/1 ones.
+        cut + super::closing::cut_stalled(TICK * H1_SLOW_LOOKS)
     }
 }
 

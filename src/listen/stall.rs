@@ -329,13 +329,14 @@ pin_project! {
             // Kept, and counted, while the caller reads what is queued, and
             // judged as an open connection's writes are; the kernel's
             // coarser bound behind it, as on an open one.
-            match (queued, transport.second()) {
-                (Some(queued), Some(second)) => {
-                    transport.bound_close(this.timeout.saturating_mul(2));
-                    super::closing::keep(second, queued, *this.timeout);
-                }
-                _ => transport.bound_close(*this.timeout),
-            }
+            let kept = match (queued, transport.second()) {
+                (Some(queued), Some(second)) => super::closing::keep(second, queued, *this.timeout),
+                _ => false,
+            };
+            transport.bound_close(match kept {
+                true => this.timeout.saturating_mul(2),
+                false => *this.timeout,
+            });
         }
     }
 }

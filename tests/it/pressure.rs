@@ -757,6 +757,48 @@ async fn answers_closed_but_still_queued_count_toward_max_memory() {
     hg.terminate().await;
 }
 
+/// Under memory pressure, connections already closed with answers their
+/// callers do not read are cut as open ones are (two seconds without
+/// progress), not kept for their `write_timeout`: callers that keep coming
+/// find memory freed for them, and once they stop, one that reads is
+/// served within seconds, not after 30 s of 503s. Without the cut, the
+/// 24 MiB bound was reached within 200 callers and held until the first
+/// kept ones timed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_answers_nobody_reads_are_cut_under_pressure() {
+    let (_up, toml) = big_answers(128 << 10, 1).await;
+    let config = "write_timeout = \"30s\"\nmax_memory = \"24MiB\"";
+    let hg = Binary::start_with(config, &toml).await;
+    let mut callers = Vec::new();
+    // About 124 KiB each stays queued: 24 MiB is reached within 200.
+    for _ in 0..300 {
+        if hg.metric(CUT).await > 0.0 {
+            break;
+        }
+        let (stream, _) = answer_queued_unread(&hg, "close").await;
+        callers.push(stream);
+    }
+    assert!(
+        hg.metric(CUT).await > 0.0,
+        "{} callers, none cut",
+        callers.len()
+    );
+    let started = std::time::Instant::now();
+    eventually(Duration::from_secs(10), "pressure over", || async {
+        hg.metric(PRESSURE).await == 0.0
+    })
+    .await;
+    let (status, _, body) = get_at(&hg.listen, "/r0/big").await;
+    assert_eq!((status, body.len()), (StatusCode::OK, 128 << 10));
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "served after {:?}",
+        started.elapsed()
+    );
+    drop(callers);
+    hg.terminate().await;
+}
+
 /// The same answer to a caller that keeps its connection and reads none
 /// of it: no write waits, so only the kernel sees the stall, and drops the
 /// connection once the caller's window has been shut for twice

@@ -5,14 +5,15 @@
 //! answer of 150 KiB to a caller that reads none of it holds about that
 //! much for as long as the caller's window stays shut. Callers that arrive
 //! steadily, ask, read nothing and keep their ends open would hold rate ×
-//! `write_timeout` × answer size between them (40 a second asking 150 KiB
-//! held 181 MB at `write_timeout = "30s"`), unseen by `listen.max_memory`.
+//! `write_timeout` × answer size between them, unseen by
+//! `listen.max_memory`.
 //!
 //! Each such socket is kept here (a second descriptor of it) and looked at
 //! every [`LOOK`], by the rule an open connection's writes are judged by
 //! (`listen::stall`): its queue read, it is closed once the caller has read
 //! it all, and reset once the caller has read nothing of it for
-//! `write_timeout`. What the queues hold together counts toward
+//! `write_timeout` (under memory pressure, for two seconds:
+//! [`cut_stalled`]). What the queues hold together counts toward
 //! `listen.max_memory` ([`held`]). The kernel's own bound stays behind it
 //! (`TCP_USER_TIMEOUT`, [`CallerSocket::bound_close`]).
 //!

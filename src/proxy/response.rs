@@ -61,9 +61,7 @@ impl ResponseBody {
             }),
         }
     }
-}
 
-impl ResponseBody {
     /// The upstream's body, cut with an error should the upstream send
     /// nothing more of it for `idle`.
     pub fn upstream(

@@ -241,10 +241,11 @@ impl Seen {
             match parse_length(part) {
                 Some(n) if self.length.is_none_or(|l| l == n) => {
                     self.length = Some(n);
-                    self.length_parts += match part.len() > 1 && part[0] == b'0' {
+                    let parts = match part.len() > 1 && part[0] == b'0' {
                         true => 2,
                         false => 1,
                     };
+                    self.length_parts = self.length_parts.saturating_add(parts);
                 }
                 _ => self.bad_length = true,
             }
@@ -697,6 +698,15 @@ mod tests {
         );
         assert_eq!(
             bad(b"HTTP/1.1 200 OK\r\nContent-Length: +5\r\n\r\n"),
+            Malformed::ContentLength
+        );
+        // Within one line too, and a bad part after a good one.
+        assert_eq!(
+            bad(b"HTTP/1.1 200 OK\r\nContent-Length: 5, 6\r\n\r\n"),
+            Malformed::ContentLength
+        );
+        assert_eq!(
+            bad(b"HTTP/1.1 200 OK\r\nContent-Length: 5, x\r\n\r\n"),
             Malformed::ContentLength
         );
         assert_eq!(

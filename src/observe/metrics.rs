@@ -31,6 +31,7 @@ pub const BREAKER_STATE: &str = "herdguard_breaker_state";
 pub const BREAKER_TRANSITIONS: &str = "herdguard_breaker_transitions_total";
 pub const PATH_BREAKER_OPENS: &str = "herdguard_path_breaker_opens_total";
 pub const IN_FLIGHT: &str = "herdguard_in_flight";
+pub const UNANSWERED: &str = "herdguard_in_flight_unanswered";
 pub const SHED_TOTAL: &str = "herdguard_shed_total";
 pub const CONFIG_RELOADS: &str = "herdguard_config_reloads_total";
 pub const LAST_RELOAD_OK: &str = "herdguard_config_last_reload_successful";
@@ -398,11 +399,18 @@ fn help(name: &str) -> Option<&'static str> {
         ENDPOINT_EJECTIONS => "Endpoints taken out of rotation for failing (outlier ejection).",
         RETRY_BUDGET_AVAILABLE => "Retries the budget would allow now.",
         BREAKER_STATE => "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
-        IN_FLIGHT => "Requests in flight to the upstream.",
+        IN_FLIGHT => {
+            "Requests in flight to the upstream, from admission to the end of their answers (against max_in_flight)."
+        }
+        UNANSWERED => {
+            "Of the requests in flight, attempts sent and not yet answered (the adaptive limit holds these)."
+        }
         ENDPOINT_EJECTED => {
             "1 while the endpoint is out of rotation (ejected or being probed), else 0."
         }
-        CONCURRENCY_LIMIT => "Requests the upstream may have in flight now (adaptive limit).",
+        CONCURRENCY_LIMIT => {
+            "Attempts the upstream may have sent and not yet answered now (the adaptive limit; max_in_flight when it is off)."
+        }
         TUNNELS_OPEN => {
             "Upgraded connections (WebSockets) open to the upstream; for upstream=\"passthrough\", CONNECT tunnels passed through."
         }
@@ -863,6 +871,7 @@ pub struct UpstreamMetrics {
     /// Kept while the upstream lives: its series go with it.
     _scope: Arc<Scope>,
     pub in_flight: Gauge,
+    pub unanswered: Gauge,
     pub shed: Counter,
     pub limit: Gauge,
     pub tunnels: Gauge,
@@ -915,6 +924,7 @@ impl UpstreamMetrics {
         Self {
             _scope: registry.clone(),
             in_flight: registry.gauge(IN_FLIGHT, &[("upstream", upstream)]),
+            unanswered: registry.gauge(UNANSWERED, &[("upstream", upstream)]),
             shed: registry.counter(SHED_TOTAL, &[("upstream", upstream)]),
             limit: registry.gauge(CONCURRENCY_LIMIT, &[("upstream", upstream)]),
             tunnels: registry.gauge(TUNNELS_OPEN, &[("upstream", upstream)]),

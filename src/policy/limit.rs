@@ -25,6 +25,13 @@
 //!   answers within a quarter of the tolerance; never past the requests in
 //!   flight and waiting.
 //!
+//! "In flight" here is what the latency is measured over: attempts sent
+//! and not yet answered. An answer being read by its caller is done with
+//! as far as the limit goes (it holds a slot of `max_in_flight` until its
+//! body ends), so that callers reading long answers slowly, which no
+//! sample shows, neither starve the others nor look like the upstream's
+//! load.
+//!
 //! An idle sidecar thus adds at most two requests to an upstream that
 //! freezes; after an outage each sidecar of a fleet comes back quickly to
 //! its own calm share, and the fleet grows past what it sent before by one
@@ -299,9 +306,10 @@ impl Limiter {
     }
 
     /// Once a second: the limit of a sidecar whose traffic fell comes down
-    /// to what the traffic uses, samples or not.
-    pub fn relax(&mut self, now: Instant) {
-        self.use_.record(0, now);
+    /// to what the traffic uses, samples or not; `in_flight`: attempts not
+    /// yet answered now (long ones, that no sample shows, are use too).
+    pub fn relax(&mut self, in_flight: usize, now: Instant) {
+        self.use_.record(in_flight, now);
         self.limit = self.limit.min(self.use_bound()).max(self.min_limit);
     }
 
@@ -738,18 +746,31 @@ mod tests {
         for _ in 0..300 {
             clock += Duration::from_millis(50);
             l.update(ms(10), 2, 0, clock);
-            l.relax(clock);
+            l.relax(0, clock);
         }
         assert_eq!(l.limit(), 6);
         // No traffic at all for two periods: 2, the headroom.
         for _ in 0..11 {
             clock += Duration::from_secs(1);
-            l.relax(clock);
+            l.relax(0, clock);
         }
         assert_eq!(l.limit(), 2);
+        // Three attempts that take long to answer, and no sample meanwhile:
+        // they are the use, and the limit leaves room beside them.
+        for _ in 0..11 {
+            clock += Duration::from_secs(1);
+            l.relax(3, clock);
+        }
+        assert_eq!(l.limit(), 2, "never raised by relaxing");
+        let mut held = limiter();
+        for _ in 0..11 {
+            clock += Duration::from_secs(1);
+            held.relax(3, clock);
+        }
+        assert_eq!(held.limit(), 8, "2 x 3 + 2");
         // A sidecar just started keeps its initial limit until its use is known.
         let mut fresh = limiter();
-        fresh.relax(Instant::now());
+        fresh.relax(0, Instant::now());
         assert_eq!(fresh.limit(), 20);
     }
 
@@ -852,7 +873,7 @@ mod tests {
         for _ in 0..400 {
             clock += Duration::from_millis(25);
             l.update(ms(100), 4, 0, clock);
-            l.relax(clock);
+            l.relax(0, clock);
         }
         assert_eq!(l.limit(), 10);
         // An outage that failed fast cut nothing; the breaker closes and

@@ -478,6 +478,7 @@ impl<'a> retry::Attempts for Forward<'a> {
                 Timed::Stalled => Reply::Stalled,
             };
             let (outcome, why) = classify(&judge.judge, &reply);
+            slot.ended(outcome, latency);
             let name = &upstream.name;
             let (mut answer, detail) = match timed {
                 Timed::Done(Ok((resp, conn))) if why == Why::Answered => {
@@ -493,7 +494,6 @@ impl<'a> retry::Attempts for Forward<'a> {
                 Timed::Done(Err(e)) => (None, detail(why, name, &judge, per_try, None, Some(&e))),
                 _ => (None, detail(why, name, &judge, per_try, None, None)),
             };
-            upstream.observe(outcome, latency);
             let note = picked.kind.note();
             // An answer whose body is still to come is the endpoint's success
             // only once the body ends whole: that is settled by the body.

@@ -307,7 +307,7 @@ pub struct Upstream {
     next: AtomicUsize,
     /// Shared with the upstream of the same name a reload replaced, so
     /// that requests still in flight there count here too.
-    in_flight: Arc<AtomicUsize>,
+    in_flight: Arc<InFlightCounts>,
     max_in_flight: usize,
     /// The adaptive limit, when on; `limit` mirrors it for lock-free admission.
     limiter: Option<Mutex<Limiter>>,
@@ -338,7 +338,7 @@ impl Upstream {
         name: &str,
         config: &UpstreamConfig,
         registry: &Arc<Metrics>,
-        in_flight: Option<Arc<AtomicUsize>>,
+        in_flight: Option<Arc<InFlightCounts>>,
     ) -> Result<Arc<Self>, UpstreamError> {
         let limiter = match &config.adaptive_concurrency {
             a if a.enabled => Some(Limiter::try_new(a, config.max_in_flight).map_err(|e| {
@@ -469,7 +469,6 @@ impl Upstream {
             .collect()
     }
 
-    /// The in-flight count, for the upstream that replaces this one.
     /// The label of endpoint `index` (as written in `endpoints`).
     pub fn endpoint_label(&self, index: usize) -> Arc<str> {
         self.members
@@ -479,12 +478,19 @@ impl Upstream {
             .map_or_else(|| Arc::from("?"), |e| e.label.clone())
     }
 
-    pub fn in_flight_counter(&self) -> Arc<AtomicUsize> {
+    /// The in-flight counts, for the upstream that replaces this one.
+    pub fn in_flight_counter(&self) -> Arc<InFlightCounts> {
         self.in_flight.clone()
     }
 
+    /// Slots held: requests from admission to the end of their answers.
     pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::Relaxed)
+        self.in_flight.slots.load(Ordering::Relaxed)
+    }
+
+    /// Attempts sent and not yet answered: what the adaptive limit holds.
+    pub fn unanswered(&self) -> usize {
+        self.in_flight.unanswered.load(Ordering::Relaxed)
     }
 
     /// Requests allowed in flight now: the adaptive limit, or `max_in_flight`.
@@ -497,7 +503,7 @@ impl Upstream {
     }
 
     /// Feeds an attempt's outcome to the adaptive limit, as [`Sample::of`] maps it.
-    pub fn observe(&self, outcome: Outcome, elapsed: std::time::Duration) {
+    fn observe(&self, outcome: Outcome, elapsed: std::time::Duration) {
         let Some(sample) = Sample::of(outcome, elapsed) else {
             return;
         };
@@ -510,7 +516,7 @@ impl Upstream {
                 let before = limiter.limit();
                 let now = clock::now();
                 self.take_outage_end(&mut limiter, now);
-                limiter.update(sample, self.in_flight(), queued, now);
+                limiter.update(sample, self.unanswered(), queued, now);
                 (before, limiter.limit(), limiter.wait())
             };
             self.limit.store(after, Ordering::Relaxed);
@@ -538,7 +544,7 @@ impl Upstream {
             let mut limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
             let now = clock::now();
             self.take_outage_end(&mut limiter, now);
-            limiter.relax(now);
+            limiter.relax(self.unanswered(), now);
             self.limit.store(limiter.limit(), Ordering::Relaxed);
         }
     }
@@ -546,6 +552,7 @@ impl Upstream {
     /// Sets the gauges from live values (at scrape time, not per request).
     pub fn refresh_gauges(&self) {
         self.metrics.in_flight.set(self.in_flight() as f64);
+        self.metrics.unanswered.set(self.unanswered() as f64);
         self.metrics.limit.set(self.limit() as f64);
         self.metrics.tunnels.set(self.tunnels.open() as f64);
         let members = self.members.load();
@@ -592,10 +599,23 @@ impl Upstream {
         self.metrics.shed.increment(1);
     }
 
+    /// A slot, if `max_in_flight` has room and, under the adaptive limit,
+    /// the limit has room for one more attempt not yet answered. An answer
+    /// being read by its caller holds a slot but is no longer the
+    /// upstream's work: the limit, learnt from the time to an answer's
+    /// head, holds only what waits for one, so that callers reading long
+    /// answers slowly shut nobody else out.
     fn take_slot(self: &Arc<Self>) -> Option<InFlight> {
-        let prior = self.in_flight.fetch_add(1, Ordering::AcqRel);
-        if prior >= self.limit.load(Ordering::Relaxed) {
-            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+        let counts = &*self.in_flight;
+        let prior = counts.slots.fetch_add(1, Ordering::AcqRel);
+        if prior >= self.max_in_flight {
+            counts.slots.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        let unanswered = counts.unanswered.fetch_add(1, Ordering::AcqRel);
+        if unanswered >= self.limit.load(Ordering::Relaxed) {
+            counts.unanswered.fetch_sub(1, Ordering::AcqRel);
+            counts.slots.fetch_sub(1, Ordering::AcqRel);
             return None;
         }
         Some(InFlight {
@@ -603,7 +623,15 @@ impl Upstream {
             conn: None,
             endpoint: None,
             counted: true,
+            unanswered: true,
         })
+    }
+
+    /// Wakes a request waiting for a slot, if one waits.
+    fn wake_one(&self) {
+        if self.waiting.load(Ordering::Relaxed) > 0 {
+            self.freed.notify_one();
+        }
     }
 
     /// Whether a request that finds the upstream full may wait for a slot
@@ -814,6 +842,20 @@ pub struct InFlight {
     endpoint: Option<Deferred>,
     /// Whether it still counts toward the upstream's in-flight requests.
     counted: bool,
+    /// Whether it still counts toward the attempts not yet answered.
+    unanswered: bool,
+}
+
+/// An upstream's requests in flight, shared with the upstream of the same
+/// name a reload replaced.
+#[derive(Debug, Default)]
+pub struct InFlightCounts {
+    /// Slots held: from admission to the end of the answer's body, against
+    /// `max_in_flight`.
+    slots: AtomicUsize,
+    /// Of those, the attempts with no answer's head yet, against the
+    /// adaptive limit (without it, the limit is `max_in_flight`).
+    unanswered: AtomicUsize,
 }
 
 impl InFlight {
@@ -856,11 +898,26 @@ impl InFlight {
     /// is kept while a retry is tried): stop counting it in flight. The
     /// connection stays held until the slot is dropped.
     pub fn park(&mut self) {
+        self.answered();
         if std::mem::replace(&mut self.counted, false) {
-            self.upstream.in_flight.fetch_sub(1, Ordering::AcqRel);
-            if self.upstream.waiting.load(Ordering::Relaxed) > 0 {
-                self.upstream.freed.notify_one();
-            }
+            self.upstream.in_flight.slots.fetch_sub(1, Ordering::AcqRel);
+            self.upstream.wake_one();
+        }
+    }
+
+    /// The attempt ended in `outcome` after `latency`, with its answer's
+    /// head or without one: the limit hears of it (counting this attempt
+    /// in flight), and the slot no longer counts against it.
+    pub fn ended(&mut self, outcome: Outcome, latency: Duration) {
+        self.upstream.observe(outcome, latency);
+        self.answered();
+    }
+
+    /// The slot no longer counts against the adaptive limit.
+    fn answered(&mut self) {
+        if std::mem::replace(&mut self.unanswered, false) {
+            (self.upstream.in_flight.unanswered).fetch_sub(1, Ordering::AcqRel);
+            self.upstream.wake_one();
         }
     }
 }

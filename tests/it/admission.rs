@@ -66,3 +66,102 @@ async fn a_burst_onto_a_lightly_used_sidecar_is_served_not_shed() {
     assert_eq!(shed, 0.0, "nothing shed");
     assert_eq!(ok, 128, "every request of the burst answered");
 }
+
+/// Callers that take their time reading long answers hold their slots
+/// until their bodies are out, though the upstream answered them at once:
+/// the adaptive limit, which measures the time to an answer's head, must
+/// not count them as requests the upstream is working on. Before, the
+/// limit came down to what the quiet seconds used (2) under the six
+/// answers being read, and every other caller was shed until they ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_reading_long_answers_do_not_shut_others_out() {
+    use tokio::io::AsyncWriteExt as _;
+    const READERS: usize = 6;
+    let big = bytes::Bytes::from(vec![b'x'; 4 << 20]);
+    let up = upstream(move |req| {
+        let body = match req.uri().path() {
+            "/big" => big.clone(),
+            _ => bytes::Bytes::from_static(b"ok"),
+        };
+        async move { http::Response::new(full(body)) }
+    })
+    .await;
+    let hg = Binary::start(&format!(
+        "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+        up.url()
+    ))
+    .await;
+    let small = format!("http://{}/small", hg.listen);
+    let get = |client: TestClient| {
+        let url = small.clone();
+        async move {
+            let req = http::Request::get(url).body(empty()).unwrap();
+            client.request(req).await.map(|r| r.status()).ok()
+        }
+    };
+    let client = client();
+    assert_eq!(get(client.clone()).await, Some(http::StatusCode::OK));
+    // Six callers ask for 4 MiB each and read it at 80 KB/s, 4 KiB at a
+    // time: their answers take about 50 s.
+    let stop = std::sync::Arc::new(tokio::sync::Notify::new());
+    let mut readers = Vec::new();
+    for _ in 0..READERS {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut s = socket.connect(hg.listen.parse().unwrap()).await.unwrap();
+        s.write_all(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .unwrap();
+        let stop = stop.clone();
+        readers.push(tokio::spawn(async move {
+            use tokio::io::AsyncReadExt as _;
+            let mut buf = vec![0; 4096];
+            let read = async {
+                let mut total = 0;
+                while let Ok(n @ 1..) = s.read(&mut buf).await {
+                    total += n;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                total
+            };
+            tokio::select! {
+                total = read => Some(total),
+                _ = stop.notified() => None,
+            }
+        }));
+    }
+    eventually(
+        Duration::from_secs(10),
+        "the answers are under way",
+        || async { hg.metric(r#"herdguard_in_flight{upstream="u"}"#).await == READERS as f64 },
+    )
+    .await;
+    // Quiet, but for the readers, over two of the limit's use periods.
+    let quiet = tokio::time::Instant::now() + Duration::from_secs(11);
+    let mut limit = f64::MAX;
+    while tokio::time::Instant::now() < quiet {
+        let now = hg
+            .metric(r#"herdguard_concurrency_limit{upstream="u"}"#)
+            .await;
+        limit = limit.min(now);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // Then another caller, a request at a time: served, nothing shed.
+    let mut ok = 0;
+    for _ in 0..20 {
+        ok += usize::from(get(client.clone()).await == Some(http::StatusCode::OK));
+    }
+    let shed = hg.metric(r#"herdguard_shed_total{upstream="u"}"#).await;
+    let in_flight = hg.metric(r#"herdguard_in_flight{upstream="u"}"#).await;
+    eprintln!("lowest limit {limit}; {ok}/20 answered, {shed} shed, {in_flight} in flight");
+    assert_eq!(in_flight, READERS as f64, "the readers' answers still read");
+    assert_eq!(
+        (ok, shed),
+        (20, 0.0),
+        "the other caller served, nothing shed"
+    );
+    stop.notify_waiters();
+    for reader in readers {
+        assert_eq!(reader.await.unwrap(), None, "a reader's answer ended early");
+    }
+}

@@ -636,9 +636,13 @@ impl Upstream {
 
     /// Whether a request that finds the upstream full may wait for a slot
     /// ([`wait_for_slot`](Self::wait_for_slot)) rather than be shed at once:
-    /// under the adaptive limit, while fewer than `max_in_flight` wait.
+    /// under the adaptive limit, while fewer than `max_in_flight` wait, and
+    /// only when it is the limit that is full. Slots held to `max_in_flight`
+    /// are answers being read (long streams): they free no sooner for a wait.
     pub fn may_wait(&self) -> bool {
-        self.limiter.is_some() && self.waiting.load(Ordering::Relaxed) < self.max_in_flight
+        self.limiter.is_some()
+            && self.waiting.load(Ordering::Relaxed) < self.max_in_flight
+            && self.in_flight() < self.max_in_flight
     }
 
     /// Waits for a slot, for at most four times the tolerated latency

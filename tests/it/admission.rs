@@ -165,3 +165,52 @@ async fn callers_reading_long_answers_do_not_shut_others_out() {
         assert_eq!(reader.await.unwrap(), None, "a reader's answer ended early");
     }
 }
+
+/// Long answers (streams) holding every slot of `max_in_flight`: a request
+/// beside them is shed at once, not after waiting for a slot as long as
+/// the adaptive limit lets one wait (here the 5 s most, after heads that
+/// take a second), since a wait frees none of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_beside_streams_holding_max_in_flight_is_shed_at_once() {
+    use tokio::io::AsyncWriteExt as _;
+    let up = upstream(|req: http::Request<hyper::body::Incoming>| async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        if req.uri().path() == "/stream" {
+            // A head and a byte, then a body that never ends.
+            use futures_util::StreamExt as _;
+            use http_body_util::BodyExt as _;
+            let first = hyper::body::Frame::data(bytes::Bytes::from_static(b"x"));
+            let frames = futures_util::stream::iter([Ok::<_, std::convert::Infallible>(first)])
+                .chain(futures_util::stream::pending());
+            let body = http_body_util::StreamBody::new(frames);
+            return http::Response::new(body.map_err(|never| match never {}).boxed());
+        }
+        http::Response::new(full("ok"))
+    })
+    .await;
+    let hg = Binary::start(&format!(
+        "[upstreams.u]\nendpoints = [\"{}\"]\nmax_in_flight = 2\n\
+         [[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+        up.url()
+    ))
+    .await;
+    let url = format!("http://{}/", hg.listen);
+    let req = http::Request::get(&url).body(empty()).unwrap();
+    assert_eq!(client().request(req).await.unwrap().status(), 200);
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let mut s = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
+        s.write_all(b"GET /stream HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .unwrap();
+        assert!(read_head(&mut s).await, "the stream's head");
+        streams.push(s);
+    }
+    let started = tokio::time::Instant::now();
+    let req = http::Request::get(&url).body(empty()).unwrap();
+    let status = client().request(req).await.unwrap().status();
+    let waited = started.elapsed();
+    assert_eq!(status, 503);
+    assert!(waited < Duration::from_secs(2), "shed after {waited:?}");
+    drop(streams);
+}

@@ -214,3 +214,77 @@ async fn a_request_beside_streams_holding_max_in_flight_is_shed_at_once() {
     assert!(waited < Duration::from_secs(2), "shed after {waited:?}");
     drop(streams);
 }
+
+/// Callers who give up on an upstream that stopped answering, after
+/// waiting longer than a request may wait for a slot (four times the
+/// tolerated latency), tell the limit it is stuck as a timeout does: it
+/// halves, though no attempt's per-try timeout fires. A caller's hang-up
+/// used to drop its attempt unheard, and the limit stood at what the
+/// callers had used for as long as they kept coming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_giving_up_on_a_stuck_upstream_bring_the_limit_down() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const CALLERS: usize = 8;
+    let stuck = std::sync::Arc::new(AtomicBool::new(false));
+    let s = stuck.clone();
+    let up = upstream(move |_req| {
+        let s = s.clone();
+        async move {
+            if s.load(Ordering::Relaxed) {
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            http::Response::new(full("ok"))
+        }
+    })
+    .await;
+    let hg = Binary::start(&format!(
+        "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n\
+         retry = {{ per_try_timeout = \"60s\", timeout = \"60s\" }}\n",
+        up.url()
+    ))
+    .await;
+    let url = format!("http://{}/", hg.listen);
+    // Callers that give up after 300 ms, for `secs` seconds each.
+    let callers = |secs: u64| {
+        (0..CALLERS)
+            .map(|_| {
+                let (client, url) = (client(), url.clone());
+                tokio::spawn(async move {
+                    let until = tokio::time::Instant::now() + Duration::from_secs(secs);
+                    while tokio::time::Instant::now() < until {
+                        let req = http::Request::get(&url).body(empty()).unwrap();
+                        let _ =
+                            tokio::time::timeout(Duration::from_millis(300), client.request(req))
+                                .await;
+                    }
+                })
+            })
+            .collect::<Vec<_>>()
+    };
+    for caller in callers(2) {
+        caller.await.unwrap();
+    }
+    let limit = r#"herdguard_concurrency_limit{upstream="u"}"#;
+    let before = hg.metric(limit).await;
+    assert!(before >= 8.0, "the callers' use: {before}");
+    stuck.store(true, Ordering::Relaxed);
+    let giving_up = callers(4);
+    eventually(Duration::from_secs(4), "the limit comes down", || async {
+        hg.metric(limit).await <= 2.0
+    })
+    .await;
+    let text = hg.metrics().await;
+    let attempts = |outcome: &str| {
+        text.lines()
+            .filter(|l| l.starts_with("herdguard_upstream_attempts_total{"))
+            .filter(|l| l.contains(&format!("outcome=\"{outcome}\"")))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    assert!(attempts("cancelled") > 0.0, "callers gave up: {text}");
+    assert_eq!(attempts("timeout"), 0.0, "no per-try timeout fired");
+    for caller in giving_up {
+        caller.await.unwrap();
+    }
+}

@@ -307,10 +307,6 @@ impl Route {
                 metrics,
                 closed_after_outage: upstream.closed_after_outage(),
                 paths,
-                gave_up: Some({
-                    let upstream = upstream.clone();
-                    Arc::new(move |waited| upstream.gave_up(waited))
-                }),
             },
             explain: listen.explain,
             write_timeout: listen.write_timeout,

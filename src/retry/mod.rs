@@ -42,13 +42,7 @@ pub struct Guards {
     pub closed_after_outage: Arc<AtomicBool>,
     /// A breaker per failing path: one path failing alone is refused alone.
     pub paths: Arc<PathBreakers>,
-    /// Hears how long an attempt waited when its caller went away before
-    /// its answer's head (the upstream's adaptive limit).
-    pub gave_up: Option<GaveUp>,
 }
-
-/// See [`Guards::gave_up`].
-pub type GaveUp = Arc<dyn Fn(Duration) + Send + Sync>;
 
 /// Which breakers let an attempt through as a probe: the route's, its
 /// path's. Each must hear how the attempt ended.
@@ -256,7 +250,7 @@ pub async fn run_until<T: Attempts>(
         }
         // Should the caller go away mid-attempt, this whole future is
         // dropped, and the guard tells the breaker and the metrics.
-        let unanswered = Unanswered::new(guards, probe, facts.path, attempts.body_whole());
+        let unanswered = Unanswered::new(guards, probe, facts.path);
         let per_try = guards.policy.per_try_timeout;
         let raced = match guards.policy.hedge_after {
             // Awaited where it is made, in this future's own state: an
@@ -641,7 +635,7 @@ where
         &mut books.trace,
         format_args!("hedge@{}ms", after.as_millis()),
     );
-    let hedged = Unanswered::new(guards, Probe::NONE, facts.path, attempts.body_whole());
+    let hedged = Unanswered::new(guards, Probe::NONE, facts.path);
     let mut second = Box::pin(attempts.send(m, policy.per_try_timeout, deadline, false));
     let (first_ended, early) = tokio::select! {
         attempt = &mut first => (true, attempt),
@@ -821,19 +815,15 @@ struct Unanswered<'a> {
     probe: Probe,
     path: PathKey,
     armed: bool,
-    /// When the attempt was sent, if its request went whole at once: the
-    /// wait is then the upstream's (a slow upload's is its caller's).
-    since: Option<Instant>,
 }
 
 impl<'a> Unanswered<'a> {
-    fn new(guards: &'a Guards, probe: Probe, path: PathKey, whole: bool) -> Self {
+    fn new(guards: &'a Guards, probe: Probe, path: PathKey) -> Self {
         Self {
             guards,
             probe,
             path,
             armed: true,
-            since: whole.then(clock::now),
         }
     }
 
@@ -855,9 +845,6 @@ impl Drop for Unanswered<'_> {
                 .record(self.probe, BreakerOutcome::of(gone), self.path);
         }
         self.guards.metrics.attempt(gone, None);
-        if let (Some(since), Some(gave_up)) = (self.since, &self.guards.gave_up) {
-            gave_up(clock::now().saturating_duration_since(since));
-        }
     }
 }
 
@@ -1080,7 +1067,6 @@ mod tests {
             breaker: Arc::new(SharedBreaker::new(Breaker::try_new(&breaker, now).unwrap())),
             metrics: RouteMetrics::new(registry, "r", "u"),
             closed_after_outage: Arc::default(),
-            gave_up: None,
             paths: Arc::new(PathBreakers::new(&breaker)),
         }
     }

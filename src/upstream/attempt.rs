@@ -285,18 +285,6 @@ impl<'a> Forward<'a> {
         (slot, picked, req, progress, traced)
     }
 
-    /// What judging an attempt of this request needs.
-    fn judged(&self) -> Judged {
-        Judged {
-            judge: Judge {
-                upgrade: self.upgrade,
-                grpc: self.grpc,
-                grpc_deadline: self.grpc_deadline.is_some(),
-            },
-            timeout: self.timeout,
-        }
-    }
-
     /// The request of attempt `n`, with the progress of its body if it has one.
     fn request(
         &mut self,
@@ -433,7 +421,14 @@ impl<'a> retry::Attempts for Forward<'a> {
         // No slot yet: the wait for one, boxed, so that only a request that
         // waits pays for its room.
         let slot = slot.ok_or_else(|| Box::pin(upstream.wait_for_slot(deadline)));
-        let judge = self.judged();
+        let judge = Judged {
+            judge: Judge {
+                upgrade: self.upgrade,
+                grpc: self.grpc,
+                grpc_deadline: self.grpc_deadline.is_some(),
+            },
+            timeout: self.timeout,
+        };
         let path_and_query = self.path_and_query;
         // A request that cannot be repeated, and a retry, avoid connections
         // the upstream may be closing (once it was seen to).

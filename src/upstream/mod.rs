@@ -40,7 +40,7 @@ use crate::config::{Discovery, Http2Mode, OutlierConfig, UpstreamConfig};
 use crate::observe::metrics::{EndpointMetrics, Metrics, UpstreamMetrics};
 use crate::policy::limit::{Limiter, Sample};
 use crate::policy::outlier::{Event, Outliers, Pick, PickKind, State as OutlierState, Verdict};
-use crate::policy::{CallerFault, Outcome, UpstreamFault};
+use crate::policy::{Outcome, UpstreamFault};
 
 use self::pool::H1Pool;
 use self::tunnel::Tunnels;
@@ -500,13 +500,6 @@ impl Upstream {
 
     pub fn max_in_flight(&self) -> usize {
         self.max_in_flight
-    }
-
-    /// An attempt whose caller went away after it waited `waited` with no
-    /// answer's head: a lower bound of the latency, for the adaptive limit
-    /// (see [`Sample::of`]).
-    pub fn gave_up(&self, waited: Duration) {
-        self.observe(Outcome::Caller(CallerFault::Gone), waited);
     }
 
     /// Feeds an attempt's outcome to the adaptive limit, as [`Sample::of`] maps it.

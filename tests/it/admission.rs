@@ -8,6 +8,22 @@ use std::time::Duration;
 use common::process::Binary;
 use common::*;
 
+/// herdguard with one route to `up`, its upstream `u` given `keys`.
+async fn one_route(up: &Upstream, keys: &str) -> Binary {
+    Binary::start(&format!(
+        "[upstreams.u]\nendpoints = [\"{}\"]\n{keys}\n\
+         [[routes]]\nname = \"r\"\nupstream = \"u\"\n",
+        up.url()
+    ))
+    .await
+}
+
+/// A GET's status, or `None` when it failed.
+async fn get(client: TestClient, url: String) -> Option<http::StatusCode> {
+    let req = http::Request::get(url).body(empty()).unwrap();
+    client.request(req).await.map(|r| r.status()).ok()
+}
+
 /// A burst onto a sidecar whose limit stands at what light traffic used
 /// (about 2 x 2 + 2), in front of a slow but healthy upstream (1 s): the burst
 /// waits for the limit to grow by slow start (a round trip per tripling)
@@ -19,16 +35,8 @@ async fn a_burst_onto_a_lightly_used_sidecar_is_served_not_shed() {
         http::Response::new(full("ok"))
     })
     .await;
-    let hg = Binary::start(&format!(
-        "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
-        up.url()
-    ))
-    .await;
+    let hg = one_route(&up, "").await;
     let url = format!("http://{}/", hg.listen);
-    let get = |client: TestClient, url: String| async move {
-        let req = http::Request::get(url).body(empty()).unwrap();
-        client.request(req).await.map(|r| r.status()).ok()
-    };
     // Light use for six seconds: two callers, one request at a time each.
     let light = tokio::time::Instant::now() + Duration::from_secs(6);
     let one = |client: TestClient, url: String| async move {
@@ -86,21 +94,13 @@ async fn callers_reading_long_answers_do_not_shut_others_out() {
         async move { http::Response::new(full(body)) }
     })
     .await;
-    let hg = Binary::start(&format!(
-        "[upstreams.u]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"r\"\nupstream = \"u\"\n",
-        up.url()
-    ))
-    .await;
+    let hg = one_route(&up, "").await;
     let small = format!("http://{}/small", hg.listen);
-    let get = |client: TestClient| {
-        let url = small.clone();
-        async move {
-            let req = http::Request::get(url).body(empty()).unwrap();
-            client.request(req).await.map(|r| r.status()).ok()
-        }
-    };
     let client = client();
-    assert_eq!(get(client.clone()).await, Some(http::StatusCode::OK));
+    assert_eq!(
+        get(client.clone(), small.clone()).await,
+        Some(http::StatusCode::OK)
+    );
     // Six callers ask for 4 MiB each and read it at 80 KB/s, 4 KiB at a
     // time: their answers take about 50 s.
     let stop = std::sync::Arc::new(tokio::sync::Notify::new());
@@ -149,7 +149,7 @@ async fn callers_reading_long_answers_do_not_shut_others_out() {
     // Then another caller, a request at a time: served, nothing shed.
     let mut ok = 0;
     for _ in 0..20 {
-        ok += usize::from(get(client.clone()).await == Some(http::StatusCode::OK));
+        ok += usize::from(get(client.clone(), small.clone()).await == Some(http::StatusCode::OK));
     }
     let shed = hg.metric(r#"herdguard_shed_total{upstream="u"}"#).await;
     let in_flight = hg.metric(r#"herdguard_in_flight{upstream="u"}"#).await;
@@ -188,15 +188,9 @@ async fn a_request_beside_streams_holding_max_in_flight_is_shed_at_once() {
         http::Response::new(full("ok"))
     })
     .await;
-    let hg = Binary::start(&format!(
-        "[upstreams.u]\nendpoints = [\"{}\"]\nmax_in_flight = 2\n\
-         [[routes]]\nname = \"r\"\nupstream = \"u\"\n",
-        up.url()
-    ))
-    .await;
+    let hg = one_route(&up, "max_in_flight = 2").await;
     let url = format!("http://{}/", hg.listen);
-    let req = http::Request::get(&url).body(empty()).unwrap();
-    assert_eq!(client().request(req).await.unwrap().status(), 200);
+    assert_eq!(get(client(), url.clone()).await, Some(http::StatusCode::OK));
     let mut streams = Vec::new();
     for _ in 0..2 {
         let mut s = tokio::net::TcpStream::connect(&hg.listen).await.unwrap();
@@ -207,10 +201,9 @@ async fn a_request_beside_streams_holding_max_in_flight_is_shed_at_once() {
         streams.push(s);
     }
     let started = tokio::time::Instant::now();
-    let req = http::Request::get(&url).body(empty()).unwrap();
-    let status = client().request(req).await.unwrap().status();
+    let status = get(client(), url).await;
     let waited = started.elapsed();
-    assert_eq!(status, 503);
+    assert_eq!(status, Some(http::StatusCode::SERVICE_UNAVAILABLE));
     assert!(waited < Duration::from_secs(2), "shed after {waited:?}");
     drop(streams);
 }

@@ -130,7 +130,7 @@ pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Parsed, 
     let head = buf.split_to(len).freeze();
     // Room for what the proxy adds on the way back (Via, the attempt
     // count): a map grown later is rebuilt whole.
-    let mut headers = HeaderMap::with_capacity(count + 2);
+    let mut headers = crate::wire::headers::spare_map(count + 2);
     let mut seen = Seen::default();
     for (at, span) in spans[..count].iter().enumerate() {
         let [name, name_len, value, value_len] = span.map(usize::from);

@@ -46,6 +46,14 @@ pub struct Kept {
     pub hop: Option<HopFields>,
 }
 
+/// The request's map, once its last attempt is done with it, is given
+/// back for an answer's head to be parsed into.
+impl Drop for Kept {
+    fn drop(&mut self) {
+        crate::wire::headers::give_back(std::mem::take(&mut self.map));
+    }
+}
+
 impl Fields {
     /// Every field, the attempt's first, as written on the wire.
     pub fn iter(&self) -> impl Iterator<Item = (&http::header::HeaderName, &[u8])> {
@@ -76,10 +84,10 @@ impl Fields {
             kept,
         } = self;
         let more = 2 + extra.len() + kept.hop.as_ref().map_or(0, HopFields::count);
-        let Kept { mut map, hop } = Arc::try_unwrap(kept).unwrap_or_else(|kept| Kept {
-            map: copied(&kept.map, more),
-            hop: kept.hop.clone(),
-        });
+        let (mut map, hop) = match Arc::try_unwrap(kept) {
+            Ok(mut kept) => (std::mem::take(&mut kept.map), kept.hop.take()),
+            Err(kept) => (copied(&kept.map, more), kept.hop.clone()),
+        };
         map.reserve(more);
         if let Some(hop) = hop {
             hop.add_to(&mut map);

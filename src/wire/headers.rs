@@ -45,6 +45,41 @@ const NOT_IN_TRAILERS: [HeaderName; 9] = [
     HeaderName::from_static("x-herdguard-attempts"),
 ];
 
+/// A map given back for reuse holds room for at most this many fields:
+/// a field's slot is 104 bytes and its index 4, so a spare map is at most
+/// about 7 KiB, one a thread.
+const SPARE_FIELDS: usize = 64;
+
+thread_local! {
+    static SPARE: std::cell::Cell<Option<HeaderMap>> = const { std::cell::Cell::new(None) };
+}
+
+/// A map with room for `fields` more: the one last given back on this
+/// thread ([`give_back`]), or a new one. hyper makes each request's map
+/// from the last answer's it wrote; with the request's map given back when
+/// the request ends and the next answer's head parsed into it, a busy
+/// connection's plain GETs allocate no map.
+pub fn spare_map(fields: usize) -> HeaderMap {
+    let mut map = SPARE
+        .try_with(std::cell::Cell::take)
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    map.reserve(fields);
+    map
+}
+
+/// Keeps `map`, emptied, for this thread's next [`spare_map`], in place of
+/// any kept before; one with room for more than [`SPARE_FIELDS`] fields is
+/// dropped.
+pub fn give_back(mut map: HeaderMap) {
+    if map.capacity() == 0 || map.capacity() > SPARE_FIELDS {
+        return;
+    }
+    map.clear();
+    let _ = SPARE.try_with(|spare| spare.set(Some(map)));
+}
+
 /// Drops from a trailer section what may not be there, in either direction.
 pub fn clean_trailers(trailers: &mut HeaderMap) {
     for name in HOP_BY_HOP.iter().chain(NOT_IN_TRAILERS.iter()) {
@@ -702,6 +737,25 @@ mod tests {
                 proptest::prop_assert_eq!(present.any(bit), h.contains_key(&name), "{}", name);
             }
         }
+    }
+
+    #[test]
+    fn a_map_given_back_comes_out_empty_with_its_room_and_an_oversized_one_is_not_kept() {
+        // Each test runs on a thread of its own: the spare is this one's.
+        assert_eq!(spare_map(0).capacity(), 0, "nothing given back yet");
+        let mut map = HeaderMap::with_capacity(11);
+        map.append("a", HeaderValue::from_static("1"));
+        map.append("a", HeaderValue::from_static("2"));
+        map.append("b", HeaderValue::from_static("3"));
+        let room = map.capacity();
+        give_back(map);
+        let again = spare_map(4);
+        assert!(again.is_empty() && again.get("a").is_none());
+        assert_eq!(again.capacity(), room);
+        assert_eq!(spare_map(0).capacity(), 0, "taken once");
+
+        give_back(HeaderMap::with_capacity(SPARE_FIELDS + 1));
+        assert_eq!(spare_map(0).capacity(), 0, "too large to keep");
     }
 
     #[test]

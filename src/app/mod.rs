@@ -479,20 +479,16 @@ fn serve_admin(
     })
 }
 
-/// Histograms keep raw samples until folded into their buckets: folded once
-/// a thread has recorded a thousand (see `metrics::FOLD_AT`), and once a
-/// second. Upstream connections are swept once a second.
+/// Upstream connections are swept once a second; discovery is looked at
+/// then, and at once after a reload.
 async fn upkeep(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
-    let metrics = proxy.metrics().clone();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = stopped(&mut stop) => break,
-            () = metrics.samples_piled_up() => metrics.upkeep(),
             () = proxy.swapped.notified() => proxy.runtime().discover(),
             _ = tick.tick() => {
-                metrics.upkeep();
                 proxy.sweep();
                 proxy.runtime().discover();
             }

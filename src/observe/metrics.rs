@@ -5,9 +5,8 @@
 //! paths hold pre-registered handles: recording is an atomic add, with no
 //! label formatting or map lookup per request.
 
-use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -15,10 +14,9 @@ use crate::policy::breaker::State as BreakerState;
 use crate::policy::outcome::{GrpcStatus, Outcome, SkipReason, UpstreamFault};
 use http::StatusCode;
 use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder, SharedString};
-use metrics_exporter_prometheus::{
-    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
-};
-use tokio::sync::Notify;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+
+use super::histogram::Buckets;
 
 pub const REQUESTS_TOTAL: &str = "herdguard_requests_total";
 pub const REQUEST_DURATION: &str = "herdguard_request_duration_seconds";
@@ -77,8 +75,6 @@ static METADATA: Metadata<'static> =
 pub struct Metrics {
     base: Scope,
     scopes: Mutex<BTreeMap<ScopeName, Weak<Scope>>>,
-    /// Woken when a thread has recorded [`FOLD_AT`] histogram samples.
-    fold: Arc<Notify>,
     /// The latency histograms' bucket bounds (`[metrics] latency_buckets`).
     buckets: Arc<[f64]>,
     /// The process's own series (`process_*`), read when scraped.
@@ -114,18 +110,6 @@ impl Traffic {
     }
 }
 
-/// Histogram samples a thread records before it asks the upkeep to fold
-/// them in. The exporter keeps each sample (8 bytes, in blocks of 64)
-/// until then: folded on a clock alone, what they hold grows with the
-/// request rate; folded by count, a thread holds at most about 9 KB of
-/// them, at any rate.
-const FOLD_AT: u32 = 1024;
-
-thread_local! {
-    /// Histogram samples this thread recorded since it last asked for a fold.
-    static UNFOLDED: Cell<u32> = const { Cell::new(0) };
-}
-
 /// A scope's owner: a route or an upstream, by name.
 type ScopeName = (ScopeKind, Box<str>);
 
@@ -139,54 +123,35 @@ pub enum ScopeKind {
 }
 
 /// One Prometheus recorder: the series of one route, one upstream, or the
-/// proxy's own.
+/// proxy's own; its histograms are kept beside it (see `observe::histogram`).
 pub struct Scope {
     recorder: PrometheusRecorder,
     handle: PrometheusHandle,
-    /// A histogram of this scope has samples the upkeep has not folded in.
-    recorded: AtomicBool,
-    fold: Arc<Notify>,
+    /// The latency histograms' bounds, in seconds.
+    bounds: Arc<[f64]>,
+    histograms: Mutex<Vec<Arc<Buckets>>>,
 }
 
 impl Scope {
-    fn new(fold: Arc<Notify>, buckets: &[f64]) -> Self {
-        let builder = PrometheusBuilder::new();
-        let buckets = match buckets.is_empty() {
-            true => LATENCY_BUCKETS,
-            false => buckets,
-        };
-        let builder = [REQUEST_DURATION, BACKOFF_SECONDS, ATTEMPT_DURATION]
-            .into_iter()
-            .fold(builder, |b, name| {
-                b.set_buckets_for_metric(Matcher::Full(name.to_owned()), buckets)
-                    .expect("bucket list is not empty")
-            });
-        let recorder = builder.build_recorder();
+    fn new(bounds: Arc<[f64]>) -> Self {
+        let recorder = PrometheusBuilder::new().build_recorder();
         let handle = recorder.handle();
         Self {
             recorder,
             handle,
-            recorded: AtomicBool::new(false),
-            fold,
+            bounds,
+            histograms: Mutex::new(Vec::new()),
         }
     }
 
-    /// Notes that a histogram of this scope has new samples. Only reads
-    /// the flag while it is set, and counts on the recording thread: the
-    /// many requests of a busy route do not write a line every worker
-    /// shares.
-    fn sampled(&self) {
-        if !self.recorded.load(Ordering::Relaxed) {
-            self.recorded.store(true, Ordering::Relaxed);
+    /// The exposition of this scope's series.
+    fn render(&self) -> String {
+        let mut text = self.handle.render();
+        let histograms = self.histograms.lock().unwrap_or_else(|e| e.into_inner());
+        for h in histograms.iter() {
+            h.render(&mut text);
         }
-        let full = UNFOLDED.with(|n| {
-            let count = n.get().saturating_add(1);
-            n.set(count % FOLD_AT);
-            count >= FOLD_AT
-        });
-        if full {
-            self.fold.notify_one();
-        }
+        text
     }
 
     pub fn counter(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Counter {
@@ -198,9 +163,20 @@ impl Scope {
         self.recorder.register_gauge(&key(name, labels), &METADATA)
     }
 
+    /// The histogram `name` with `labels`: the one registered before under
+    /// them, whose counts it shares, or a new one.
     pub fn histogram(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Histogram {
-        self.recorder
-            .register_histogram(&key(name, labels), &METADATA)
+        let new = Buckets::new(name, labels, self.bounds.clone());
+        let mut histograms = self.histograms.lock().unwrap_or_else(|e| e.into_inner());
+        let kept = match histograms.iter().find(|h| h.is(name, new.labels())) {
+            Some(kept) => kept.clone(),
+            None => {
+                let new = Arc::new(new);
+                histograms.push(new.clone());
+                new
+            }
+        };
+        Histogram::from_arc(kept)
     }
 }
 
@@ -212,12 +188,14 @@ impl Metrics {
     /// A registry whose latency histograms have these bucket bounds
     /// (seconds, ascending; checked by the config).
     pub fn with_buckets(buckets: &[f64]) -> Arc<Self> {
-        let fold = Arc::new(Notify::new());
+        let buckets: Arc<[f64]> = match buckets.is_empty() {
+            true => LATENCY_BUCKETS.into(),
+            false => buckets.into(),
+        };
         let m = Self {
-            base: Scope::new(fold.clone(), buckets),
+            base: Scope::new(buckets.clone()),
             scopes: Mutex::new(BTreeMap::new()),
-            fold,
-            buckets: buckets.into(),
+            buckets,
             listeners: Mutex::new(Vec::new()),
         };
         for result in ["ok", "error"] {
@@ -240,7 +218,7 @@ impl Metrics {
         if let Some(live) = scopes.get(&key).and_then(Weak::upgrade) {
             return live;
         }
-        let scope = Arc::new(Scope::new(self.fold.clone(), &self.buckets));
+        let scope = Arc::new(Scope::new(self.buckets.clone()));
         scopes.insert(key, Arc::downgrade(&scope));
         scope
     }
@@ -257,8 +235,8 @@ impl Metrics {
     /// `# TYPE`, as the format asks.
     pub fn render(&self) -> String {
         self.traffic();
-        let mut texts = vec![self.base.handle.render(), process()];
-        texts.extend(self.live().iter().map(|s| s.handle.render()));
+        let mut texts = vec![self.base.render(), process()];
+        texts.extend(self.live().iter().map(|s| s.render()));
         merge(&texts)
     }
 
@@ -304,30 +282,6 @@ impl Metrics {
             .increment(1);
         self.gauge(LAST_RELOAD_OK, &[])
             .set(if ok { 1.0 } else { 0.0 });
-    }
-
-    /// Ready once a thread has recorded `FOLD_AT` histogram samples since
-    /// it last asked: time for [`Metrics::upkeep`].
-    pub async fn samples_piled_up(&self) {
-        self.fold.notified().await;
-    }
-
-    /// Folds recorded histogram samples into their buckets, freeing them,
-    /// in the scopes that have any. The exporter's upkeep allocates for
-    /// every histogram it visits, samples or not: run over 10,000 idle
-    /// routes every second it cost a worker tens of milliseconds, and the
-    /// blocks it freed stayed cached on that worker after a reload
-    /// dropped those routes, keeping their pages resident.
-    pub fn upkeep(&self) {
-        self.base.handle.run_upkeep();
-        let mut scopes = self.scopes.lock().unwrap_or_else(|e| e.into_inner());
-        scopes.retain(|_, s| s.strong_count() > 0);
-        for scope in scopes.values().filter_map(Weak::upgrade) {
-            if scope.recorded.load(Ordering::Relaxed) {
-                scope.recorded.store(false, Ordering::Relaxed);
-                scope.handle.run_upkeep();
-            }
-        }
     }
 
     /// Live route and upstream scopes (for tests of what a reload frees).
@@ -699,7 +653,6 @@ impl RouteMetrics {
     pub fn request(&self, status: StatusCode, source: Source, elapsed: Duration) {
         self.requests[source as usize].increment(status);
         self.duration.record(elapsed.as_secs_f64());
-        self._scope.sampled();
     }
 
     /// Counts an attempt that was sent, by how it ended (refusals are not
@@ -720,7 +673,6 @@ impl RouteMetrics {
                     )
                 };
                 cell.get_or_init(register).record(elapsed.as_secs_f64());
-                self._scope.sampled();
             }
         }
     }
@@ -759,7 +711,6 @@ impl RouteMetrics {
             }
         }
         self.backoff.record(delay.as_secs_f64());
-        self._scope.sampled();
     }
 
     /// Counts a hedge race that ended: `won` when the hedge's answer went
@@ -971,55 +922,35 @@ mod tests {
     }
 
     #[test]
-    fn upkeep_visits_only_the_routes_that_recorded_samples() {
-        let m = Metrics::new();
-        let (busy, idle) = (
-            RouteMetrics::new(&m, "busy", "u"),
-            RouteMetrics::new(&m, "idle", "u"),
+    fn a_routes_histograms_render_under_its_labels_and_a_second_handle_set_shares_them() {
+        let m = Metrics::with_buckets(&[0.005, 0.5]);
+        let route = RouteMetrics::new(&m, "busy", "u");
+        route.request(StatusCode::OK, Source::Upstream, Duration::from_millis(3));
+        route.attempt(
+            Outcome::Response(StatusCode::OK),
+            Some(Duration::from_millis(600)),
         );
-        busy.request(StatusCode::OK, Source::Upstream, Duration::from_millis(3));
-        assert!(busy._scope.recorded.load(Ordering::Relaxed));
-        assert!(!idle._scope.recorded.load(Ordering::Relaxed));
-        m.upkeep();
-        assert!(!busy._scope.recorded.load(Ordering::Relaxed), "folded in");
-        // What was folded in is still rendered.
+        RouteMetrics::new(&m, "busy", "u").request(
+            StatusCode::OK,
+            Source::Upstream,
+            Duration::from_millis(200),
+        );
         let text = m.render();
-        assert!(
-            text.contains("herdguard_request_duration_seconds_count{route=\"busy\"} 1"),
+        for line in [
+            "herdguard_request_duration_seconds_bucket{route=\"busy\",le=\"0.005\"} 1",
+            "herdguard_request_duration_seconds_bucket{route=\"busy\",le=\"0.5\"} 2",
+            "herdguard_request_duration_seconds_count{route=\"busy\"} 2",
+            "herdguard_upstream_attempt_duration_seconds_bucket{route=\"busy\",upstream=\"u\",outcome=\"ok\",le=\"0.5\"} 0",
+            "herdguard_upstream_attempt_duration_seconds_bucket{route=\"busy\",upstream=\"u\",outcome=\"ok\",le=\"+Inf\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line}\n{text}");
+        }
+        assert_eq!(
+            text.matches(&format!("# TYPE {REQUEST_DURATION} histogram"))
+                .count(),
+            1,
             "{text}"
         );
-    }
-
-    #[test]
-    fn a_thread_asks_for_a_fold_once_it_has_recorded_a_thousand_samples() {
-        use futures_util::FutureExt as _;
-        let m = Metrics::new();
-        let route = RouteMetrics::new(&m, "busy", "u");
-        // What earlier tests on this thread recorded does not count here.
-        UNFOLDED.with(|n| n.set(0));
-        for _ in 1..FOLD_AT {
-            route.request(StatusCode::OK, Source::Upstream, Duration::from_millis(3));
-        }
-        assert!(
-            m.samples_piled_up().now_or_never().is_none(),
-            "asked before the thousandth sample"
-        );
-        route.request(StatusCode::OK, Source::Upstream, Duration::from_millis(3));
-        assert!(m.samples_piled_up().now_or_never().is_some());
-        // Asked once: the count starts again.
-        assert!(m.samples_piled_up().now_or_never().is_none());
-        // Samples of another proxy's routes wake that proxy's upkeep.
-        let other = Metrics::new();
-        let theirs = RouteMetrics::new(&other, "theirs", "u");
-        for _ in 0..FOLD_AT {
-            theirs.request(StatusCode::OK, Source::Upstream, Duration::ZERO);
-        }
-        assert!(other.samples_piled_up().now_or_never().is_some());
-        assert!(m.samples_piled_up().now_or_never().is_none());
-        m.upkeep();
-        let text = m.render();
-        let count = format!("herdguard_request_duration_seconds_count{{route=\"busy\"}} {FOLD_AT}");
-        assert!(text.contains(&count), "{text}");
     }
 
     #[test]

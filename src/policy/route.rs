@@ -189,11 +189,12 @@ pub fn without_dot_segments(path: &str) -> std::borrow::Cow<'_, str> {
         return path.into(); // `*`, or no path
     };
     // A dot segment begins with `.` or `%` after a `/`: most paths have
-    // none, and are passed over in one look at their bytes.
-    let may_have_dots = path
-        .as_bytes()
-        .windows(2)
-        .any(|w| w[0] == b'/' && matches!(w[1], b'.' | b'%'));
+    // neither byte at all, and are passed over in one look at their bytes.
+    let bytes = path.as_bytes();
+    let may_have_dots = bytes.iter().any(|b| matches!(b, b'.' | b'%'))
+        && bytes
+            .windows(2)
+            .any(|w| w[0] == b'/' && matches!(w[1], b'.' | b'%'));
     if !may_have_dots || !rest.split('/').any(|s| dotted(s) || dotdot(s)) {
         return path.into();
     }

@@ -454,9 +454,7 @@ impl<'a> retry::Attempts for Forward<'a> {
             // One look at the clock for both: the attempt's time, and the
             // upstream's latency from when it had the whole request (a slow
             // upload is the caller's time, not the upstream's).
-            let ended = clock::now();
-            let elapsed = ended.saturating_duration_since(sent_at);
-            let latency = ended.saturating_duration_since(sent_whole);
+            let (elapsed, latency) = since(clock::now(), sent_at, sent_whole);
             let caller = |p: &Progress| {
                 // An upstream that gives up on a body that stopped coming
                 // (its read timeout) is right to: the stall is the caller's.
@@ -691,6 +689,16 @@ async fn timed<F: Future>(
     match tokio::time::timeout_at(until, send).await {
         Ok(out) => (Timed::Done(out), sent, start),
         Err(_) => (late, sent, start),
+    }
+}
+
+/// The times from `sent_at` and from `sent_whole` to `ended`: one
+/// subtraction when the request went whole at once, as most do.
+fn since(ended: Instant, sent_at: Instant, sent_whole: Instant) -> (Duration, Duration) {
+    let elapsed = ended.saturating_duration_since(sent_at);
+    match sent_whole == sent_at {
+        true => (elapsed, elapsed),
+        false => (elapsed, ended.saturating_duration_since(sent_whole)),
     }
 }
 

@@ -56,6 +56,9 @@ pub struct Limiter {
     tolerance: f64,
     smoothing: f64,
     baseline: Baseline,
+    /// [`Limiter::wait`], worked out again only as the baseline moves (once
+    /// a window): read at every sample.
+    wait: Option<Duration>,
     window: Option<Window>,
     use_: Use,
     /// Where the limit was last cut, or the calm level if higher: slow
@@ -204,6 +207,7 @@ impl Limiter {
             tolerance: c.tolerance,
             smoothing: c.smoothing,
             baseline: Baseline::default(),
+            wait: None,
             window: None,
             use_: Use::default(),
             threshold: max,
@@ -303,6 +307,7 @@ impl Limiter {
             answered,
             now,
         );
+        self.wait = self.wait_now();
     }
 
     /// Once a second: the limit of a sidecar whose traffic fell comes down
@@ -437,6 +442,10 @@ impl Limiter {
     /// How long a request may wait for a slot: four times the tolerated
     /// latency (`None` before there is a baseline; the caller bounds it).
     pub fn wait(&self) -> Option<Duration> {
+        self.wait
+    }
+
+    fn wait_now(&self) -> Option<Duration> {
         let tolerated = self.baseline.get()? * self.tolerance * 4.0;
         Some(Duration::try_from_secs_f64(tolerated).unwrap_or(Duration::MAX))
     }

@@ -70,8 +70,7 @@ pub fn spare_map(fields: usize) -> HeaderMap {
 }
 
 /// Keeps `map`, emptied, for this thread's next [`spare_map`], in place of
-/// any kept before; one with room for more than [`SPARE_FIELDS`] fields is
-/// dropped.
+/// any kept before; one with room for more than 64 fields is dropped.
 pub fn give_back(mut map: HeaderMap) {
     if map.capacity() == 0 || map.capacity() > SPARE_FIELDS {
         return;

@@ -70,9 +70,11 @@ pub fn spare_map(fields: usize) -> HeaderMap {
 }
 
 /// Keeps `map`, emptied, for this thread's next [`spare_map`], in place of
-/// any kept before; one with room for more than 64 fields is dropped.
+/// any kept before; one with room for more than 64 fields is dropped, and
+/// so is one that held more than 64 values (a name's further values are
+/// kept apart, in room an emptied map keeps too).
 pub fn give_back(mut map: HeaderMap) {
-    if map.capacity() == 0 || map.capacity() > SPARE_FIELDS {
+    if map.capacity() == 0 || map.capacity() > SPARE_FIELDS || map.len() > SPARE_FIELDS {
         return;
     }
     map.clear();
@@ -755,6 +757,14 @@ mod tests {
 
         give_back(HeaderMap::with_capacity(SPARE_FIELDS + 1));
         assert_eq!(spare_map(0).capacity(), 0, "too large to keep");
+        // One name said a thousand times: few slots, many values.
+        let mut repeated = HeaderMap::with_capacity(4);
+        for _ in 0..1000 {
+            repeated.append("a", HeaderValue::from_static("1"));
+        }
+        assert!(repeated.capacity() <= SPARE_FIELDS);
+        give_back(repeated);
+        assert_eq!(spare_map(0).capacity(), 0, "its values' room is not kept");
     }
 
     #[test]

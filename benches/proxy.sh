@@ -210,6 +210,33 @@ awk '
   }
 ' "$OUT/rounds.txt" "$OUT/summary.txt"
 echo
+# Each round's herdguard beside the HAProxy run of the same round, seconds
+# before it: on a machine whose speed drifts (a shared VM), the medians
+# above move with the drift, these ratios much less.
+echo "Paired by round (herdguard / HAProxy in the same round), median and range over rounds"
+awk '
+  { split($1, t, "@"); kind = ($1 ~ /@open$/) ? "open" : "closed"; base = t[1]
+    post = (base ~ /-post$/); ref = post ? "haproxy-post" : "haproxy"
+    k = kind SUBSEP base; seen[k]++
+    if (base == ref) { ref_rps[kind, post] = $2; ref_p99[kind, post] = $4; next }
+    if (base !~ /^herdguard/ || !((kind, post) in ref_rps)) next
+    if (!(k in order)) { order[k] = ++n; keys[n] = k }
+    m = ++cnt[k]; rr[k, m] = $2 / ref_rps[kind, post]; pr[k, m] = $4 / ref_p99[kind, post]
+  }
+  function stat(arr, k, m,   i, j, t, a) {
+    for (i = 1; i <= m; i++) a[i] = arr[k, i]
+    for (i = 1; i <= m; i++) for (j = i + 1; j <= m; j++) if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t }
+    return sprintf("%.2f (%.2f-%.2f)", a[int((m + 1) / 2)], a[1], a[m])
+  }
+  END {
+    printf "%-24s %-8s %7s %20s %20s\n", "target", "loop", "rounds", "req/s ratio", "p99 ratio"
+    for (i = 1; i <= n; i++) {
+      split(keys[i], p, SUBSEP); m = cnt[keys[i]]
+      printf "%-24s %-8s %7d %20s %20s\n", p[2], p[1], m, (p[1] == "open") ? "-" : stat(rr, keys[i], m), stat(pr, keys[i], m)
+    }
+  }
+' "$OUT/rounds.txt"
+echo
 # Healthy traffic is never shed: what each herdguard's adaptive limit turned
 # away over every round, 64 busy connections from a cold start included.
 printf "shed by the adaptive limit over the run (herdguard_shed_total):"

@@ -8,7 +8,7 @@
 //! them learns anything. So the limit follows two things:
 //!
 //! - **the upstream's latency**: each window's average latency is compared
-//!   with the upstream's baseline, the lowest window average of the last
+//!   with the upstream's baseline, the lowest one-second average of the last
 //!   30 to 60 s. Above `tolerance` times the baseline the limit shrinks in
 //!   proportion; a per-try timeout halves it at once. An upstream that
 //!   got slower without queueing is followed: the baseline becomes its
@@ -156,7 +156,7 @@ pub const USE_HEADROOM: f64 = 2.0;
 const USE_PERIOD: Duration = Duration::from_secs(5);
 /// The first period, before which the use is not known.
 const FIRST_USE_PERIOD: Duration = Duration::from_secs(1);
-/// The baseline is the lowest window average of this period and the last.
+/// The baseline is the lowest one-second average of this period and the last.
 const BASELINE_PERIOD: Duration = Duration::from_secs(30);
 
 /// Below the threshold the limit grows by this per answer: three times
@@ -303,6 +303,7 @@ impl Limiter {
         let answered = !w.unanswered;
         self.apply(
             (w.sum / count).max(1e-6),
+            count,
             w.in_flight as f64 / count,
             answered,
             now,
@@ -419,8 +420,7 @@ impl Limiter {
             return false;
         }
         self.slower_since = None;
-        self.baseline = Baseline::default();
-        self.baseline.record(short, now);
+        self.baseline = Baseline::starting_at(short);
         self.limit = self
             .limit
             .max(from_in_flight.ceil())
@@ -463,8 +463,15 @@ impl Limiter {
     ///
     /// `answered`: every sample of the window was an answer (no caller
     /// that left).
-    fn apply(&mut self, short: f64, mean_in_flight: f64, answered: bool, now: Instant) {
-        self.baseline.record(short, now);
+    fn apply(
+        &mut self,
+        short: f64,
+        samples: f64,
+        mean_in_flight: f64,
+        answered: bool,
+        now: Instant,
+    ) {
+        self.baseline.record(short, samples, now);
         let base = self.baseline.get().unwrap_or(short);
         let gradient = (self.tolerance * base / short).clamp(0.5, 1.0);
         if gradient < 1.0 && self.slower_not_queueing(short, mean_in_flight, answered, now) {
@@ -532,30 +539,65 @@ impl Use {
     }
 }
 
-/// The lowest window average over the current [`BASELINE_PERIOD`] and the
-/// one before: what the upstream takes when it is not queueing. A minimum,
-/// not an average, so that a long overload does not become the norm; it
-/// expires, so that an upstream that really became slower is followed.
+/// The lowest one-second average over the current [`BASELINE_PERIOD`] and
+/// the one before: what the upstream takes when it is not queueing. A
+/// minimum, not an average, so that a long overload does not become the
+/// norm; it expires, so that an upstream that really became slower is
+/// followed. Of seconds, not of windows: a window may hold only a few
+/// requests of one kind (a cached path answering in a millisecond beside
+/// others that take twenty), and the lowest such window would make every
+/// usual one look many times slower. Until a whole second is in, the
+/// lowest window so far.
 #[derive(Debug, Clone, Default)]
 struct Baseline {
     since: Option<Instant>,
     current: Option<f64>,
     previous: Option<f64>,
+    /// The second being averaged: when it began, its latencies' sum and
+    /// how many.
+    second: Option<(Instant, f64, f64)>,
+    /// Before a whole second: the lowest window average so far.
+    first: Option<f64>,
 }
 
+/// The baseline's averages are of this long.
+const BASELINE_AVERAGE: Duration = Duration::from_secs(1);
+
 impl Baseline {
-    fn record(&mut self, latency: f64, now: Instant) {
+    /// A baseline begun again at `latency`, until a whole second is in.
+    fn starting_at(latency: f64) -> Self {
+        Self {
+            first: Some(latency),
+            ..Self::default()
+        }
+    }
+
+    /// A window of `samples` answers whose average was `latency`.
+    fn record(&mut self, latency: f64, samples: f64, now: Instant) {
+        let (start, sum, count) = self.second.get_or_insert((now, 0.0, 0.0));
+        *sum += latency * samples;
+        *count += samples;
+        if now.saturating_duration_since(*start) < BASELINE_AVERAGE {
+            if self.current.is_none() && self.previous.is_none() {
+                self.first = Some(self.first.map_or(latency, |f| f.min(latency)));
+            }
+            return;
+        }
+        let average = *sum / count.max(1.0);
+        self.second = None;
+        self.first = None;
         let since = *self.since.get_or_insert(now);
         if now.saturating_duration_since(since) >= BASELINE_PERIOD {
             self.previous = self.current.take();
             self.since = Some(now);
         }
-        self.current = Some(self.current.map_or(latency, |c| c.min(latency)));
+        self.current = Some(self.current.map_or(average, |c| c.min(average)));
     }
 
     fn get(&self) -> Option<f64> {
         match (self.current, self.previous) {
             (Some(a), Some(b)) => Some(a.min(b)),
+            (None, None) => self.first,
             (a, b) => a.or(b),
         }
     }
@@ -944,5 +986,54 @@ mod tests {
         assert_eq!(l.wait(), None);
         feed(&mut l, &mut clock, 2, ms(100), |_| (1, 0));
         assert_eq!(l.wait(), Some(Duration::from_millis(800)));
+    }
+
+    /// A short run of fast answers (a few requests to a cached or trivial
+    /// path), then the upstream's usual traffic, twenty times slower and
+    /// not queueing (as slow with one in flight as with four): the fast run
+    /// is not the upstream's norm, and the usual traffic is not held back
+    /// for it.
+    #[test]
+    fn a_short_run_of_fast_answers_does_not_hold_back_the_usual_traffic() {
+        let mut l = limiter();
+        let mut clock = Instant::now();
+        feed(&mut l, &mut clock, 3, ms(1), demand(2));
+        let mut held = 0;
+        let mut lowest = usize::MAX;
+        for _ in 0..100 {
+            feed(&mut l, &mut clock, 1, ms(20), demand(4));
+            lowest = lowest.min(l.limit());
+            held += usize::from(l.limit() < 4);
+        }
+        assert!(
+            held <= 5,
+            "held back for {held} windows of 100, lowest {lowest}"
+        );
+    }
+
+    /// Steady traffic of two kinds, a millisecond and twenty, mixed at
+    /// random (a tenth of a second holds ten of them, so its average moves
+    /// between a few milliseconds and fifteen), not queueing: over a minute,
+    /// the mix's luckiest windows do not become the norm.
+    #[test]
+    fn a_steady_mix_of_fast_and_slow_answers_is_not_held_back() {
+        let mut l = limiter();
+        let mut clock = Instant::now();
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut held = 0;
+        for _ in 0..600 {
+            for _ in 0..10 {
+                // xorshift: the same mix every run.
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                let latency = if seed & 1 == 0 { ms(1) } else { ms(20) };
+                clock += Duration::from_millis(10);
+                let (in_flight, queued) = demand(4)(&l);
+                l.update(latency, in_flight, queued, clock);
+            }
+            held += usize::from(l.limit() < 4);
+        }
+        assert!(held <= 6, "held back for {held} windows of 600");
     }
 }

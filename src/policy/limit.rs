@@ -8,7 +8,7 @@
 //! them learns anything. So the limit follows two things:
 //!
 //! - **the upstream's latency**: each window's average latency is compared
-//!   with the upstream's baseline, the lowest one-second average of the last
+//!   with the upstream's baseline, the lowest one-second median of the last
 //!   30 to 60 s. Above `tolerance` times the baseline the limit shrinks in
 //!   proportion; a per-try timeout halves it at once. An upstream that
 //!   got slower without queueing is followed: the baseline becomes its
@@ -156,7 +156,7 @@ pub const USE_HEADROOM: f64 = 2.0;
 const USE_PERIOD: Duration = Duration::from_secs(5);
 /// The first period, before which the use is not known.
 const FIRST_USE_PERIOD: Duration = Duration::from_secs(1);
-/// The baseline is the lowest one-second average of this period and the last.
+/// The baseline is the lowest one-second median of this period and the last.
 const BASELINE_PERIOD: Duration = Duration::from_secs(30);
 
 /// Below the threshold the limit grows by this per answer: three times
@@ -303,7 +303,6 @@ impl Limiter {
         let answered = !w.unanswered;
         self.apply(
             (w.sum / count).max(1e-6),
-            count,
             w.in_flight as f64 / count,
             answered,
             now,
@@ -463,15 +462,8 @@ impl Limiter {
     ///
     /// `answered`: every sample of the window was an answer (no caller
     /// that left).
-    fn apply(
-        &mut self,
-        short: f64,
-        samples: f64,
-        mean_in_flight: f64,
-        answered: bool,
-        now: Instant,
-    ) {
-        self.baseline.record(short, samples, now);
+    fn apply(&mut self, short: f64, mean_in_flight: f64, answered: bool, now: Instant) {
+        self.baseline.record(short, now);
         let base = self.baseline.get().unwrap_or(short);
         let gradient = (self.tolerance * base / short).clamp(0.5, 1.0);
         if gradient < 1.0 && self.slower_not_queueing(short, mean_in_flight, answered, now) {
@@ -539,29 +531,34 @@ impl Use {
     }
 }
 
-/// The lowest one-second average over the current [`BASELINE_PERIOD`] and
+/// The lowest one-second median over the current [`BASELINE_PERIOD`] and
 /// the one before: what the upstream takes when it is not queueing. A
 /// minimum, not an average, so that a long overload does not become the
 /// norm; it expires, so that an upstream that really became slower is
-/// followed. Of seconds, not of windows: a window may hold only a few
-/// requests of one kind (a cached path answering in a millisecond beside
-/// others that take twenty), and the lowest such window would make every
-/// usual one look many times slower. Until a whole second is in, the
-/// lowest window so far.
+/// followed. Of each second's median window, not of single windows: a
+/// window may hold only requests of one kind (a burst to a cached path
+/// answering in a millisecond beside others that take twenty), and the
+/// lowest such window would make every usual one look many times slower;
+/// a median, not a mean, as fast answers come as many times more often as
+/// they are faster. Until a whole second is in, the median window so far.
 #[derive(Debug, Clone, Default)]
 struct Baseline {
     since: Option<Instant>,
     current: Option<f64>,
     previous: Option<f64>,
-    /// The second being averaged: when it began, its latencies' sum and
-    /// how many.
-    second: Option<(Instant, f64, f64)>,
-    /// Before a whole second: the lowest window average so far.
+    /// The second being gathered: when it began, and its windows.
+    second: Option<Instant>,
+    windows: [f64; SECOND_WINDOWS],
+    gathered: usize,
+    /// Before a whole second: the median window so far.
     first: Option<f64>,
 }
 
-/// The baseline's averages are of this long.
-const BASELINE_AVERAGE: Duration = Duration::from_secs(1);
+/// The baseline's medians are of this long ...
+const BASELINE_SECOND: Duration = Duration::from_secs(1);
+/// ... or of this many windows (a window lasts at least [`WINDOW`]: ten a
+/// second at most, and one more at its edge).
+const SECOND_WINDOWS: usize = 12;
 
 impl Baseline {
     /// A baseline begun again at `latency`, until a whole second is in.
@@ -572,26 +569,31 @@ impl Baseline {
         }
     }
 
-    /// A window of `samples` answers whose average was `latency`.
-    fn record(&mut self, latency: f64, samples: f64, now: Instant) {
-        let (start, sum, count) = self.second.get_or_insert((now, 0.0, 0.0));
-        *sum += latency * samples;
-        *count += samples;
-        if now.saturating_duration_since(*start) < BASELINE_AVERAGE {
+    /// A window whose average was `latency`.
+    fn record(&mut self, latency: f64, now: Instant) {
+        let start = *self.second.get_or_insert(now);
+        if let Some(slot) = self.windows.get_mut(self.gathered) {
+            *slot = latency;
+            self.gathered += 1;
+        }
+        let median = upper_median(&mut self.windows[..self.gathered]);
+        let whole = now.saturating_duration_since(start) >= BASELINE_SECOND
+            || self.gathered == SECOND_WINDOWS;
+        if !whole {
             if self.current.is_none() && self.previous.is_none() {
-                self.first = Some(self.first.map_or(latency, |f| f.min(latency)));
+                self.first = Some(median);
             }
             return;
         }
-        let average = *sum / count.max(1.0);
         self.second = None;
+        self.gathered = 0;
         self.first = None;
         let since = *self.since.get_or_insert(now);
         if now.saturating_duration_since(since) >= BASELINE_PERIOD {
             self.previous = self.current.take();
             self.since = Some(now);
         }
-        self.current = Some(self.current.map_or(average, |c| c.min(average)));
+        self.current = Some(self.current.map_or(median, |c| c.min(median)));
     }
 
     fn get(&self) -> Option<f64> {
@@ -601,6 +603,14 @@ impl Baseline {
             (a, b) => a.or(b),
         }
     }
+}
+
+/// The upper median of `values` (sorted in place): of an even count, the
+/// higher of the middle two, so that windows of fast answers count only
+/// once they are more than half.
+fn upper_median(values: &mut [f64]) -> f64 {
+    values.sort_unstable_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
 }
 
 #[cfg(test)]
@@ -1035,5 +1045,57 @@ mod tests {
             held += usize::from(l.limit() < 4);
         }
         assert!(held <= 6, "held back for {held} windows of 600");
+    }
+
+    /// Callers that each send again as soon as answered, through the limit:
+    /// `phases` of (seconds, callers, latency in ms), the upstream not
+    /// queueing (as fast with one in flight as with all). Fast answers come
+    /// as many times more often as they are faster, as they do on the wire.
+    /// Gives back the seconds of the last phase in which a caller waited.
+    fn closed_loop(l: &mut Limiter, clock: &mut Instant, phases: &[(f64, usize, u64)]) -> f64 {
+        let mut waited = 0.0;
+        for (i, &(seconds, callers, latency)) in phases.iter().enumerate() {
+            let end = *clock + Duration::from_secs_f64(seconds);
+            while *clock < end {
+                let served = l.limit().min(callers).max(1);
+                let step = Duration::from_secs_f64(latency as f64 / 1000.0 / served as f64);
+                *clock += step;
+                if i + 1 == phases.len() && served < callers {
+                    waited += step.as_secs_f64();
+                }
+                l.update(ms(latency), served, callers - served, *clock);
+            }
+        }
+        waited
+    }
+
+    /// A burst of a fast path (16 callers at 1 ms for 0.3 s, 4,800
+    /// answers) on a fresh limiter, then the usual traffic (16 callers at
+    /// 20 ms): the burst is not the norm.
+    #[test]
+    fn a_burst_of_fast_answers_at_their_own_rate_does_not_hold_back_the_usual_traffic() {
+        for burst in [0.1, 0.3, 0.45] {
+            let mut l = limiter();
+            let mut clock = Instant::now();
+            let waited = closed_loop(&mut l, &mut clock, &[(burst, 16, 1), (12.0, 16, 20)]);
+            assert!(
+                waited < 0.5,
+                "after {burst} s of fast answers, callers waited {waited:.2} s of 12"
+            );
+            assert!(l.limit() >= 16, "{}", l.limit());
+        }
+    }
+
+    /// The same burst in the middle of the usual traffic (8 callers at 20
+    /// ms), from 16 callers of its own: the usual callers are not held back
+    /// after it.
+    #[test]
+    fn a_burst_of_fast_answers_amid_usual_traffic_does_not_hold_it_back() {
+        let mut l = limiter();
+        let mut clock = Instant::now();
+        closed_loop(&mut l, &mut clock, &[(10.0, 8, 20)]);
+        // The burst's windows are its own: mixed ones average to a few ms.
+        let waited = closed_loop(&mut l, &mut clock, &[(0.4, 24, 2), (10.0, 8, 20)]);
+        assert!(waited < 0.5, "callers waited {waited:.2} s of 10");
     }
 }

@@ -7,6 +7,8 @@
 #   Open loop (oha at a fixed rate, latency corrected for coordinated
 #   omission): p50, p99, p99.9 at a load every target can carry.
 #   Peak RSS of each proxy, and retries configured vs off (GET and 1 KiB POST).
+#   Each round's herdguard against the same round's HAProxy (median and range
+#   of the ratios): on a machine whose speed drifts, steadier than the medians.
 #
 #   benches/proxy.sh        # 3 closed-loop rounds of 10 s, 7 open-loop rounds of 6 s
 #   DURATION=20 ROUNDS=5 OPEN_ROUNDS=9 RATE=15000 benches/proxy.sh

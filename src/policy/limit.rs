@@ -532,10 +532,10 @@ impl Use {
 }
 
 /// The lowest median window of [`BASELINE_SPAN`] over the current
-/// [`BASELINE_PERIOD`] and the one before: what the upstream takes when it is not queueing. A
-/// minimum, not an average, so that a long overload does not become the
-/// norm; it expires, so that an upstream that really became slower is
-/// followed. Of a span's median window, not of single windows: a
+/// [`BASELINE_PERIOD`] and the one before: what the upstream takes when it
+/// is not queueing. A minimum, not an average, so that a long overload does
+/// not become the norm; it expires, so that an upstream that really became
+/// slower is followed. Of a span's median window, not of single windows: a
 /// window may hold only requests of one kind (a burst to a cached path
 /// answering in a millisecond beside others that take twenty), and the
 /// lowest such window would make every usual one look many times slower;

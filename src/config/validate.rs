@@ -968,6 +968,9 @@ fn memory_warnings(config: &Config, report: &mut Report<'_>) {
     }
 }
 
+/// Above this `tolerance`, latency barely moves the adaptive limit.
+const LOOSEST_TOLERANCE: f64 = 10.0;
+
 /// Adaptive limits that cannot do what they say.
 fn limit_warnings(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) {
     let a = &u.adaptive_concurrency;
@@ -982,6 +985,15 @@ fn limit_warnings(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) {
                 "{}: the limit grows only on answers within {:.2} x the baseline (the lowest 3 s median window of the last 30–60 s), which few answers come within; it will mostly fall (1.5 or more is sound; the default is 2.0)",
                 a.tolerance,
                 1.0 + (a.tolerance - 1.0) / 2.0
+            ),
+        );
+    }
+    if a.tolerance > LOOSEST_TOLERANCE {
+        report(
+            path.key("tolerance"),
+            format!(
+                "{}: the limit shrinks only once answers take {} x the baseline; an upstream that queues is held by timeouts alone (up to {LOOSEST_TOLERANCE} is sound; the default is 2.0)",
+                a.tolerance, a.tolerance
             ),
         );
     }

@@ -598,6 +598,21 @@ fn check_warns_of_absurd_durations_and_counts() {
         let key = format!("warning: upstreams.api.adaptive_concurrency.{key}");
         assert!(stderr.contains(&key), "{key}: {stderr}");
     }
+    // A tolerance so loose that latency never moves the limit.
+    let loose = write(
+        &dir,
+        "loose.toml",
+        "[upstreams.api]\nendpoints = [\"http://127.0.0.1:3000\"]\n\
+         [upstreams.api.adaptive_concurrency]\ntolerance = 1e9\n\
+         [[routes]]\nname = \"a\"\nupstream = \"api\"\n",
+    );
+    let out = check(&loose);
+    assert!(out.status.success(), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("warning: upstreams.api.adaptive_concurrency.tolerance"),
+        "{stderr}"
+    );
     // Sensible values warn of nothing.
     let fine = write(
         &dir,

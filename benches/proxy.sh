@@ -219,7 +219,7 @@ echo "Paired by round (herdguard / HAProxy in the same round), median and range 
 awk '
   { split($1, t, "@"); kind = ($1 ~ /@open$/) ? "open" : "closed"; base = t[1]
     post = (base ~ /-post$/); ref = post ? "haproxy-post" : "haproxy"
-    k = kind SUBSEP base; seen[k]++
+    k = kind SUBSEP base
     if (base == ref) { ref_rps[kind, post] = $2; ref_p99[kind, post] = $4; next }
     if (base !~ /^herdguard/ || !((kind, post) in ref_rps)) next
     if (!(k in order)) { order[k] = ++n; keys[n] = k }

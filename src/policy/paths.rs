@@ -46,6 +46,12 @@ pub struct PathKey(u32);
 impl PathKey {
     /// No path: blame goes to the route alone.
     pub const NONE: PathKey = PathKey(0);
+
+    /// A key of the given value (0 is [`PathKey::NONE`]).
+    #[cfg(test)]
+    pub const fn from_raw(n: u32) -> PathKey {
+        PathKey(n)
+    }
 }
 
 /// The first [`SEGMENTS`] segments of `path` (without its query).

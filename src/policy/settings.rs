@@ -56,7 +56,7 @@ impl Default for OutlierConfig {
 }
 
 /// `[upstreams.NAME.adaptive_concurrency]`: a limit on requests in flight
-/// that follows the upstream's latency (see `limit.rs`).
+/// that follows the upstream's latency (see `limit/mod.rs`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AdaptiveConfig {

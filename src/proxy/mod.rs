@@ -1013,6 +1013,7 @@ async fn forward(
             timeout: policy.timeout,
             upgrade,
             multiplexed,
+            path: facts.path,
         });
         attempts.host_rewrite(route.host_rewrite.clone());
         attempts.log_into(log.as_deref_mut());

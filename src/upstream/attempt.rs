@@ -23,6 +23,7 @@ use tokio::time::Instant;
 use crate::observe::access_log::Entry;
 use crate::observe::trace::{AttemptTrace, RequestTrace};
 use crate::policy::outlier::Verdict;
+use crate::policy::paths::PathKey;
 use crate::policy::retry::retry_after;
 use crate::policy::{CallerFault, Outcome};
 use crate::retry::{self, Attempt};
@@ -78,6 +79,8 @@ pub struct Outbound<'a> {
     pub upgrade: bool,
     /// The caller's connection carries many streams (HTTP/2).
     pub multiplexed: bool,
+    /// The request's path, as blame and the adaptive limit know it.
+    pub path: PathKey,
 }
 
 /// A request on its way upstream: its head kept for every attempt.
@@ -113,6 +116,8 @@ pub struct Forward<'a> {
     /// go unpolled there for long (no flow-control window), so it stays on
     /// hyper's connection, which the slot's watchdog can close.
     multiplexed: bool,
+    /// The request's path: each attempt's latency is held against its own.
+    path: PathKey,
     /// The route's `host_rewrite`: sent as `Host` instead of the endpoint's.
     host: Option<HeaderValue>,
     /// The access log line, when the log is on.
@@ -154,6 +159,7 @@ impl<'a> Forward<'a> {
             timeout,
             upgrade,
             multiplexed,
+            path,
         } = out;
         use http_body::Body as _;
         let body = if body.is_end_stream() {
@@ -182,6 +188,7 @@ impl<'a> Forward<'a> {
             timeout,
             upgrade,
             multiplexed,
+            path,
             host: None,
             log: None,
             trace: None,
@@ -420,7 +427,14 @@ impl<'a> retry::Attempts for Forward<'a> {
         let (slot, picked, req, progress, traced) = self.prepare(n, probe);
         // No slot yet: the wait for one, boxed, so that only a request that
         // waits pays for its room.
-        let slot = slot.ok_or_else(|| Box::pin(upstream.wait_for_slot(deadline)));
+        let path = self.path;
+        let slot = match slot {
+            Some(mut slot) => {
+                slot.on_path(path);
+                Ok(slot)
+            }
+            None => Err(Box::pin(upstream.wait_for_slot(deadline, path))),
+        };
         let judge = Judged {
             judge: Judge {
                 upgrade: self.upgrade,

@@ -40,6 +40,7 @@ use crate::config::{Discovery, Http2Mode, OutlierConfig, UpstreamConfig};
 use crate::observe::metrics::{EndpointMetrics, Metrics, UpstreamMetrics};
 use crate::policy::limit::{Limiter, Sample};
 use crate::policy::outlier::{Event, Outliers, Pick, PickKind, State as OutlierState, Verdict};
+use crate::policy::paths::PathKey;
 use crate::policy::{Outcome, UpstreamFault};
 
 use self::pool::H1Pool;
@@ -502,8 +503,9 @@ impl Upstream {
         self.max_in_flight
     }
 
-    /// Feeds an attempt's outcome to the adaptive limit, as [`Sample::of`] maps it.
-    fn observe(&self, outcome: Outcome, elapsed: std::time::Duration) {
+    /// Feeds an attempt's outcome on `path` to the adaptive limit, as
+    /// [`Sample::of`] maps it.
+    fn observe(&self, outcome: Outcome, elapsed: std::time::Duration, path: PathKey) {
         let Some(sample) = Sample::of(outcome, elapsed) else {
             return;
         };
@@ -516,7 +518,7 @@ impl Upstream {
                 let before = limiter.limit();
                 let now = clock::now();
                 self.take_outage_end(&mut limiter, now);
-                limiter.update(sample, self.unanswered(), queued, now);
+                limiter.update(sample, path, self.unanswered(), queued, now);
                 (before, limiter.limit(), limiter.wait())
             };
             self.limit.store(after, Ordering::Relaxed);
@@ -624,6 +626,7 @@ impl Upstream {
             endpoint: None,
             counted: true,
             unanswered: true,
+            path: PathKey::NONE,
         })
     }
 
@@ -649,8 +652,13 @@ impl Upstream {
     /// (between 50 ms and 1 s) and never past `deadline`; `None`, counted as
     /// shed, when none came. A burst onto an idle sidecar thus waits the few
     /// round trips its limit takes to grow, instead of being shed, and no
-    /// request reaches the upstream beyond the limit.
-    pub async fn wait_for_slot(self: &Arc<Self>, deadline: Instant) -> Option<InFlight> {
+    /// request reaches the upstream beyond the limit. The slot is for an
+    /// attempt on `path`.
+    pub async fn wait_for_slot(
+        self: &Arc<Self>,
+        deadline: Instant,
+        path: PathKey,
+    ) -> Option<InFlight> {
         let wait = Duration::from_nanos(self.wait_nanos.load(Ordering::Relaxed));
         let until = deadline.min(clock::now() + wait);
         self.waiting.fetch_add(1, Ordering::Relaxed);
@@ -669,7 +677,10 @@ impl Upstream {
         if slot.is_none() {
             self.refuse();
         }
-        slot
+        slot.map(|mut slot| {
+            slot.on_path(path);
+            slot
+        })
     }
 }
 
@@ -848,6 +859,8 @@ pub struct InFlight {
     counted: bool,
     /// Whether it still counts toward the attempts not yet answered.
     unanswered: bool,
+    /// The attempt's path (see [`InFlight::on_path`]).
+    path: PathKey,
 }
 
 /// An upstream's requests in flight, shared with the upstream of the same
@@ -909,11 +922,17 @@ impl InFlight {
         }
     }
 
+    /// The slot is for an attempt on `path`: the limit holds its latency
+    /// against the path's own.
+    pub fn on_path(&mut self, path: PathKey) {
+        self.path = path;
+    }
+
     /// The attempt ended in `outcome` after `latency`, with its answer's
     /// head or without one: the limit hears of it (counting this attempt
     /// in flight), and the slot no longer counts against it.
     pub fn ended(&mut self, outcome: Outcome, latency: Duration) {
-        self.upstream.observe(outcome, latency);
+        self.upstream.observe(outcome, latency, self.path);
         self.answered();
     }
 

@@ -207,3 +207,79 @@ async fn a_request_beside_streams_holding_max_in_flight_is_shed_at_once() {
     assert!(waited < Duration::from_secs(2), "shed after {waited:?}");
     drop(streams);
 }
+
+/// An upstream with a fast path (1 ms) and a slow one (20 ms), sixteen
+/// callers each asking one or the other at random, that gets five times
+/// slower on both, not queueing (a deploy, a cold cache). Each answer is
+/// held against its own path's latency: the limit shrinks at first, then
+/// follows within seconds, and the callers are served, none shed. Held
+/// against one latency for the whole upstream, the fast path's answers,
+/// five times slower, were still within the tolerance of the mix's and grew
+/// the limit back: it stayed under the callers, shedding, until the old
+/// latency aged out a minute later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mixed_path_upstream_that_got_slower_is_followed() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let _heavy = heavy().await;
+    let slower = std::sync::Arc::new(AtomicU64::new(1));
+    let times = slower.clone();
+    let up = upstream(move |req| {
+        let ms = match req.uri().path().starts_with("/fast/") {
+            true => 1,
+            false => 20,
+        };
+        let ms = ms * times.load(Ordering::Relaxed);
+        async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            http::Response::new(full("ok"))
+        }
+    })
+    .await;
+    let hg = one_route(&up, "").await;
+    let base = format!("http://{}", hg.listen);
+    // Sixteen callers until `until`, each request to a path at random;
+    // gives back (answered, refused).
+    let callers = |until: tokio::time::Instant| {
+        futures_util::future::join_all((0..16u64).map(|c| {
+            let (client, base) = (client(), base.clone());
+            async move {
+                let mut seed = 0x9e37_79b9_7f4a_7c15 ^ (c + 1);
+                let (mut ok, mut refused) = (0, 0);
+                while tokio::time::Instant::now() < until {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    let path = ["/fast/a", "/slow/b"][(seed & 1) as usize];
+                    match get(client.clone(), format!("{base}{path}")).await {
+                        Some(http::StatusCode::OK) => ok += 1,
+                        _ => refused += 1,
+                    }
+                }
+                (ok, refused)
+            }
+        }))
+    };
+    let sum = |v: Vec<(u32, u32)>| v.into_iter().fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+    let now = tokio::time::Instant::now;
+    // Seven seconds as usual: each path's latency is known (a span of 3 s).
+    let (ok, refused) = sum(callers(now() + Duration::from_secs(7)).await);
+    assert_eq!(refused, 0, "{ok} answered as usual");
+    slower.store(5, Ordering::Relaxed);
+    // Six seconds for the limit to follow, then six more watched.
+    let settling = sum(callers(now() + Duration::from_secs(6)).await);
+    let shed_before = hg.metric(r#"herdguard_shed_total{upstream="u"}"#).await;
+    let watched = sum(callers(now() + Duration::from_secs(6)).await);
+    let shed = hg.metric(r#"herdguard_shed_total{upstream="u"}"#).await - shed_before;
+    let limit = hg
+        .metric(r#"herdguard_concurrency_limit{upstream="u"}"#)
+        .await;
+    eprintln!(
+        "while it settled: {settling:?} (answered, refused); then {watched:?}, {shed} shed, limit {limit}"
+    );
+    assert_eq!(
+        (watched.1, shed),
+        (0, 0.0),
+        "callers served, none shed, once it followed (limit {limit})"
+    );
+    assert!(limit >= 16.0, "the limit lets all sixteen through: {limit}");
+}

@@ -44,9 +44,15 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::policy::paths::PathKey;
 use crate::policy::settings::AdaptiveConfig;
 
 use super::outcome::{CallerFault, Outcome, UpstreamFault};
+
+#[cfg(test)]
+mod mixed_tests;
+mod paths;
+use paths::PathLatencies;
 
 #[derive(Debug, Clone)]
 pub struct Limiter {
@@ -56,6 +62,8 @@ pub struct Limiter {
     tolerance: f64,
     smoothing: f64,
     baseline: Baseline,
+    /// Each path's own baseline: an answer is held against its path's.
+    paths: PathLatencies,
     /// [`Limiter::wait`], worked out again only as the baseline moves (once
     /// a window): read at every sample.
     wait: Option<Duration>,
@@ -207,6 +215,7 @@ impl Limiter {
             tolerance: c.tolerance,
             smoothing: c.smoothing,
             baseline: Baseline::default(),
+            paths: PathLatencies::default(),
             wait: None,
             window: None,
             use_: Use::default(),
@@ -226,23 +235,42 @@ impl Limiter {
         self.limit as usize
     }
 
-    /// Records an attempt's outcome at `now`; `in_flight` counts it too;
-    /// `queued`: requests waiting for a slot now, or 1 when none waits but
-    /// one was shed since the last sample.
+    /// Records an attempt's outcome at `now`, on `path`; `in_flight`
+    /// counts it too; `queued`: requests waiting for a slot now, or 1 when
+    /// none waits but one was shed since the last sample.
     ///
     /// Samples are gathered over a window (100 ms, and at least 10 samples,
     /// as Netflix's `WindowedLimit` does) and the limit moves once per window
-    /// on the window's average latency: a burst of slow answers caused by a
-    /// hiccup of the proxy itself does not collapse the limit.
-    pub fn update(&mut self, sample: Sample, in_flight: usize, queued: usize, now: Instant) {
+    /// on the window's average latency, each sample as many times its
+    /// path's baseline as it took (see [`paths`]): a burst of slow answers
+    /// caused by a hiccup of the proxy itself does not collapse the limit.
+    pub fn update(
+        &mut self,
+        sample: Sample,
+        path: PathKey,
+        in_flight: usize,
+        queued: usize,
+        now: Instant,
+    ) {
         self.use_.record(in_flight, now);
         // A caller that left after waiting four times the tolerated latency
         // (as long as a request may wait for a slot) met an upstream that
         // is stuck, as a timeout does: its per-try timeout and the caller's
         // own often end together, and the caller's may come first.
-        let sample = match (sample, self.wait()) {
-            (Sample::Unanswered(waited), Some(stuck)) if waited > stuck => Sample::Dropped,
-            (sample, _) => sample,
+        let (sample, ratio) = match sample {
+            Sample::Unanswered(waited) => {
+                let ratio = self.paths.ratio(path, waited.as_secs_f64());
+                let stuck = match ratio {
+                    Some(r) => r > self.tolerance * 4.0,
+                    None => self.wait().is_some_and(|stuck| waited > stuck),
+                };
+                match stuck {
+                    true => (Sample::Dropped, None),
+                    false => (sample, ratio),
+                }
+            }
+            Sample::Latency(rtt) => (sample, self.paths.answer(path, rtt.as_secs_f64())),
+            Sample::Dropped => (sample, None),
         };
         let latency = match sample {
             Sample::Dropped => {
@@ -265,14 +293,13 @@ impl Limiter {
             Sample::Latency(rtt) => {
                 let rtt = rtt.as_secs_f64();
                 if queued > 0 {
-                    self.grow(rtt, in_flight + queued, now);
+                    self.grow(rtt, ratio, in_flight + queued, now);
                 }
                 rtt
             }
             Sample::Unanswered(waited) => {
                 let waited = waited.as_secs_f64();
-                let tolerated = self.baseline.get().map(|b| b * self.tolerance);
-                if tolerated.is_none_or(|t| waited <= t) {
+                if !self.above(waited, ratio, self.tolerance) {
                     return;
                 }
                 waited
@@ -281,11 +308,17 @@ impl Limiter {
         let w = self.window.get_or_insert(Window {
             start: now,
             sum: 0.0,
+            ratios: 0.0,
+            unknown: 0.0,
             count: 0,
             in_flight: 0,
             unanswered: false,
         });
         w.sum += latency;
+        match ratio {
+            Some(r) => w.ratios += r,
+            None => w.unknown += latency,
+        }
         w.count += 1;
         w.unanswered |= matches!(sample, Sample::Unanswered(_));
         w.in_flight = w.in_flight.saturating_add(in_flight);
@@ -299,15 +332,17 @@ impl Limiter {
         let Some(w) = self.window.take() else {
             return;
         };
-        let count = f64::from(w.count.max(1));
-        let answered = !w.unanswered;
-        self.apply(
-            (w.sum / count).max(1e-6),
-            w.in_flight as f64 / count,
-            answered,
-            now,
-        );
+        self.apply(&w, now);
         self.wait = self.wait_now();
+    }
+
+    /// Whether `latency` (seconds; `ratio`: its path's baseline's multiple,
+    /// if known) is above `times` the baseline; false before there is one.
+    fn above(&self, latency: f64, ratio: Option<f64>, times: f64) -> bool {
+        match ratio {
+            Some(r) => r > times,
+            None => self.baseline.get().is_some_and(|b| latency > b * times),
+        }
     }
 
     /// Once a second: the limit of a sidecar whose traffic fell comes down
@@ -326,7 +361,7 @@ impl Limiter {
     /// past it), by one over the limit above it (one per round trip); never past
     /// `demand`, the requests in flight and waiting, so that a backlog
     /// cleared at once does not leave it far above the traffic.
-    fn grow(&mut self, rtt: f64, demand: usize, now: Instant) {
+    fn grow(&mut self, rtt: f64, ratio: Option<f64>, demand: usize, now: Instant) {
         let troubled = self
             .troubled
             .is_some_and(|at| now.saturating_duration_since(at) < FORGET);
@@ -341,7 +376,7 @@ impl Limiter {
         // upstream queues, not after.
         let band = if self.limit >= threshold { 4.0 } else { 2.0 };
         let calm = 1.0 + (self.tolerance - 1.0) / band;
-        if self.baseline.get().is_some_and(|b| rtt > b * calm) {
+        if self.above(rtt, ratio, calm) {
             return;
         }
         let step = if self.limit < threshold {
@@ -375,11 +410,13 @@ impl Limiter {
     /// A slow window while the limit shrinks: if half as many in flight as
     /// when it began to shrink still take as long (within 20%), latency is
     /// not queueing but the upstream's own (a deploy, a cold cache, a
-    /// failover): the baseline becomes the latency now and the limit goes
-    /// back to where it stood. True when that was the case.
+    /// failover): the baseline becomes the latency now (`raw`, the
+    /// window's plain average; each path's, as many times higher as
+    /// `short` is than the baseline) and the limit goes back to where it
+    /// stood. True when that was the case.
     fn slower_not_queueing(
         &mut self,
-        short: f64,
+        (short, raw): (f64, f64),
         mean_in_flight: f64,
         answered: bool,
         now: Instant,
@@ -419,7 +456,9 @@ impl Limiter {
             return false;
         }
         self.slower_since = None;
-        self.baseline = Baseline::starting_at(short);
+        let factor = short / self.baseline.get().unwrap_or(short);
+        self.baseline = Baseline::starting_at(raw);
+        self.paths.rebase(factor);
         self.limit = self
             .limit
             .max(from_in_flight.ceil())
@@ -456,17 +495,24 @@ impl Limiter {
             .map_or(f64::INFINITY, |p| USE_MULTIPLE * p as f64 + USE_HEADROOM)
     }
 
-    /// A window closed with average latency `short`: above the tolerance,
+    /// A window closed: its average latency `short`, each answer on a path
+    /// with a baseline of its own counted as that many times the
+    /// upstream's baseline as it took of its path's. Above the tolerance,
     /// the limit shrinks toward `tolerance × baseline / short` of itself,
     /// smoothly (one slow window is not a trend), and slow start ends there.
-    ///
-    /// `answered`: every sample of the window was an answer (no caller
-    /// that left).
-    fn apply(&mut self, short: f64, mean_in_flight: f64, answered: bool, now: Instant) {
-        self.baseline.record(short, now);
-        let base = self.baseline.get().unwrap_or(short);
+    fn apply(&mut self, w: &Window, now: Instant) {
+        let count = f64::from(w.count.max(1));
+        let raw = (w.sum / count).max(1e-6);
+        if let Some(rolled) = self.baseline.record(raw, now) {
+            self.paths.span_closed(rolled);
+        }
+        let base = self.baseline.get().unwrap_or(raw);
+        let short = ((w.ratios * base + w.unknown) / count).max(1e-6);
+        let mean_in_flight = w.in_flight as f64 / count;
+        // Every sample of the window was an answer (no caller that left).
+        let answered = !w.unanswered;
         let gradient = (self.tolerance * base / short).clamp(0.5, 1.0);
-        if gradient < 1.0 && self.slower_not_queueing(short, mean_in_flight, answered, now) {
+        if gradient < 1.0 && self.slower_not_queueing((short, raw), mean_in_flight, answered, now) {
             return;
         }
         if gradient < 1.0 {
@@ -489,7 +535,12 @@ impl Limiter {
 #[derive(Debug, Clone)]
 struct Window {
     start: Instant,
+    /// The samples' latencies added up (seconds) ...
     sum: f64,
+    /// ... those of samples on paths with a baseline, as multiples of it ...
+    ratios: f64,
+    /// ... and those of the others (seconds).
+    unknown: f64,
     count: u32,
     /// The sum of the in-flight counts the samples came with.
     in_flight: usize,
@@ -571,8 +622,9 @@ impl Baseline {
         }
     }
 
-    /// A window whose average was `latency`.
-    fn record(&mut self, latency: f64, now: Instant) {
+    /// A window whose average was `latency`. Gives back whether a span
+    /// closed with it (`Some`), and whether a new period began.
+    fn record(&mut self, latency: f64, now: Instant) -> Option<bool> {
         let start = *self.span.get_or_insert(now);
         if let Some(slot) = self.windows.get_mut(self.gathered) {
             *slot = latency;
@@ -585,17 +637,19 @@ impl Baseline {
             if self.current.is_none() && self.previous.is_none() {
                 self.first = Some(median);
             }
-            return;
+            return None;
         }
         self.span = None;
         self.gathered = 0;
         self.first = None;
         let since = *self.since.get_or_insert(now);
-        if now.saturating_duration_since(since) >= BASELINE_PERIOD {
+        let rolled = now.saturating_duration_since(since) >= BASELINE_PERIOD;
+        if rolled {
             self.previous = self.current.take();
             self.since = Some(now);
         }
         self.current = Some(self.current.map_or(median, |c| c.min(median)));
+        Some(rolled)
     }
 
     fn get(&self) -> Option<f64> {
@@ -650,7 +704,7 @@ mod tests {
             for _ in 0..10 {
                 *clock += Duration::from_millis(10);
                 let (in_flight, queued) = load(l);
-                l.update(sample, in_flight, queued, *clock);
+                l.update(sample, PathKey::NONE, in_flight, queued, *clock);
             }
         }
     }
@@ -718,7 +772,7 @@ mod tests {
         feed(&mut l, &mut clock, 100, ms(20), demand(64));
         for _ in 0..20 {
             clock += Duration::from_millis(100);
-            l.update(Sample::Dropped, l.limit(), 64, clock);
+            l.update(Sample::Dropped, PathKey::NONE, l.limit(), 64, clock);
         }
         // The breaker closes: slow start back, on answers as fast as before.
         l.after_outage(clock);
@@ -742,7 +796,7 @@ mod tests {
         feed(&mut l, &mut clock, 20, ms(5), demand(2));
         for _ in 0..3 {
             clock += Duration::from_millis(200);
-            l.update(Sample::Dropped, 3, 0, clock);
+            l.update(Sample::Dropped, PathKey::NONE, 3, 0, clock);
         }
         // One answer every 500 ms taking 1.2 s: about three in flight are
         // wanted; the limit lets one and the others wait.
@@ -750,7 +804,7 @@ mod tests {
         for i in 0..60 {
             clock += Duration::from_millis(500);
             let (in_flight, queued) = (l.limit().min(3), 3usize.saturating_sub(l.limit()));
-            l.update(ms(1200), in_flight, queued, clock);
+            l.update(ms(1200), PathKey::NONE, in_flight, queued, clock);
             if l.limit() >= 2 && grown_after.is_none() && i > 0 {
                 grown_after = Some(i);
             }
@@ -808,7 +862,7 @@ mod tests {
         // Two in flight for a while: the limit falls to 2 * 2 + 2.
         for _ in 0..300 {
             clock += Duration::from_millis(50);
-            l.update(ms(10), 2, 0, clock);
+            l.update(ms(10), PathKey::NONE, 2, 0, clock);
             l.relax(0, clock);
         }
         assert_eq!(l.limit(), 6);
@@ -884,7 +938,7 @@ mod tests {
         let (mut l, mut clock) = (limiter(), Instant::now());
         for _ in 0..100 {
             clock += Duration::from_millis(100);
-            l.update(Sample::Dropped, 0, 0, clock);
+            l.update(Sample::Dropped, PathKey::NONE, 0, 0, clock);
         }
         assert_eq!(l.limit(), 1);
     }
@@ -893,7 +947,7 @@ mod tests {
     fn timeouts_together_cut_it_once() {
         let (mut l, clock) = (limiter(), Instant::now());
         for _ in 0..30 {
-            l.update(Sample::Dropped, 20, 0, clock);
+            l.update(Sample::Dropped, PathKey::NONE, 20, 0, clock);
         }
         assert_eq!(l.limit(), 10, "one cut by half from 20");
     }
@@ -904,7 +958,7 @@ mod tests {
         let mut answers = 0;
         while l.limit() < to && answers < most {
             *clock += Duration::from_millis(5);
-            l.update(ms(100), l.limit(), 1000, *clock);
+            l.update(ms(100), PathKey::NONE, l.limit(), 1000, *clock);
             answers += 1;
         }
         answers
@@ -917,7 +971,7 @@ mod tests {
         feed(&mut l, &mut clock, 20, ms(100), |_| (20, 0));
         for _ in 0..100 {
             clock += Duration::from_millis(100);
-            l.update(Sample::Dropped, 1, 0, clock);
+            l.update(Sample::Dropped, PathKey::NONE, 1, 0, clock);
         }
         assert_eq!(l.limit(), 1);
         // The upstream is back and everybody waits: two per answer up to
@@ -935,7 +989,7 @@ mod tests {
         // Calm at 4 in flight: the use bound takes the limit to 10.
         for _ in 0..400 {
             clock += Duration::from_millis(25);
-            l.update(ms(100), 4, 0, clock);
+            l.update(ms(100), PathKey::NONE, 4, 0, clock);
             l.relax(0, clock);
         }
         assert_eq!(l.limit(), 10);
@@ -1042,7 +1096,7 @@ mod tests {
                 let latency = if seed & 1 == 0 { ms(1) } else { ms(20) };
                 clock += Duration::from_millis(10);
                 let (in_flight, queued) = demand(4)(&l);
-                l.update(latency, in_flight, queued, clock);
+                l.update(latency, PathKey::NONE, in_flight, queued, clock);
             }
             held += usize::from(l.limit() < 4);
         }
@@ -1065,7 +1119,7 @@ mod tests {
                 if i + 1 == phases.len() && served < callers {
                     waited += step.as_secs_f64();
                 }
-                l.update(ms(latency), served, callers - served, *clock);
+                l.update(ms(latency), PathKey::NONE, served, callers - served, *clock);
             }
         }
         waited

@@ -1,0 +1,290 @@
+//! Each path's own usual latency, for the adaptive limit.
+//!
+//! Why: one upstream answers some paths in a millisecond and others in
+//! fifty. A window's average then moves with the mix of paths as much as
+//! with the upstream's load: a shift toward the slow paths looks like a
+//! slower upstream, and an upstream that got slower on every path still
+//! answers its fast paths within the tolerance, so that they keep growing
+//! the limit back. So each answer is held against its own path's baseline:
+//! the window's latency is the mean of those ratios.
+//!
+//! A path's baseline is the lowest mean of its answers over a span (at
+//! least [`MIN_SAMPLES`] of them, gathered until one of the upstream's
+//! baseline spans closes), over the current period of the upstream's
+//! baseline and the one before (30 to 60 s): a minimum, so that a long
+//! overload does not become the norm. Paths are the breakers' (`/orders/42`
+//! is `/orders/*`, see [`crate::policy::paths`]).
+//!
+//! Bounded: at most [`MAX_PATHS`] paths per upstream (32 bytes each). When
+//! all are taken, a new path takes the place of the one with the fewest
+//! answers among those not yet with a baseline, or is not tracked; a path
+//! not tracked, or not yet with a baseline, is held against the upstream's
+//! own baseline, as every answer was before.
+
+use crate::policy::paths::PathKey;
+
+/// Paths tracked per upstream at most.
+pub const MAX_PATHS: usize = 64;
+
+/// A path's span holds at least this many answers.
+pub const MIN_SAMPLES: u32 = 16;
+
+/// Periods a path's answers may take to make a span before they are
+/// dropped (too few to tell its latency; it is held against the upstream's
+/// baseline meanwhile).
+const SPARSE_PERIODS: u8 = 2;
+
+/// The shortest baseline a path may have (a microsecond): a ratio against
+/// it stays finite.
+const LEAST: f64 = 1e-6;
+
+/// The paths of one upstream and their baselines.
+#[derive(Debug, Clone, Default)]
+pub struct PathLatencies {
+    entries: Vec<Entry>,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    key: PathKey,
+    /// Answers of the span being gathered: their sum (seconds), their count.
+    sum: f64,
+    count: u32,
+    /// Periods the span has been gathered over.
+    periods: u8,
+    /// The lowest span mean of this period and of the last (0: none).
+    current: f32,
+    previous: f32,
+}
+
+impl Entry {
+    fn new(key: PathKey) -> Self {
+        Self {
+            key,
+            sum: 0.0,
+            count: 0,
+            periods: 0,
+            current: 0.0,
+            previous: 0.0,
+        }
+    }
+
+    fn base(&self) -> Option<f64> {
+        let low = match (self.current > 0.0, self.previous > 0.0) {
+            (true, true) => self.current.min(self.previous),
+            (true, false) => self.current,
+            (false, true) => self.previous,
+            (false, false) => return None,
+        };
+        Some(f64::from(low).max(LEAST))
+    }
+}
+
+impl PathLatencies {
+    /// An answer on `key` after `latency` seconds: its ratio to the path's
+    /// baseline (before this answer), when the path has one.
+    pub fn answer(&mut self, key: PathKey, latency: f64) -> Option<f64> {
+        if key == PathKey::NONE {
+            return None;
+        }
+        let entry = match self.entries.iter().position(|e| e.key == key) {
+            Some(i) => &mut self.entries[i],
+            None => self.insert(key)?,
+        };
+        let ratio = entry.base().map(|b| latency / b);
+        entry.sum += latency;
+        entry.count = entry.count.saturating_add(1);
+        ratio
+    }
+
+    /// `latency` seconds on `key` against the path's baseline, without
+    /// counting it as an answer (a caller that left before one came).
+    pub fn ratio(&self, key: PathKey, latency: f64) -> Option<f64> {
+        if key == PathKey::NONE {
+            return None;
+        }
+        let entry = self.entries.iter().find(|e| e.key == key)?;
+        entry.base().map(|b| latency / b)
+    }
+
+    /// A new path's entry; when all are taken, in place of the one with
+    /// the fewest answers among those with no baseline yet (none: the
+    /// path is not tracked).
+    fn insert(&mut self, key: PathKey) -> Option<&mut Entry> {
+        if self.entries.len() < MAX_PATHS {
+            self.entries.push(Entry::new(key));
+            return self.entries.last_mut();
+        }
+        let slot = self
+            .entries
+            .iter_mut()
+            .filter(|e| e.base().is_none())
+            .min_by_key(|e| e.count)?;
+        *slot = Entry::new(key);
+        Some(slot)
+    }
+
+    /// The upstream's baseline closed a span (`rolled`: and began a new
+    /// period): each path with enough answers closes its own, and its mean
+    /// is its baseline if lower; at a new period the current lows become
+    /// the last, and paths not heard from for a whole period are forgotten.
+    pub fn span_closed(&mut self, rolled: bool) {
+        for e in &mut self.entries {
+            if e.count >= MIN_SAMPLES {
+                let mean = (e.sum / f64::from(e.count)).max(LEAST) as f32;
+                e.current = match e.current > 0.0 {
+                    true => e.current.min(mean),
+                    false => mean,
+                };
+                (e.sum, e.count, e.periods) = (0.0, 0, 0);
+            }
+            if !rolled {
+                continue;
+            }
+            e.previous = std::mem::take(&mut e.current);
+            if e.count > 0 {
+                e.periods = e.periods.saturating_add(1);
+                if e.periods >= SPARSE_PERIODS {
+                    (e.sum, e.count, e.periods) = (0.0, 0, 0);
+                }
+            }
+        }
+        if rolled {
+            self.entries.retain(|e| e.count > 0 || e.previous > 0.0);
+        }
+    }
+
+    /// The upstream got slower by `factor` on every path, not queueing:
+    /// each path's baseline is its lowest times `factor`, begun again, and
+    /// the answers gathered before it are dropped.
+    pub fn rebase(&mut self, factor: f64) {
+        for e in &mut self.entries {
+            e.current = e.base().map_or(0.0, |b| (b * factor) as f32);
+            e.previous = 0.0;
+            (e.sum, e.count, e.periods) = (0.0, 0, 0);
+        }
+    }
+
+    /// Paths tracked now.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(n: u32) -> PathKey {
+        PathKey::from_raw(n)
+    }
+
+    fn fill(p: &mut PathLatencies, k: PathKey, latency: f64, n: u32) {
+        for _ in 0..n {
+            p.answer(k, latency);
+        }
+    }
+
+    #[test]
+    fn a_path_has_a_baseline_once_a_span_of_enough_answers_closed() {
+        let mut p = PathLatencies::default();
+        assert_eq!(p.answer(key(1), 0.02), None);
+        fill(&mut p, key(1), 0.02, MIN_SAMPLES - 2);
+        p.span_closed(false);
+        assert_eq!(p.ratio(key(1), 0.02), None, "one answer short");
+        p.answer(key(1), 0.02);
+        p.span_closed(false);
+        let r = p.answer(key(1), 0.04).unwrap();
+        assert!((r - 2.0).abs() < 1e-3, "{r}");
+        assert_eq!(p.answer(PathKey::NONE, 0.04), None);
+    }
+
+    #[test]
+    fn the_baseline_is_the_lowest_span_mean_of_two_periods() {
+        let mut p = PathLatencies::default();
+        fill(&mut p, key(1), 0.01, 20);
+        p.span_closed(false);
+        fill(&mut p, key(1), 0.05, 20);
+        p.span_closed(false);
+        assert!((p.ratio(key(1), 0.01).unwrap() - 1.0).abs() < 1e-3);
+        // A period on: the low is the last period's.
+        p.span_closed(true);
+        fill(&mut p, key(1), 0.05, 20);
+        p.span_closed(false);
+        assert!((p.ratio(key(1), 0.01).unwrap() - 1.0).abs() < 1e-3);
+        // Two on: only what the last period saw.
+        p.span_closed(true);
+        assert!((p.ratio(key(1), 0.05).unwrap() - 1.0).abs() < 1e-3);
+        // A path not heard from for a whole period is forgotten.
+        p.span_closed(true);
+        p.span_closed(true);
+        assert_eq!(p.len(), 0);
+    }
+
+    #[test]
+    fn answers_too_sparse_for_a_span_are_dropped_after_two_periods() {
+        let mut p = PathLatencies::default();
+        fill(&mut p, key(1), 0.5, MIN_SAMPLES - 1);
+        p.span_closed(true);
+        p.span_closed(true);
+        // Dropped and forgotten: its slow old answers make no baseline.
+        assert_eq!(p.len(), 0);
+        fill(&mut p, key(1), 0.001, MIN_SAMPLES);
+        p.span_closed(false);
+        assert!((p.ratio(key(1), 0.001).unwrap() - 1.0).abs() < 1e-3);
+    }
+
+    /// A caller spraying paths takes the places of paths with no baseline,
+    /// never of those with one; the table never grows past its bound.
+    #[test]
+    fn a_spray_of_paths_never_displaces_one_with_a_baseline() {
+        let mut p = PathLatencies::default();
+        fill(&mut p, key(1), 0.02, MIN_SAMPLES);
+        p.span_closed(false);
+        for n in 2..100_000 {
+            p.answer(key(n), 0.001);
+            assert!(p.len() <= MAX_PATHS);
+        }
+        assert!((p.ratio(key(1), 0.02).unwrap() - 1.0).abs() < 1e-3);
+        // All taken by paths with a baseline: a new one is not tracked.
+        let mut p = PathLatencies::default();
+        for n in 1..=MAX_PATHS as u32 {
+            fill(&mut p, key(n), 0.02, MIN_SAMPLES);
+        }
+        p.span_closed(false);
+        assert_eq!(p.answer(key(1000), 0.02), None);
+        assert_eq!(p.len(), MAX_PATHS);
+        assert_eq!(p.ratio(key(1000), 0.02), None);
+    }
+
+    #[test]
+    fn a_rebase_scales_every_baseline_and_drops_the_answers_before_it() {
+        let mut p = PathLatencies::default();
+        fill(&mut p, key(1), 0.001, 20);
+        fill(&mut p, key(2), 0.02, 20);
+        p.span_closed(false);
+        fill(&mut p, key(1), 0.004, 10);
+        p.rebase(5.0);
+        assert!((p.ratio(key(1), 0.005).unwrap() - 1.0).abs() < 1e-3);
+        assert!((p.ratio(key(2), 0.1).unwrap() - 1.0).abs() < 1e-3);
+        fill(&mut p, key(1), 0.005, MIN_SAMPLES);
+        p.span_closed(false);
+        // Had the 4 ms answers from before been kept, this span's mean
+        // would be lower than 5 ms.
+        assert!((p.ratio(key(1), 0.005).unwrap() - 1.0).abs() < 1e-3);
+    }
+
+    /// Answers of any size, zero and huge included, give finite ratios.
+    #[test]
+    fn ratios_stay_finite() {
+        let mut p = PathLatencies::default();
+        fill(&mut p, key(1), 0.0, MIN_SAMPLES);
+        p.span_closed(false);
+        let r = p.answer(key(1), 1e9).unwrap();
+        assert!(r.is_finite() && r > 0.0, "{r}");
+        fill(&mut p, key(2), 1e30, MIN_SAMPLES);
+        p.span_closed(false);
+        assert!(p.answer(key(2), 0.0).unwrap().is_finite());
+    }
+}

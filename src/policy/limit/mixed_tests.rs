@@ -232,6 +232,36 @@ fn a_long_burst_of_a_fast_path_does_not_hold_back_the_usual_traffic() {
     );
 }
 
+/// A burst of fast answers on the usual traffic's own path (16 callers
+/// at 1 ms: ids a cache holds, or a caller asking for ones that do not
+/// exist) for up to a second: the path's baseline is of its windows, not
+/// its answers, and the usual callers are not held back after it.
+#[test]
+fn a_burst_of_fast_answers_on_the_usual_path_does_not_hold_it_back() {
+    for burst in [0.3, 0.6, 1.0] {
+        let mut l = limiter();
+        let mut clock = Instant::now();
+        let usual = [group(8, 1, 20.0)];
+        let with_burst = [group(8, 1, 20.0), group(16, 1, 1.0)];
+        let met = drive(
+            &mut l,
+            &mut clock,
+            &[
+                phase(10.0, &usual),
+                phase(burst, &with_burst),
+                phase(10.0, &usual),
+            ],
+            10.0,
+        );
+        assert!(
+            met.waited < 0.05 && met.lowest >= 8,
+            "after {burst} s: callers waited {:.2} s of 10, limit down to {} (8 callers)",
+            met.waited,
+            met.lowest
+        );
+    }
+}
+
 /// Per-path baselines still see queueing: an upstream that serves 8 at a
 /// time and queues above, before 32 callers of two paths, has the limit
 /// brought down toward what it serves, not to the callers.

@@ -503,6 +503,7 @@ impl Limiter {
     fn apply(&mut self, w: &Window, now: Instant) {
         let count = f64::from(w.count.max(1));
         let raw = (w.sum / count).max(1e-6);
+        self.paths.window_closed();
         if let Some(rolled) = self.baseline.record(raw, now) {
             self.paths.span_closed(rolled);
         }

@@ -12,10 +12,14 @@
 //! least [`MIN_SAMPLES`] of them, gathered until one of the upstream's
 //! baseline spans closes), over the current period of the upstream's
 //! baseline and the one before (30 to 60 s): a minimum, so that a long
-//! overload does not become the norm. Paths are the breakers' (`/orders/42`
-//! is `/orders/*`, see [`crate::policy::paths`]).
+//! overload does not become the norm. The mean of the span's windows (each
+//! window's mean of the path's answers in it), not of its answers: fast
+//! answers come as many times more often as they are faster, and a short
+//! burst of them (ids a cache holds, beside the usual ones) would be most
+//! of the answers, and make the path's usual answers look slow. Paths are
+//! the breakers' (`/orders/42` is `/orders/*`, see [`crate::policy::paths`]).
 //!
-//! Bounded: at most [`MAX_PATHS`] paths per upstream (32 bytes each). When
+//! Bounded: at most [`MAX_PATHS`] paths per upstream (48 bytes each). When
 //! all are taken, a new path takes the place of the one with the fewest
 //! answers among those not yet with a baseline, or is not tracked; a path
 //! not tracked, or not yet with a baseline, is held against the upstream's
@@ -47,9 +51,14 @@ pub struct PathLatencies {
 #[derive(Debug, Clone)]
 struct Entry {
     key: PathKey,
-    /// Answers of the span being gathered: their sum (seconds), their count.
+    /// Answers of the window being gathered: their sum (seconds), their count.
     sum: f64,
     count: u32,
+    /// The span being gathered: its windows' means added up (seconds), its
+    /// windows, its answers.
+    span_sum: f64,
+    windows: u32,
+    answers: u32,
     /// Periods the span has been gathered over.
     periods: u8,
     /// The lowest span mean of this period and of the last (0: none).
@@ -63,6 +72,9 @@ impl Entry {
             key,
             sum: 0.0,
             count: 0,
+            span_sum: 0.0,
+            windows: 0,
+            answers: 0,
             periods: 0,
             current: 0.0,
             previous: 0.0,
@@ -77,6 +89,12 @@ impl Entry {
             (false, false) => return None,
         };
         Some(f64::from(low).max(LEAST))
+    }
+
+    /// Begins the span again, its answers dropped.
+    fn drop_span(&mut self) {
+        (self.sum, self.count) = (0.0, 0);
+        (self.span_sum, self.windows, self.answers, self.periods) = (0.0, 0, 0, 0);
     }
 }
 
@@ -94,6 +112,7 @@ impl PathLatencies {
         let ratio = entry.base().map(|b| latency / b);
         entry.sum += latency;
         entry.count = entry.count.saturating_add(1);
+        entry.answers = entry.answers.saturating_add(1);
         ratio
     }
 
@@ -119,38 +138,51 @@ impl PathLatencies {
             .entries
             .iter_mut()
             .filter(|e| e.base().is_none())
-            .min_by_key(|e| e.count)?;
+            .min_by_key(|e| e.answers)?;
         *slot = Entry::new(key);
         Some(slot)
     }
 
+    /// The limit's window closed: each path's answers in it make one mean
+    /// of its span.
+    pub fn window_closed(&mut self) {
+        for e in &mut self.entries {
+            if e.count > 0 {
+                e.span_sum += e.sum / f64::from(e.count);
+                e.windows += 1;
+                (e.sum, e.count) = (0.0, 0);
+            }
+        }
+    }
+
     /// The upstream's baseline closed a span (`rolled`: and began a new
-    /// period): each path with enough answers closes its own, and its mean
-    /// is its baseline if lower; at a new period the current lows become
-    /// the last, and paths not heard from for a whole period are forgotten.
+    /// period), after the window it closed with: each path with enough
+    /// answers closes its own, and its mean is its baseline if lower; at a
+    /// new period the current lows become the last, and paths not heard
+    /// from for a whole period are forgotten.
     pub fn span_closed(&mut self, rolled: bool) {
         for e in &mut self.entries {
-            if e.count >= MIN_SAMPLES {
-                let mean = (e.sum / f64::from(e.count)).max(LEAST) as f32;
+            if e.answers >= MIN_SAMPLES && e.windows > 0 {
+                let mean = (e.span_sum / f64::from(e.windows)).max(LEAST) as f32;
                 e.current = match e.current > 0.0 {
                     true => e.current.min(mean),
                     false => mean,
                 };
-                (e.sum, e.count, e.periods) = (0.0, 0, 0);
+                e.drop_span();
             }
             if !rolled {
                 continue;
             }
             e.previous = std::mem::take(&mut e.current);
-            if e.count > 0 {
+            if e.answers > 0 {
                 e.periods = e.periods.saturating_add(1);
                 if e.periods >= SPARSE_PERIODS {
-                    (e.sum, e.count, e.periods) = (0.0, 0, 0);
+                    e.drop_span();
                 }
             }
         }
         if rolled {
-            self.entries.retain(|e| e.count > 0 || e.previous > 0.0);
+            self.entries.retain(|e| e.answers > 0 || e.previous > 0.0);
         }
     }
 
@@ -161,7 +193,7 @@ impl PathLatencies {
         for e in &mut self.entries {
             e.current = e.base().map_or(0.0, |b| (b * factor) as f32);
             e.previous = 0.0;
-            (e.sum, e.count, e.periods) = (0.0, 0, 0);
+            e.drop_span();
         }
     }
 
@@ -180,6 +212,12 @@ mod tests {
         PathKey::from_raw(n)
     }
 
+    /// A window closes, and with it a span of the upstream's.
+    fn close(p: &mut PathLatencies, rolled: bool) {
+        p.window_closed();
+        p.span_closed(rolled);
+    }
+
     fn fill(p: &mut PathLatencies, k: PathKey, latency: f64, n: u32) {
         for _ in 0..n {
             p.answer(k, latency);
@@ -191,10 +229,10 @@ mod tests {
         let mut p = PathLatencies::default();
         assert_eq!(p.answer(key(1), 0.02), None);
         fill(&mut p, key(1), 0.02, MIN_SAMPLES - 2);
-        p.span_closed(false);
+        close(&mut p, false);
         assert_eq!(p.ratio(key(1), 0.02), None, "one answer short");
         p.answer(key(1), 0.02);
-        p.span_closed(false);
+        close(&mut p, false);
         let r = p.answer(key(1), 0.04).unwrap();
         assert!((r - 2.0).abs() < 1e-3, "{r}");
         assert_eq!(p.answer(PathKey::NONE, 0.04), None);
@@ -204,21 +242,21 @@ mod tests {
     fn the_baseline_is_the_lowest_span_mean_of_two_periods() {
         let mut p = PathLatencies::default();
         fill(&mut p, key(1), 0.01, 20);
-        p.span_closed(false);
+        close(&mut p, false);
         fill(&mut p, key(1), 0.05, 20);
-        p.span_closed(false);
+        close(&mut p, false);
         assert!((p.ratio(key(1), 0.01).unwrap() - 1.0).abs() < 1e-3);
         // A period on: the low is the last period's.
-        p.span_closed(true);
+        close(&mut p, true);
         fill(&mut p, key(1), 0.05, 20);
-        p.span_closed(false);
+        close(&mut p, false);
         assert!((p.ratio(key(1), 0.01).unwrap() - 1.0).abs() < 1e-3);
         // Two on: only what the last period saw.
-        p.span_closed(true);
+        close(&mut p, true);
         assert!((p.ratio(key(1), 0.05).unwrap() - 1.0).abs() < 1e-3);
         // A path not heard from for a whole period is forgotten.
-        p.span_closed(true);
-        p.span_closed(true);
+        close(&mut p, true);
+        close(&mut p, true);
         assert_eq!(p.len(), 0);
     }
 
@@ -226,12 +264,12 @@ mod tests {
     fn answers_too_sparse_for_a_span_are_dropped_after_two_periods() {
         let mut p = PathLatencies::default();
         fill(&mut p, key(1), 0.5, MIN_SAMPLES - 1);
-        p.span_closed(true);
-        p.span_closed(true);
+        close(&mut p, true);
+        close(&mut p, true);
         // Dropped and forgotten: its slow old answers make no baseline.
         assert_eq!(p.len(), 0);
         fill(&mut p, key(1), 0.001, MIN_SAMPLES);
-        p.span_closed(false);
+        close(&mut p, false);
         assert!((p.ratio(key(1), 0.001).unwrap() - 1.0).abs() < 1e-3);
     }
 
@@ -241,7 +279,7 @@ mod tests {
     fn a_spray_of_paths_never_displaces_one_with_a_baseline() {
         let mut p = PathLatencies::default();
         fill(&mut p, key(1), 0.02, MIN_SAMPLES);
-        p.span_closed(false);
+        close(&mut p, false);
         for n in 2..100_000 {
             p.answer(key(n), 0.001);
             assert!(p.len() <= MAX_PATHS);
@@ -252,7 +290,7 @@ mod tests {
         for n in 1..=MAX_PATHS as u32 {
             fill(&mut p, key(n), 0.02, MIN_SAMPLES);
         }
-        p.span_closed(false);
+        close(&mut p, false);
         assert_eq!(p.answer(key(1000), 0.02), None);
         assert_eq!(p.len(), MAX_PATHS);
         assert_eq!(p.ratio(key(1000), 0.02), None);
@@ -263,13 +301,13 @@ mod tests {
         let mut p = PathLatencies::default();
         fill(&mut p, key(1), 0.001, 20);
         fill(&mut p, key(2), 0.02, 20);
-        p.span_closed(false);
+        close(&mut p, false);
         fill(&mut p, key(1), 0.004, 10);
         p.rebase(5.0);
         assert!((p.ratio(key(1), 0.005).unwrap() - 1.0).abs() < 1e-3);
         assert!((p.ratio(key(2), 0.1).unwrap() - 1.0).abs() < 1e-3);
         fill(&mut p, key(1), 0.005, MIN_SAMPLES);
-        p.span_closed(false);
+        close(&mut p, false);
         // Had the 4 ms answers from before been kept, this span's mean
         // would be lower than 5 ms.
         assert!((p.ratio(key(1), 0.005).unwrap() - 1.0).abs() < 1e-3);
@@ -280,11 +318,30 @@ mod tests {
     fn ratios_stay_finite() {
         let mut p = PathLatencies::default();
         fill(&mut p, key(1), 0.0, MIN_SAMPLES);
-        p.span_closed(false);
+        close(&mut p, false);
         let r = p.answer(key(1), 1e9).unwrap();
         assert!(r.is_finite() && r > 0.0, "{r}");
         fill(&mut p, key(2), 1e30, MIN_SAMPLES);
-        p.span_closed(false);
+        close(&mut p, false);
         assert!(p.answer(key(2), 0.0).unwrap().is_finite());
+    }
+
+    /// A burst of fast answers on a path (ids a cache holds), twenty times
+    /// as many a window as its usual ones, for half a second of a 3 s span:
+    /// the path's baseline stays near its usual latency, as its windows,
+    /// not its answers, are what a span's mean is of.
+    #[test]
+    fn a_burst_of_fast_answers_on_a_path_is_not_its_norm() {
+        let mut p = PathLatencies::default();
+        for window in 0..30 {
+            match window < 5 {
+                true => fill(&mut p, key(1), 0.001, 200),
+                false => fill(&mut p, key(1), 0.02, 10),
+            }
+            p.window_closed();
+        }
+        p.span_closed(false);
+        let r = p.ratio(key(1), 0.02).unwrap();
+        assert!(r < 1.25, "the usual answers are {r:.2} times the baseline");
     }
 }

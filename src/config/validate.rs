@@ -982,7 +982,7 @@ fn limit_warnings(report: &mut Report<'_>, path: &KeyPath, u: &UpstreamConfig) {
         report(
             path.key("tolerance"),
             format!(
-                "{}: the limit grows only on answers within {:.2} x the baseline (the lowest 3 s median window of the last 30–60 s), which few answers come within; it will mostly fall (1.5 or more is sound; the default is 2.0)",
+                "{}: the limit grows only on answers within {:.2} x the baseline (their path's usual latency, the lowest of the last 30–60 s), which few answers come within; it will mostly fall (1.5 or more is sound; the default is 2.0)",
                 a.tolerance,
                 1.0 + (a.tolerance - 1.0) / 2.0
             ),

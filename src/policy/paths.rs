@@ -54,23 +54,43 @@ impl PathKey {
     }
 }
 
-/// The first [`SEGMENTS`] segments of `path` (without its query).
+/// Segments taken at most, those that do not count included.
+pub const MAX_SEGMENTS: usize = 4;
+
+/// The first [`SEGMENTS`] segments of `path` (without its query), not
+/// counting `api` or a version (`v1`, `v2beta1`) among them: the endpoints
+/// of `/api/v1/orders` and `/api/v1/users` are told apart. At most
+/// [`MAX_SEGMENTS`] in all.
 fn prefix(path: &str) -> &str {
-    let mut seen = 0;
-    for (i, b) in path.bytes().enumerate() {
+    let bytes = path.as_bytes();
+    let (mut named, mut taken) = (0, 0);
+    let mut start = usize::from(bytes.first() == Some(&b'/'));
+    for (i, b) in bytes.iter().enumerate() {
         match b {
             // (Each is ASCII: `i` is a character boundary.)
             b'?' | b'#' => return &path[..i],
             b'/' if i > 0 => {
-                seen += 1;
-                if seen == SEGMENTS {
+                taken += 1;
+                named += usize::from(!is_prefix_segment(&bytes[start.min(i)..i]));
+                if named == SEGMENTS || taken == MAX_SEGMENTS {
                     return &path[..i];
                 }
+                start = i + 1;
             }
             _ => {}
         }
     }
     path
+}
+
+/// Whether a segment only says which API or version a path is of.
+fn is_prefix_segment(s: &[u8]) -> bool {
+    let version = s.len() >= 2
+        && s.len() <= 12
+        && s[0].eq_ignore_ascii_case(&b'v')
+        && s[1].is_ascii_digit()
+        && s.iter().all(u8::is_ascii_alphanumeric);
+    version || s.eq_ignore_ascii_case(b"api")
 }
 
 /// The segments that name a path, an id among them as `*`: `/orders/42`
@@ -416,6 +436,15 @@ mod tests {
         assert_eq!(prefix("/"), "/");
         assert_eq!(prefix(""), "");
         assert_eq!(prefix("/a/b?x=/c/d"), "/a/b");
+        // `api` and versions do not count; at most four segments.
+        assert_eq!(prefix("/api/v1/orders/42/items"), "/api/v1/orders/42");
+        assert_eq!(prefix("/v2beta1/users/7/x"), "/v2beta1/users/7");
+        assert_eq!(prefix("/API/V3/a"), "/API/V3/a");
+        assert_eq!(prefix("/api/v1/v2/v3/v4/v5"), "/api/v1/v2/v3");
+        assert_eq!(prefix("/vault/x/y"), "/vault/x");
+        assert_eq!(prefix("/v/x/y"), "/v/x");
+        assert_eq!(prefix("//a/b"), "//a");
+        assert_eq!(prefix("a/b/c"), "a/b");
         let paths = PathBreakers::new(&config());
         assert_eq!(paths.key("/a/b/c"), paths.key("/a/b/d"));
         assert_ne!(paths.key("/a/b"), paths.key("/a/c"));

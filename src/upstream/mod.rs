@@ -556,6 +556,10 @@ impl Upstream {
         self.metrics.in_flight.set(self.in_flight() as f64);
         self.metrics.unanswered.set(self.unanswered() as f64);
         self.metrics.limit.set(self.limit() as f64);
+        if let Some(limiter) = &self.limiter {
+            let paths = limiter.lock().unwrap_or_else(|e| e.into_inner()).paths();
+            self.metrics.limit_paths.set(paths as f64);
+        }
         self.metrics.tunnels.set(self.tunnels.open() as f64);
         let members = self.members.load();
         self.metrics.endpoints.set(members.endpoints.len() as f64);

@@ -224,7 +224,7 @@ async fn a_mixed_path_upstream_that_got_slower_is_followed() {
     let slower = std::sync::Arc::new(AtomicU64::new(1));
     let times = slower.clone();
     let up = upstream(move |req| {
-        let ms = match req.uri().path().starts_with("/fast/") {
+        let ms = match req.uri().path().starts_with("/api/v1/fast/") {
             true => 1,
             false => 20,
         };
@@ -249,7 +249,8 @@ async fn a_mixed_path_upstream_that_got_slower_is_followed() {
                     seed ^= seed << 13;
                     seed ^= seed >> 7;
                     seed ^= seed << 17;
-                    let path = ["/fast/a", "/slow/b"][(seed & 1) as usize];
+                    // One versioned API: the paths are told apart past it.
+                    let path = ["/api/v1/fast/1", "/api/v1/slow/2"][(seed & 1) as usize];
                     match get(client.clone(), format!("{base}{path}")).await {
                         Some(http::StatusCode::OK) => ok += 1,
                         _ => refused += 1,
@@ -282,4 +283,6 @@ async fn a_mixed_path_upstream_that_got_slower_is_followed() {
         "callers served, none shed, once it followed (limit {limit})"
     );
     assert!(limit >= 16.0, "the limit lets all sixteen through: {limit}");
+    let paths = hg.metric(r#"herdguard_limit_paths{upstream="u"}"#).await;
+    assert_eq!(paths, 2.0, "each path's latency tracked");
 }

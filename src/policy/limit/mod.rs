@@ -235,6 +235,11 @@ impl Limiter {
         self.limit as usize
     }
 
+    /// Paths whose own latency is tracked.
+    pub fn paths(&self) -> usize {
+        self.paths.len()
+    }
+
     /// Records an attempt's outcome at `now`, on `path`; `in_flight`
     /// counts it too; `queued`: requests waiting for a slot now, or 1 when
     /// none waits but one was shed since the last sample.

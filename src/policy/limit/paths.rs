@@ -23,7 +23,11 @@
 //! all are taken, a new path takes the place of the one with the fewest
 //! answers among those not yet with a baseline, or is not tracked; a path
 //! not tracked, or not yet with a baseline, is held against the upstream's
-//! own baseline, as every answer was before.
+//! own baseline, as every answer was before. While answers go untracked
+//! for want of room, each span makes room: the paths that had less than a
+//! quarter of an equal share of the span's answers are forgotten, so that a
+//! caller cannot hold the table with a trickle to many paths; it would need
+//! a quarter of all the traffic.
 
 use crate::policy::paths::PathKey;
 
@@ -46,6 +50,8 @@ const LEAST: f64 = 1e-6;
 #[derive(Debug, Clone, Default)]
 pub struct PathLatencies {
     entries: Vec<Entry>,
+    /// Answers since the last span that found no room.
+    untracked: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -61,6 +67,8 @@ struct Entry {
     answers: u32,
     /// Periods the span has been gathered over.
     periods: u8,
+    /// Answers since the upstream's last span closed.
+    heard: u32,
     /// The lowest span mean of this period and of the last (0: none).
     current: f32,
     previous: f32,
@@ -76,6 +84,7 @@ impl Entry {
             windows: 0,
             answers: 0,
             periods: 0,
+            heard: 0,
             current: 0.0,
             previous: 0.0,
         }
@@ -107,12 +116,19 @@ impl PathLatencies {
         }
         let entry = match self.entries.iter().position(|e| e.key == key) {
             Some(i) => &mut self.entries[i],
-            None => self.insert(key)?,
+            None => match self.insert(key) {
+                Some(entry) => entry,
+                None => {
+                    self.untracked = self.untracked.saturating_add(1);
+                    return None;
+                }
+            },
         };
         let ratio = entry.base().map(|b| latency / b);
         entry.sum += latency;
         entry.count = entry.count.saturating_add(1);
         entry.answers = entry.answers.saturating_add(1);
+        entry.heard = entry.heard.saturating_add(1);
         ratio
     }
 
@@ -188,6 +204,22 @@ impl PathLatencies {
         if rolled {
             self.entries.retain(|e| e.answers > 0 || e.previous > 0.0);
         }
+        self.make_room();
+    }
+
+    /// While answers found no room, forgets the paths that had less than a
+    /// quarter of an equal share of the span's answers; begins counting again.
+    fn make_room(&mut self) {
+        if self.untracked > 0 && self.entries.len() >= MAX_PATHS {
+            let heard: u64 = self.entries.iter().map(|e| u64::from(e.heard)).sum();
+            let total = heard + u64::from(self.untracked);
+            let least = total / (4 * MAX_PATHS as u64);
+            self.entries.retain(|e| u64::from(e.heard) > least);
+        }
+        self.untracked = 0;
+        for e in &mut self.entries {
+            e.heard = 0;
+        }
     }
 
     /// The upstream got slower by `factor` on every path, not queueing:
@@ -202,7 +234,6 @@ impl PathLatencies {
     }
 
     /// Paths tracked now.
-    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.entries.len()
     }
@@ -347,5 +378,39 @@ mod tests {
         p.span_closed(false);
         let r = p.ratio(key(1), 0.02).unwrap();
         assert!(r < 1.25, "the usual answers are {r:.2} times the baseline");
+    }
+
+    /// A trickle of answers to 64 paths, each with a baseline, holds the
+    /// table; a path with real traffic that finds no room gets it within a
+    /// span, and the trickle alone cannot take it back.
+    #[test]
+    fn a_trickle_to_many_paths_cannot_hold_the_table() {
+        let mut p = PathLatencies::default();
+        for n in 1..=MAX_PATHS as u32 {
+            fill(&mut p, key(n), 0.001, MIN_SAMPLES);
+        }
+        close(&mut p, false);
+        // Next span: one answer a path, and 1,000 on a path with no room.
+        for n in 1..=MAX_PATHS as u32 {
+            fill(&mut p, key(n), 0.001, 1);
+        }
+        fill(&mut p, key(1000), 0.02, 1000);
+        assert_eq!(p.ratio(key(1000), 0.02), None);
+        close(&mut p, false);
+        assert!(p.len() < MAX_PATHS, "room made: {}", p.len());
+        fill(&mut p, key(1000), 0.02, MIN_SAMPLES);
+        for n in 1..=MAX_PATHS as u32 {
+            fill(&mut p, key(n), 0.001, 1);
+        }
+        close(&mut p, false);
+        assert!((p.ratio(key(1000), 0.02).unwrap() - 1.0).abs() < 1e-3);
+        // Full again of paths of equal traffic: none is forgotten.
+        let mut p = PathLatencies::default();
+        for n in 1..=MAX_PATHS as u32 {
+            fill(&mut p, key(n), 0.001, MIN_SAMPLES);
+        }
+        fill(&mut p, key(1000), 0.02, 10);
+        close(&mut p, false);
+        assert_eq!(p.len(), MAX_PATHS);
     }
 }

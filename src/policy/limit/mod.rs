@@ -247,7 +247,7 @@ impl Limiter {
     /// Samples are gathered over a window (100 ms, and at least 10 samples,
     /// as Netflix's `WindowedLimit` does) and the limit moves once per window
     /// on the window's average latency, each sample as many times its
-    /// path's baseline as it took (see [`paths`]): a burst of slow answers
+    /// path's baseline as it took (see `limit/paths.rs`): a burst of slow answers
     /// caused by a hiccup of the proxy itself does not collapse the limit.
     pub fn update(
         &mut self,

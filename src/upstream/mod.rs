@@ -641,18 +641,6 @@ impl Upstream {
         }
     }
 
-    /// How long a request on `path` may wait for a slot.
-    fn wait_on(&self, path: PathKey) -> Duration {
-        let on_path = self.limiter.as_ref().and_then(|limiter| {
-            let limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
-            limiter.wait_on(path)
-        });
-        match on_path {
-            Some(wait) => wait.clamp(MIN_WAIT, MAX_WAIT),
-            None => Duration::from_nanos(self.wait_nanos.load(Ordering::Relaxed)),
-        }
-    }
-
     /// Whether a request that finds the upstream full may wait for a slot
     /// ([`wait_for_slot`](Self::wait_for_slot)) rather than be shed at once:
     /// under the adaptive limit, while fewer than `max_in_flight` wait, and
@@ -664,9 +652,9 @@ impl Upstream {
             && self.in_flight() < self.max_in_flight
     }
 
-    /// Waits for a slot, for at most four times the tolerated latency (of
-    /// the request's path, or else the upstream's; between 50 ms and 5 s)
-    /// and never past `deadline`; `None`, counted as shed, when none came. A burst onto an idle sidecar thus waits the few
+    /// Waits for a slot, for at most four times the tolerated latency
+    /// (between 50 ms and 1 s) and never past `deadline`; `None`, counted as
+    /// shed, when none came. A burst onto an idle sidecar thus waits the few
     /// round trips its limit takes to grow, instead of being shed, and no
     /// request reaches the upstream beyond the limit. The slot is for an
     /// attempt on `path`.
@@ -675,7 +663,7 @@ impl Upstream {
         deadline: Instant,
         path: PathKey,
     ) -> Option<InFlight> {
-        let wait = self.wait_on(path);
+        let wait = Duration::from_nanos(self.wait_nanos.load(Ordering::Relaxed));
         let until = deadline.min(clock::now() + wait);
         self.waiting.fetch_add(1, Ordering::Relaxed);
         let slot = loop {

@@ -282,25 +282,3 @@ fn a_mixed_upstream_that_queues_is_still_protected() {
         met.in_flight
     );
 }
-
-/// A request that waits for a slot waits up to four times its own path's
-/// tolerated latency; one on a path with no baseline, the upstream's.
-#[test]
-fn the_wait_for_a_slot_follows_the_path() {
-    let mut l = limiter();
-    let mut clock = Instant::now();
-    let groups = [group(4, 1, 1.0), group(4, 2, 50.0)];
-    drive(&mut l, &mut clock, &[phase(5.0, &groups)], 1.0);
-    let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1000.0);
-    let (fast, slow) = (
-        l.wait_on(PathKey::from_raw(1)),
-        l.wait_on(PathKey::from_raw(2)),
-    );
-    assert!(ms(fast).is_some_and(|w| (w - 8.0).abs() < 0.5), "{fast:?}");
-    assert!(
-        ms(slow).is_some_and(|w| (w - 400.0).abs() < 20.0),
-        "{slow:?}"
-    );
-    assert_eq!(l.wait_on(PathKey::from_raw(3)), None);
-    assert!(l.wait().is_some());
-}

@@ -488,14 +488,6 @@ impl Limiter {
         self.wait
     }
 
-    /// How long a request on `path` may wait for a slot: four times its
-    /// path's tolerated latency (`None` before the path has a baseline:
-    /// then [`Limiter::wait`]).
-    pub fn wait_on(&self, path: PathKey) -> Option<Duration> {
-        let tolerated = self.paths.base(path)? * self.tolerance * 4.0;
-        Some(Duration::try_from_secs_f64(tolerated).unwrap_or(Duration::MAX))
-    }
-
     fn wait_now(&self) -> Option<Duration> {
         let tolerated = self.baseline.get()? * self.tolerance * 4.0;
         Some(Duration::try_from_secs_f64(tolerated).unwrap_or(Duration::MAX))

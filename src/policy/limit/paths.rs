@@ -135,15 +135,11 @@ impl PathLatencies {
     /// `latency` seconds on `key` against the path's baseline, without
     /// counting it as an answer (a caller that left before one came).
     pub fn ratio(&self, key: PathKey, latency: f64) -> Option<f64> {
-        self.base(key).map(|b| latency / b)
-    }
-
-    /// The baseline of `key` (seconds), when it has one.
-    pub fn base(&self, key: PathKey) -> Option<f64> {
         if key == PathKey::NONE {
             return None;
         }
-        self.entries.iter().find(|e| e.key == key)?.base()
+        let entry = self.entries.iter().find(|e| e.key == key)?;
+        entry.base().map(|b| latency / b)
     }
 
     /// A new path's entry; when all are taken, in place of the one with

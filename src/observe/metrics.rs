@@ -328,7 +328,7 @@ fn help(name: &str) -> Option<&'static str> {
         RETRIES_SKIPPED => "Retries that were not made, by reason.",
         BREAKER_TRANSITIONS => "Circuit breaker state changes, by new state.",
         PATH_BREAKER_OPENS => {
-            "Breakers of single paths (their first two segments) that opened: the path refused alone, the route not."
+            "Breakers of single paths (their first two segments, api and version segments not counted) that opened: the path refused alone, the route not."
         }
         SHED_TOTAL => "Requests refused at once because the upstream was at its in-flight limit.",
         CONFIG_RELOADS => "Config reloads, by result.",

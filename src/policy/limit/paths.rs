@@ -209,8 +209,9 @@ impl PathLatencies {
         if self.untracked > 0 && self.entries.len() >= MAX_PATHS {
             let heard: u64 = self.entries.iter().map(|e| u64::from(e.heard)).sum();
             let total = heard + u64::from(self.untracked);
-            let least = total / (4 * MAX_PATHS as u64);
-            self.entries.retain(|e| u64::from(e.heard) > least);
+            // A quarter of an equal share: total / (4 × MAX_PATHS).
+            self.entries
+                .retain(|e| u64::from(e.heard) * 4 * MAX_PATHS as u64 >= total);
         }
         self.untracked = 0;
         for e in &mut self.entries {

@@ -35,6 +35,7 @@ pub const CONFIG_RELOADS: &str = "herdguard_config_reloads_total";
 pub const LAST_RELOAD_OK: &str = "herdguard_config_last_reload_successful";
 pub const CONCURRENCY_LIMIT: &str = "herdguard_concurrency_limit";
 pub const LIMIT_PATHS: &str = "herdguard_limit_paths";
+pub const LIMIT_PATHS_UNTRACKED: &str = "herdguard_limit_paths_untracked_total";
 pub const ENDPOINT_EJECTIONS: &str = "herdguard_endpoint_ejections_total";
 pub const ENDPOINT_EJECTED: &str = "herdguard_endpoint_ejected";
 pub const TUNNELS_OPEN: &str = "herdguard_tunnels_open";
@@ -365,6 +366,9 @@ fn help(name: &str) -> Option<&'static str> {
         }
         CONCURRENCY_LIMIT => {
             "Attempts the upstream may have sent and not yet answered now (the adaptive limit; max_in_flight when it is off)."
+        }
+        LIMIT_PATHS_UNTRACKED => {
+            "Answers on paths the adaptive limit had no room to track, held against the upstream's latency instead."
         }
         LIMIT_PATHS => {
             "Paths whose own latency the adaptive limit tracks (at most 64; at 64, new paths are held against the upstream's latency until room is made)."
@@ -829,8 +833,10 @@ pub struct UpstreamMetrics {
     pub unanswered: Gauge,
     pub shed: Counter,
     pub limit: Gauge,
-    /// Paths the adaptive limit tracks (0 when it is off).
+    /// Paths the adaptive limit tracks (0 when it is off), and answers
+    /// that found no room among them.
     pub limit_paths: Gauge,
+    pub limit_paths_untracked: Counter,
     pub tunnels: Gauge,
     pub endpoints: Gauge,
     /// Resolutions, for an upstream with `discovery = "dns"`.
@@ -885,6 +891,8 @@ impl UpstreamMetrics {
             shed: registry.counter(SHED_TOTAL, &[("upstream", upstream)]),
             limit: registry.gauge(CONCURRENCY_LIMIT, &[("upstream", upstream)]),
             limit_paths: registry.gauge(LIMIT_PATHS, &[("upstream", upstream)]),
+            limit_paths_untracked: registry
+                .counter(LIMIT_PATHS_UNTRACKED, &[("upstream", upstream)]),
             tunnels: registry.gauge(TUNNELS_OPEN, &[("upstream", upstream)]),
             endpoints: registry.gauge(ENDPOINTS, &[("upstream", upstream)]),
             dns: dns.then(|| DnsMetrics {

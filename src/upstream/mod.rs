@@ -557,8 +557,9 @@ impl Upstream {
         self.metrics.unanswered.set(self.unanswered() as f64);
         self.metrics.limit.set(self.limit() as f64);
         if let Some(limiter) = &self.limiter {
-            let paths = limiter.lock().unwrap_or_else(|e| e.into_inner()).paths();
+            let (paths, untracked) = limiter.lock().unwrap_or_else(|e| e.into_inner()).paths();
             self.metrics.limit_paths.set(paths as f64);
+            self.metrics.limit_paths_untracked.absolute(untracked);
         }
         self.metrics.tunnels.set(self.tunnels.open() as f64);
         let members = self.members.load();

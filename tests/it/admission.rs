@@ -285,4 +285,65 @@ async fn a_mixed_path_upstream_that_got_slower_is_followed() {
     assert!(limit >= 16.0, "the limit lets all sixteen through: {limit}");
     let paths = hg.metric(r#"herdguard_limit_paths{upstream="u"}"#).await;
     assert_eq!(paths, 2.0, "each path's latency tracked");
+    let untracked = hg
+        .metric(r#"herdguard_limit_paths_untracked_total{upstream="u"}"#)
+        .await;
+    assert_eq!(untracked, 0.0, "every answer found room");
+}
+
+/// A caller asking for many paths fills the adaptive limit's table of
+/// paths, never past its 64; answers on a path that then finds no room are
+/// counted, and that path, with more traffic than the trickle to the 64,
+/// is given room within a span or two (3 s each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_limits_table_of_paths_is_bounded_and_makes_room_for_real_traffic() {
+    let _heavy = heavy().await;
+    let up = upstream(|_req| async { http::Response::new(full("ok")) }).await;
+    let hg = one_route(&up, "").await;
+    let base = format!("http://{}", hg.listen);
+    let client = client();
+    let paths = || hg.metric(r#"herdguard_limit_paths{upstream="u"}"#);
+    let untracked = || hg.metric(r#"herdguard_limit_paths_untracked_total{upstream="u"}"#);
+    let ask = |path: String, n: usize| {
+        let client = client.clone();
+        async move {
+            for _ in 0..n {
+                let status = get(client.clone(), path.clone()).await;
+                assert_eq!(status, Some(http::StatusCode::OK));
+            }
+        }
+    };
+    let start = tokio::time::Instant::now();
+    let deadline = start + Duration::from_secs(30);
+    // 64 paths, 20 answers each, then a trickle to them past the first
+    // span (3 s): each has a baseline.
+    let mut round = 0;
+    while round == 0 || start.elapsed() < Duration::from_millis(3500) {
+        for p in 0..64 {
+            ask(format!("{base}/p{p}/x"), if round == 0 { 20 } else { 1 }).await;
+        }
+        round += 1;
+    }
+    assert_eq!(paths().await, 64.0, "all 64 tracked");
+    // A path with real traffic beside the trickle (eight in nine answers):
+    // no room at first, its answers counted; then room is made for it, and
+    // they are no longer.
+    let mut before = untracked().await;
+    let mut grew = false;
+    loop {
+        assert!(tokio::time::Instant::now() < deadline, "no room made");
+        ask(format!("{base}/heavy/y"), 512).await;
+        for p in 0..64 {
+            ask(format!("{base}/p{p}/x"), 1).await;
+        }
+        let now = paths().await;
+        assert!(now <= 64.0, "{now} paths");
+        let after = untracked().await;
+        match after > before {
+            true => grew = true,
+            false if grew => break,
+            false => {}
+        }
+        before = after;
+    }
 }

@@ -235,9 +235,10 @@ impl Limiter {
         self.limit as usize
     }
 
-    /// Paths whose own latency is tracked.
-    pub fn paths(&self) -> usize {
-        self.paths.len()
+    /// Paths whose own latency is tracked, and the answers since the
+    /// start that found no room among them.
+    pub fn paths(&self) -> (usize, u64) {
+        (self.paths.len(), self.paths.untracked())
     }
 
     /// Records an attempt's outcome at `now`, on `path`; `in_flight`

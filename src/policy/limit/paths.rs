@@ -50,8 +50,10 @@ const LEAST: f64 = 1e-6;
 #[derive(Debug, Clone, Default)]
 pub struct PathLatencies {
     entries: Vec<Entry>,
-    /// Answers since the last span that found no room.
+    /// Answers since the last span that found no room ...
     untracked: u32,
+    /// ... and since the start.
+    untracked_total: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -120,6 +122,7 @@ impl PathLatencies {
                 Some(entry) => entry,
                 None => {
                     self.untracked = self.untracked.saturating_add(1);
+                    self.untracked_total += 1;
                     return None;
                 }
             },
@@ -233,6 +236,11 @@ impl PathLatencies {
     /// Paths tracked now.
     pub fn len(&self) -> usize {
         self.entries.len()
+    }
+
+    /// Answers that found no room in the table, since the start.
+    pub fn untracked(&self) -> u64 {
+        self.untracked_total
     }
 }
 
@@ -393,6 +401,7 @@ mod tests {
         }
         fill(&mut p, key(1000), 0.02, 1000);
         assert_eq!(p.ratio(key(1000), 0.02), None);
+        assert_eq!(p.untracked(), 1000);
         close(&mut p, false);
         assert!(p.len() < MAX_PATHS, "room made: {}", p.len());
         fill(&mut p, key(1000), 0.02, MIN_SAMPLES);

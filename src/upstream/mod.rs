@@ -654,7 +654,7 @@ impl Upstream {
     }
 
     /// Waits for a slot, for at most four times the tolerated latency
-    /// (between 50 ms and 1 s) and never past `deadline`; `None`, counted as
+    /// (between 50 ms and 5 s) and never past `deadline`; `None`, counted as
     /// shed, when none came. A burst onto an idle sidecar thus waits the few
     /// round trips its limit takes to grow, instead of being shed, and no
     /// request reaches the upstream beyond the limit. The slot is for an

@@ -15,10 +15,9 @@ use crate::policy::settings::AdaptiveConfig;
 
 /// `callers` callers, each request to one of `paths` at random: (the
 /// path, 0 for none; the milliseconds it is answered in).
-#[derive(Clone, Copy)]
 struct Group {
     callers: usize,
-    paths: &'static [(u32, f64)],
+    paths: Vec<(u32, f64)>,
 }
 
 /// `callers` callers, each asking `path` (0: none), answered in `ms`.
@@ -27,10 +26,7 @@ fn group(callers: usize, path: u32, ms: f64) -> Group {
 }
 
 fn mixed(callers: usize, paths: Vec<(u32, f64)>) -> Group {
-    Group {
-        callers,
-        paths: paths.leak(),
-    }
+    Group { callers, paths }
 }
 
 /// A stretch of `seconds` of `groups`' traffic, the upstream `slower` times
@@ -95,7 +91,7 @@ fn drive(l: &mut Limiter, clock: &mut Instant, phases: &[Phase], tail: f64) -> M
                 seed ^= seed << 13;
                 seed ^= seed >> 7;
                 seed ^= seed << 17;
-                let paths = ph.groups[g].paths;
+                let paths = &ph.groups[g].paths;
                 let (path, ms) = paths[seed as usize % paths.len()];
                 let ms = ms * ph.slower * queueing;
                 let took = Duration::from_secs_f64(ms / 1000.0);

@@ -8,9 +8,12 @@
 //! them learns anything. So the limit follows two things:
 //!
 //! - **the upstream's latency**: each window's average latency is compared
-//!   with the upstream's baseline, the lowest three-second median of the last
-//!   30 to 60 s. Above `tolerance` times the baseline the limit shrinks in
-//!   proportion; a per-try timeout halves it at once. An upstream that
+//!   with a baseline, each answer against its own path's (the lowest
+//!   three-second mean of the path's windows over the last 30 to 60 s, see
+//!   `paths.rs`; an upstream's paths may differ twentyfold), or, for a path
+//!   not yet known, the upstream's (the lowest three-second median window
+//!   of the last 30 to 60 s). Above `tolerance` times the baseline the
+//!   limit shrinks in proportion; a per-try timeout halves it at once. An upstream that
 //!   got slower without queueing is followed: the baseline becomes its
 //!   latency when half as many in flight take as long, or, at the floor
 //!   where nothing is left to halve, when latency holds steady there;
@@ -260,8 +263,8 @@ impl Limiter {
     ) {
         self.use_.record(in_flight, now);
         // A caller that left after waiting four times the tolerated latency
-        // (as long as a request may wait for a slot) met an upstream that
-        // is stuck, as a timeout does: its per-try timeout and the caller's
+        // of its path (or, unknown, the upstream's: as long as a request may
+        // wait for a slot) met an upstream that is stuck, as a timeout does: its per-try timeout and the caller's
         // own often end together, and the caller's may come first.
         let (sample, ratio) = match sample {
             Sample::Unanswered(waited) => {

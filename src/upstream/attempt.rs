@@ -425,16 +425,7 @@ impl<'a> retry::Attempts for Forward<'a> {
     ) -> impl Future<Output = Attempt<Answer>> + use<'a> {
         let upstream: &'a Arc<Upstream> = self.upstream;
         let (slot, picked, req, progress, traced) = self.prepare(n, probe);
-        // No slot yet: the wait for one, boxed, so that only a request that
-        // waits pays for its room.
-        let path = self.path;
-        let slot = match slot {
-            Some(mut slot) => {
-                slot.on_path(path);
-                Ok(slot)
-            }
-            None => Err(Box::pin(upstream.wait_for_slot(deadline, path))),
-        };
+        let slot = slot_on(upstream, slot, self.path, deadline);
         let judge = Judged {
             judge: Judge {
                 upgrade: self.upgrade,
@@ -713,6 +704,23 @@ fn since(ended: Instant, sent_at: Instant, sent_whole: Instant) -> (Duration, Du
     match sent_whole == sent_at {
         true => (elapsed, elapsed),
         false => (elapsed, ended.saturating_duration_since(sent_whole)),
+    }
+}
+
+/// The attempt's slot, for its `path`: the one reserved, or else the wait
+/// for one, boxed, so that only a request that waits pays for its room.
+fn slot_on(
+    upstream: &Arc<Upstream>,
+    slot: Option<InFlight>,
+    path: PathKey,
+    deadline: Instant,
+) -> Result<InFlight, std::pin::Pin<Box<impl Future<Output = Option<InFlight>> + '_>>> {
+    match slot {
+        Some(mut slot) => {
+            slot.on_path(path);
+            Ok(slot)
+        }
+        None => Err(Box::pin(upstream.wait_for_slot(deadline, path))),
     }
 }
 

@@ -136,6 +136,16 @@ fn drive(l: &mut Limiter, clock: &mut Instant, phases: &[Phase], tail: f64) -> M
     met
 }
 
+/// Asserts that `callers` callers were not held back (`what` the case).
+fn served(met: &Met, callers: usize, what: &str) {
+    assert!(
+        met.waited < 0.05 && met.lowest >= callers,
+        "{what}: callers waited {:.2} s, the limit down to {} ({callers} callers)",
+        met.waited,
+        met.lowest
+    );
+}
+
 fn limiter() -> Limiter {
     let config = AdaptiveConfig {
         enabled: true,
@@ -169,12 +179,7 @@ fn a_mixed_upstream_that_got_slower_is_followed() {
         let met = drive(&mut l, &mut clock, &[slower], 10.0);
         match fast {
             // On their own paths: followed.
-            1 => assert!(
-                met.waited < 0.05 && met.lowest >= 16,
-                "callers waited {:.2} s of the last 10, limit down to {}",
-                met.waited,
-                met.lowest
-            ),
+            1 => served(&met, 16, "the last 10 s"),
             // Paths unknown: held back.
             _ => assert!(met.waited > 1.0 && met.lowest < 16, "{met:?}"),
         }
@@ -196,12 +201,7 @@ fn a_shift_of_the_mix_toward_slow_paths_is_not_a_slower_upstream() {
         &[phase(20.0, &before), phase(15.0, &after)],
         14.0,
     );
-    assert!(
-        met.waited < 0.05 && met.lowest >= 20,
-        "callers waited {:.2} s of 14, limit down to {}",
-        met.waited,
-        met.lowest
-    );
+    served(&met, 20, "after the shift");
 }
 
 /// A burst of a fast path (16 callers at 1 ms) for three seconds, long
@@ -220,12 +220,7 @@ fn a_long_burst_of_a_fast_path_does_not_hold_back_the_usual_traffic() {
         &[phase(10.0, &usual), phase(3.0, &burst), phase(10.0, &usual)],
         10.0,
     );
-    assert!(
-        met.waited < 0.05 && met.lowest >= 10,
-        "callers waited {:.2} s of 10, limit down to {} (10 callers)",
-        met.waited,
-        met.lowest
-    );
+    served(&met, 10, "after a 3 s burst");
 }
 
 /// A burst of fast answers on the usual traffic's own path (16 callers
@@ -249,12 +244,7 @@ fn a_burst_of_fast_answers_on_the_usual_path_does_not_hold_it_back() {
             ],
             10.0,
         );
-        assert!(
-            met.waited < 0.05 && met.lowest >= 8,
-            "after {burst} s: callers waited {:.2} s of 10, limit down to {} (8 callers)",
-            met.waited,
-            met.lowest
-        );
+        served(&met, 8, &format!("after a {burst} s burst"));
     }
 }
 

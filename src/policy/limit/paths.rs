@@ -258,6 +258,18 @@ mod tests {
         p.span_closed(rolled);
     }
 
+    /// Whether `latency` on `k` is its path's baseline.
+    fn usual(p: &PathLatencies, k: PathKey, latency: f64) -> bool {
+        p.ratio(k, latency).is_some_and(|r| (r - 1.0).abs() < 1e-3)
+    }
+
+    /// `n` answers on each of the table's [`MAX_PATHS`] paths, keys 1 up.
+    fn fill_table(p: &mut PathLatencies, latency: f64, n: u32) {
+        for k in 1..=MAX_PATHS as u32 {
+            fill(p, key(k), latency, n);
+        }
+    }
+
     fn fill(p: &mut PathLatencies, k: PathKey, latency: f64, n: u32) {
         for _ in 0..n {
             p.answer(k, latency);
@@ -285,15 +297,15 @@ mod tests {
         close(&mut p, false);
         fill(&mut p, key(1), 0.05, 20);
         close(&mut p, false);
-        assert!((p.ratio(key(1), 0.01).unwrap() - 1.0).abs() < 1e-3);
+        assert!(usual(&p, key(1), 0.01));
         // A period on: the low is the last period's.
         close(&mut p, true);
         fill(&mut p, key(1), 0.05, 20);
         close(&mut p, false);
-        assert!((p.ratio(key(1), 0.01).unwrap() - 1.0).abs() < 1e-3);
+        assert!(usual(&p, key(1), 0.01));
         // Two on: only what the last period saw.
         close(&mut p, true);
-        assert!((p.ratio(key(1), 0.05).unwrap() - 1.0).abs() < 1e-3);
+        assert!(usual(&p, key(1), 0.05));
         // A path not heard from for a whole period is forgotten.
         close(&mut p, true);
         close(&mut p, true);
@@ -310,7 +322,7 @@ mod tests {
         assert_eq!(p.len(), 0);
         fill(&mut p, key(1), 0.001, MIN_SAMPLES);
         close(&mut p, false);
-        assert!((p.ratio(key(1), 0.001).unwrap() - 1.0).abs() < 1e-3);
+        assert!(usual(&p, key(1), 0.001));
     }
 
     /// A caller spraying paths takes the places of paths with no baseline,
@@ -324,12 +336,10 @@ mod tests {
             p.answer(key(n), 0.001);
             assert!(p.len() <= MAX_PATHS);
         }
-        assert!((p.ratio(key(1), 0.02).unwrap() - 1.0).abs() < 1e-3);
+        assert!(usual(&p, key(1), 0.02));
         // All taken by paths with a baseline: a new one is not tracked.
         let mut p = PathLatencies::default();
-        for n in 1..=MAX_PATHS as u32 {
-            fill(&mut p, key(n), 0.02, MIN_SAMPLES);
-        }
+        fill_table(&mut p, 0.02, MIN_SAMPLES);
         close(&mut p, false);
         assert_eq!(p.answer(key(1000), 0.02), None);
         assert_eq!(p.len(), MAX_PATHS);
@@ -344,13 +354,13 @@ mod tests {
         close(&mut p, false);
         fill(&mut p, key(1), 0.004, 10);
         p.rebase(5.0);
-        assert!((p.ratio(key(1), 0.005).unwrap() - 1.0).abs() < 1e-3);
-        assert!((p.ratio(key(2), 0.1).unwrap() - 1.0).abs() < 1e-3);
+        assert!(usual(&p, key(1), 0.005));
+        assert!(usual(&p, key(2), 0.1));
         fill(&mut p, key(1), 0.005, MIN_SAMPLES);
         close(&mut p, false);
         // Had the 4 ms answers from before been kept, this span's mean
         // would be lower than 5 ms.
-        assert!((p.ratio(key(1), 0.005).unwrap() - 1.0).abs() < 1e-3);
+        assert!(usual(&p, key(1), 0.005));
     }
 
     /// Answers of any size, zero and huge included, give finite ratios.
@@ -391,30 +401,22 @@ mod tests {
     #[test]
     fn a_trickle_to_many_paths_cannot_hold_the_table() {
         let mut p = PathLatencies::default();
-        for n in 1..=MAX_PATHS as u32 {
-            fill(&mut p, key(n), 0.001, MIN_SAMPLES);
-        }
+        fill_table(&mut p, 0.001, MIN_SAMPLES);
         close(&mut p, false);
         // Next span: one answer a path, and 1,000 on a path with no room.
-        for n in 1..=MAX_PATHS as u32 {
-            fill(&mut p, key(n), 0.001, 1);
-        }
+        fill_table(&mut p, 0.001, 1);
         fill(&mut p, key(1000), 0.02, 1000);
         assert_eq!(p.ratio(key(1000), 0.02), None);
         assert_eq!(p.untracked(), 1000);
         close(&mut p, false);
         assert!(p.len() < MAX_PATHS, "room made: {}", p.len());
         fill(&mut p, key(1000), 0.02, MIN_SAMPLES);
-        for n in 1..=MAX_PATHS as u32 {
-            fill(&mut p, key(n), 0.001, 1);
-        }
+        fill_table(&mut p, 0.001, 1);
         close(&mut p, false);
-        assert!((p.ratio(key(1000), 0.02).unwrap() - 1.0).abs() < 1e-3);
+        assert!(usual(&p, key(1000), 0.02));
         // Full again of paths of equal traffic: none is forgotten.
         let mut p = PathLatencies::default();
-        for n in 1..=MAX_PATHS as u32 {
-            fill(&mut p, key(n), 0.001, MIN_SAMPLES);
-        }
+        fill_table(&mut p, 0.001, MIN_SAMPLES);
         fill(&mut p, key(1000), 0.02, 10);
         close(&mut p, false);
         assert_eq!(p.len(), MAX_PATHS);

@@ -36,6 +36,7 @@ pub const LAST_RELOAD_OK: &str = "herdguard_config_last_reload_successful";
 pub const CONCURRENCY_LIMIT: &str = "herdguard_concurrency_limit";
 pub const LIMIT_PATHS: &str = "herdguard_limit_paths";
 pub const LIMIT_PATHS_UNTRACKED: &str = "herdguard_limit_paths_untracked_total";
+pub const LIMIT_OWN_WAIT: &str = "herdguard_limit_own_wait_windows_total";
 pub const ENDPOINT_EJECTIONS: &str = "herdguard_endpoint_ejections_total";
 pub const ENDPOINT_EJECTED: &str = "herdguard_endpoint_ejected";
 pub const TUNNELS_OPEN: &str = "herdguard_tunnels_open";
@@ -369,6 +370,9 @@ fn help(name: &str) -> Option<&'static str> {
         }
         LIMIT_PATHS_UNTRACKED => {
             "Answers on paths the adaptive limit had no room to track, held against the upstream's latency instead."
+        }
+        LIMIT_OWN_WAIT => {
+            "Windows of the adaptive limit that were slow by no more than this proxy's own wait for a CPU (a busy node, a spent CPU quota): not held against the upstream."
         }
         LIMIT_PATHS => {
             "Paths whose own latency the adaptive limit tracks (at most 64; at 64, new paths are held against the upstream's latency until room is made)."
@@ -837,6 +841,8 @@ pub struct UpstreamMetrics {
     /// that found no room among them.
     pub limit_paths: Gauge,
     pub limit_paths_untracked: Counter,
+    /// Windows whose slowness was the proxy's own wait for a CPU.
+    pub limit_own_wait: Counter,
     pub tunnels: Gauge,
     pub endpoints: Gauge,
     /// Resolutions, for an upstream with `discovery = "dns"`.
@@ -893,6 +899,7 @@ impl UpstreamMetrics {
             limit_paths: registry.gauge(LIMIT_PATHS, &[("upstream", upstream)]),
             limit_paths_untracked: registry
                 .counter(LIMIT_PATHS_UNTRACKED, &[("upstream", upstream)]),
+            limit_own_wait: registry.counter(LIMIT_OWN_WAIT, &[("upstream", upstream)]),
             tunnels: registry.gauge(TUNNELS_OPEN, &[("upstream", upstream)]),
             endpoints: registry.gauge(ENDPOINTS, &[("upstream", upstream)]),
             dns: dns.then(|| DnsMetrics {

@@ -342,12 +342,14 @@ impl Upstream {
         in_flight: Option<Arc<InFlightCounts>>,
     ) -> Result<Arc<Self>, UpstreamError> {
         let limiter = match &config.adaptive_concurrency {
-            a if a.enabled => Some(Limiter::try_new(a, config.max_in_flight).map_err(|e| {
-                UpstreamError::Limit {
-                    upstream: name.to_owned(),
-                    message: e.to_string(),
-                }
-            })?),
+            a if a.enabled => Some(
+                Limiter::try_new(a, config.max_in_flight)
+                    .map_err(|e| UpstreamError::Limit {
+                        upstream: name.to_owned(),
+                        message: e.to_string(),
+                    })?
+                    .with_own_wait(crate::observe::cpu_wait::waited),
+            ),
             _ => None,
         };
         let mut shared = None;
@@ -557,9 +559,11 @@ impl Upstream {
         self.metrics.unanswered.set(self.unanswered() as f64);
         self.metrics.limit.set(self.limit() as f64);
         if let Some(limiter) = &self.limiter {
-            let (paths, untracked) = limiter.lock().unwrap_or_else(|e| e.into_inner()).paths();
+            let limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
+            let (paths, untracked) = limiter.paths();
             self.metrics.limit_paths.set(paths as f64);
             self.metrics.limit_paths_untracked.absolute(untracked);
+            self.metrics.limit_own_wait.absolute(limiter.excused());
         }
         self.metrics.tunnels.set(self.tunnels.open() as f64);
         let members = self.members.load();

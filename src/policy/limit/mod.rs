@@ -54,7 +54,9 @@ use super::outcome::{CallerFault, Outcome, UpstreamFault};
 
 #[cfg(test)]
 mod mixed_tests;
+mod own_wait;
 mod paths;
+use own_wait::{OwnWait, Since};
 use paths::PathLatencies;
 
 #[derive(Debug, Clone)]
@@ -96,6 +98,8 @@ pub struct Limiter {
     /// When attempts last timed out or an outage ended: for [`FORGET`]
     /// after, slow answers are the outage's backlog, never a new baseline.
     outage_at: Option<Instant>,
+    /// The proxy's own wait for a CPU, taken off the windows' latency.
+    own: OwnWait,
 }
 
 /// Why a limiter could not be built; [`key`](InvalidLimiter::key) names
@@ -230,7 +234,22 @@ impl Limiter {
             shrink_from: None,
             slower_since: None,
             outage_at: None,
+            own: OwnWait::new(own_wait::not_known),
         })
+    }
+
+    /// The limiter, taking off the latency it holds against the upstream
+    /// the time the proxy's own threads waited for a CPU, as `read` says
+    /// (see `limit/own_wait.rs`).
+    pub fn with_own_wait(mut self, read: fn() -> Option<Duration>) -> Self {
+        self.own = OwnWait::new(read);
+        self
+    }
+
+    /// Windows whose slowness was the proxy's own wait for a CPU, not the
+    /// upstream's, since the start.
+    pub fn excused(&self) -> u64 {
+        self.own.excused()
     }
 
     /// Requests allowed in flight now.
@@ -318,15 +337,25 @@ impl Limiter {
             start: now,
             sum: 0.0,
             ratios: 0.0,
+            inverse: 0.0,
             unknown: 0.0,
+            unknowns: 0,
+            least: f64::INFINITY,
             count: 0,
             in_flight: 0,
             unanswered: false,
         });
         w.sum += latency;
+        w.least = w.least.min(latency);
         match ratio {
-            Some(r) => w.ratios += r,
-            None => w.unknown += latency,
+            Some(r) => {
+                w.ratios += r;
+                w.inverse += r / latency.max(1e-9);
+            }
+            None => {
+                w.unknown += latency;
+                w.unknowns += 1;
+            }
         }
         w.count += 1;
         w.unanswered |= matches!(sample, Sample::Unanswered(_));
@@ -518,10 +547,25 @@ impl Limiter {
         }
         let base = self.baseline.get().unwrap_or(raw);
         let short = ((w.ratios * base + w.unknown) / count).max(1e-6);
+        let gradient = |short: f64| (self.tolerance * base / short).clamp(0.5, 1.0);
+        let warm = short > base * (1.0 + (self.tolerance - 1.0) / 2.0);
+        let short = match self.own.at_close(warm, now) {
+            Since::Unread => short,
+            // A window is not a trend: the next one is measured.
+            Since::Unknown if gradient(short) < 1.0 => return,
+            Since::Unknown => short,
+            Since::Waited(waited) => {
+                let mine = w.own_share(waited, base, count);
+                if gradient(short) < 1.0 && gradient(mine) >= 1.0 {
+                    self.own.excuse();
+                }
+                mine
+            }
+        };
+        let gradient = gradient(short);
         let mean_in_flight = w.in_flight as f64 / count;
         // Every sample of the window was an answer (no caller that left).
         let answered = !w.unanswered;
-        let gradient = (self.tolerance * base / short).clamp(0.5, 1.0);
         if gradient < 1.0 && self.slower_not_queueing((short, raw), mean_in_flight, answered, now) {
             return;
         }
@@ -549,13 +593,31 @@ struct Window {
     sum: f64,
     /// ... those of samples on paths with a baseline, as multiples of it ...
     ratios: f64,
-    /// ... and those of the others (seconds).
+    /// ... with the sum of those baselines' inverses ...
+    inverse: f64,
+    /// ... and those of the others (seconds), and how many.
     unknown: f64,
+    unknowns: u32,
+    /// The shortest sample's latency (seconds).
+    least: f64,
     count: u32,
     /// The sum of the in-flight counts the samples came with.
     in_flight: usize,
     /// A sample was a caller that left, not an answer.
     unanswered: bool,
+}
+
+impl Window {
+    /// The window's average latency as `apply` has it (`base`: the
+    /// upstream's baseline; `count`: samples, at least 1), with `waited`
+    /// seconds of the proxy's own wait for a CPU taken off each sample,
+    /// but no more than the shortest sample took.
+    fn own_share(&self, waited: f64, base: f64, count: f64) -> f64 {
+        let waited = waited.min(self.least).max(0.0);
+        let ratios = (self.ratios - waited * self.inverse).max(0.0);
+        let unknown = (self.unknown - waited * f64::from(self.unknowns)).max(0.0);
+        ((ratios * base + unknown) / count).max(1e-6)
+    }
 }
 
 /// The peak in flight over the current [`USE_PERIOD`] and the one before.

@@ -363,3 +363,118 @@ async fn the_limits_table_of_paths_is_bounded_and_makes_room_for_real_traffic() 
         before = after;
     }
 }
+
+/// A sidecar kept from its CPU by a CPU limit (a cgroup quota of 5 ms each
+/// 100 ms: a sidecar given `cpu: 50m`, as Kubernetes sets it) while
+/// sixteen callers ask more of it, in front of a healthy 5 ms upstream:
+/// its answers look slower by the time its own threads waited to run (up
+/// to 95 ms each period), which is not the upstream's latency. The limit
+/// holds; callers are slower, none is shed. Held against the upstream, the
+/// same wait shrank the limit under the callers (20 to 11-13) and shed
+/// 18-29 of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_kept_from_its_cpu_does_not_shed_for_its_own_wait() {
+    let _heavy = heavy().await;
+    let up = upstream(|_req| async {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        http::Response::new(full("ok"))
+    })
+    .await;
+    let hg = one_route(&up, "").await;
+    let url = format!("http://{}/a/b", hg.listen);
+    let callers = |for_: Duration| {
+        let until = tokio::time::Instant::now() + for_;
+        futures_util::future::join_all((0..16).map(|_| {
+            let (client, url) = (client(), url.clone());
+            async move {
+                let (mut ok, mut refused) = (0u32, 0u32);
+                while tokio::time::Instant::now() < until {
+                    match get(client.clone(), url.clone()).await {
+                        Some(http::StatusCode::OK) => ok += 1,
+                        _ => refused += 1,
+                    }
+                }
+                (ok, refused)
+            }
+        }))
+    };
+    let sum = |v: Vec<(u32, u32)>| v.into_iter().fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+    // The upstream's latency is known (a span of 3 s).
+    let (ok, refused) = sum(callers(Duration::from_secs(5)).await);
+    assert_eq!(refused, 0, "{ok} answered as usual");
+    let limit = || hg.metric(r#"herdguard_concurrency_limit{upstream="u"}"#);
+    let before = limit().await;
+    let shed_total = || hg.metric(r#"herdguard_shed_total{upstream="u"}"#);
+    let shed_before = shed_total().await;
+    let quota = CpuQuota::set(hg.pid(), 5_000, 100_000);
+    let starved = sum(callers(Duration::from_secs(8)).await);
+    let throttled = quota.throttled();
+    drop(quota);
+    let shed = shed_total().await - shed_before;
+    let excused = hg
+        .metric(r#"herdguard_limit_own_wait_windows_total{upstream="u"}"#)
+        .await;
+    let after = limit().await;
+    eprintln!(
+        "kept from its CPU ({throttled} periods throttled): {starved:?} (answered, refused), {shed} shed, limit {before} then {after}, {excused} windows its own wait"
+    );
+    assert!(throttled > 0, "the quota held the sidecar back");
+    assert!(excused > 0.0, "the sidecar's wait was seen");
+    assert_eq!((starved.1, shed), (0, 0.0), "none shed (limit {after})");
+}
+
+/// A process held to a CPU quota in a cgroup of its own (cgroup v1's `cpu`
+/// controller or v2's), put back and the cgroup removed on drop.
+struct CpuQuota {
+    dir: std::path::PathBuf,
+    parent: std::path::PathBuf,
+    v2: bool,
+}
+
+impl CpuQuota {
+    fn set(pid: u32, quota_us: u32, period_us: u32) -> CpuQuota {
+        let root = std::path::Path::new("/sys/fs/cgroup");
+        let v2 = root.join("cgroup.controllers").exists();
+        let parent = match v2 {
+            true => root.to_path_buf(),
+            false => root.join("cpu"),
+        };
+        let write = |file: &std::path::Path, what: &str| {
+            std::fs::write(file, what).unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+        };
+        if v2 {
+            write(&parent.join("cgroup.subtree_control"), "+cpu");
+        }
+        let dir = parent.join(format!("herdguard-test-{pid}"));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        match v2 {
+            true => write(&dir.join("cpu.max"), &format!("{quota_us} {period_us}")),
+            false => {
+                write(&dir.join("cpu.cfs_period_us"), &period_us.to_string());
+                write(&dir.join("cpu.cfs_quota_us"), &quota_us.to_string());
+            }
+        }
+        write(&dir.join("cgroup.procs"), &pid.to_string());
+        CpuQuota { dir, parent, v2 }
+    }
+
+    /// Periods in which the quota ran out.
+    fn throttled(&self) -> u64 {
+        let stat = std::fs::read_to_string(self.dir.join("cpu.stat")).unwrap();
+        stat.lines()
+            .find_map(|l| l.strip_prefix("nr_throttled "))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for CpuQuota {
+    fn drop(&mut self) {
+        let procs = std::fs::read_to_string(self.dir.join("cgroup.procs")).unwrap_or_default();
+        for pid in procs.lines() {
+            let _ = std::fs::write(self.parent.join("cgroup.procs"), pid);
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+        let _ = self.v2;
+    }
+}

@@ -340,13 +340,11 @@ impl Limiter {
             inverse: 0.0,
             unknown: 0.0,
             unknowns: 0,
-            least: f64::INFINITY,
             count: 0,
             in_flight: 0,
             unanswered: false,
         });
         w.sum += latency;
-        w.least = w.least.min(latency);
         match ratio {
             Some(r) => {
                 w.ratios += r;
@@ -598,8 +596,6 @@ struct Window {
     /// ... and those of the others (seconds), and how many.
     unknown: f64,
     unknowns: u32,
-    /// The shortest sample's latency (seconds).
-    least: f64,
     count: u32,
     /// The sum of the in-flight counts the samples came with.
     in_flight: usize,
@@ -610,10 +606,11 @@ struct Window {
 impl Window {
     /// The window's average latency as `apply` has it (`base`: the
     /// upstream's baseline; `count`: samples, at least 1), with `waited`
-    /// seconds of the proxy's own wait for a CPU taken off each sample,
-    /// but no more than the shortest sample took.
+    /// seconds of the proxy's own wait for a CPU taken off each sample
+    /// (no answer waited on the proxy longer than the proxy's threads
+    /// waited in all), and never below nothing.
     fn own_share(&self, waited: f64, base: f64, count: f64) -> f64 {
-        let waited = waited.min(self.least).max(0.0);
+        let waited = waited.max(0.0);
         let ratios = (self.ratios - waited * self.inverse).max(0.0);
         let unknown = (self.unknown - waited * f64::from(self.unknowns)).max(0.0);
         ((ratios * base + unknown) / count).max(1e-6)

@@ -14,9 +14,11 @@
 //! limit), the limiter reads how long the process's threads have waited
 //! for a CPU in all (the kernel's `run_delay`, see
 //! `observe::cpu_wait`), and takes what they waited since the window
-//! before closed off each of the window's samples, up to the shortest
-//! sample: no answer waited on the proxy longer than it took in all. A
-//! window that was slow by no more than that does not shrink the limit.
+//! before closed off each of the window's samples: no answer waited on the
+//! proxy longer than the proxy's threads waited in all. A window that was
+//! slow by no more than that does not shrink the limit. A proxy starved
+//! that much is the bottleneck itself: the limit neither shrinks nor grows
+//! (its answers are slow), and timeouts still halve it.
 //! The first such window after calm ones has no reading at its start: it
 //! is not held against the upstream (a window is not a trend), and an
 //! upstream that queues has its limit shrunk from the next window on, one

@@ -552,10 +552,14 @@ impl Limiter {
             // A window is not a trend: the next one is measured.
             Since::Unknown if gradient(short) < 1.0 => return,
             Since::Unknown => short,
+            // Slow by no more than the proxy's own wait: neither the
+            // upstream's trouble nor its calm (what was in flight then was
+            // held up by the proxy).
             Since::Waited(waited) => {
                 let mine = w.own_share(waited, base, count);
                 if gradient(short) < 1.0 && gradient(mine) >= 1.0 {
                     self.own.excuse();
+                    return;
                 }
                 mine
             }

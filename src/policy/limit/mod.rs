@@ -12,11 +12,13 @@
 //!   three-second mean of the path's windows over the last 30 to 60 s, see
 //!   `paths.rs`; an upstream's paths may differ twentyfold), or, for a path
 //!   not yet known, the upstream's (the lowest three-second median window
-//!   of the last 30 to 60 s). Above `tolerance` times the baseline the
-//!   limit shrinks in proportion; a per-try timeout halves it at once. An upstream that
-//!   got slower without queueing is followed: the baseline becomes its
-//!   latency when half as many in flight take as long, or, at the floor
-//!   where nothing is left to halve, when latency holds steady there;
+//!   of the last 30 to 60 s), less what the proxy's own threads waited
+//!   for a CPU meanwhile (`own_wait.rs`). Above `tolerance` times the
+//!   baseline the limit shrinks in proportion; a per-try timeout halves it
+//!   at once. An upstream that got slower without queueing is followed:
+//!   the baseline becomes its latency when half as many in flight take as
+//!   long, or, at the floor where nothing is left to halve, when latency
+//!   holds steady there;
 //! - **the traffic's own use**: the limit never stands above twice the
 //!   peak in flight of the last 5 to 10 s plus two ([`USE_MULTIPLE`],
 //!   [`USE_HEADROOM`]), and grows only while it is what holds requests back

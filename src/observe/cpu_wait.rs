@@ -5,15 +5,40 @@
 //! off the latency it holds against the upstream (`policy::limit`).
 
 use std::io::Read as _;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-/// The wait of the process's threads alive now, added up; `None` where the
-/// kernel does not say (no `/proc`, or a kernel without schedstat).
-pub fn waited() -> Option<Duration> {
+use crate::policy::limit::Waits;
+
+/// A reading younger than this is shared: one reading a window for the
+/// whole process, however many upstreams' windows close.
+const FRESH: Duration = Duration::from_millis(20);
+
+/// Each thread's wait so far, read at most once per [`FRESH`] for the
+/// whole process; `None` where the kernel does not say (no `/proc`, or a
+/// kernel without schedstat).
+pub fn waits() -> Option<Arc<Waits>> {
+    static LAST: Mutex<Option<(Instant, Arc<Waits>)>> = Mutex::new(None);
+    let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((at, waits)) = &*last {
+        if at.elapsed() < FRESH {
+            return Some(Arc::clone(waits));
+        }
+    }
+    let waits = Arc::new(read()?);
+    *last = Some((Instant::now(), Arc::clone(&waits)));
+    Some(waits)
+}
+
+/// Each thread's wait so far, read now.
+fn read() -> Option<Waits> {
     let tasks = std::fs::read_dir("/proc/self/task").ok()?;
-    let mut total: Option<u64> = None;
+    let mut threads = Vec::new();
     let mut line = [0u8; 128];
     for task in tasks.flatten() {
+        let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) else {
+            continue;
+        };
         // A thread that ended since the listing is passed over.
         let Ok(mut file) = std::fs::File::open(task.path().join("schedstat")) else {
             continue;
@@ -22,10 +47,10 @@ pub fn waited() -> Option<Duration> {
             continue;
         };
         if let Some(ns) = line.get(..n).and_then(run_delay) {
-            total = Some(total.unwrap_or(0).saturating_add(ns));
+            threads.push((tid, ns));
         }
     }
-    total.map(Duration::from_nanos)
+    (!threads.is_empty()).then(|| Waits::new(threads))
 }
 
 /// The wait in a `schedstat` line: `<on CPU ns> <waited ns> <timeslices>`.
@@ -54,26 +79,33 @@ mod tests {
     /// reading, taken while they are alive, has grown.
     #[test]
     fn the_wait_is_read_from_this_processs_threads() {
-        let Some(first) = waited() else {
+        let Some(first) = read() else {
             // Only where the kernel keeps schedstat, as Linux does.
             assert!(!std::path::Path::new("/proc/self/schedstat").exists());
             return;
         };
         let spin = |ms| {
-            let until = std::time::Instant::now() + Duration::from_millis(ms);
-            while std::time::Instant::now() < until {
+            let until = Instant::now() + Duration::from_millis(ms);
+            while Instant::now() < until {
                 std::hint::spin_loop();
             }
         };
-        // More spinning threads than CPUs: some wait.
         let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
         std::thread::scope(|s| {
             for _ in 0..cpus * 2 + 1 {
                 s.spawn(|| spin(200));
             }
             spin(200);
-            let during = waited().expect("read while they spin");
-            assert!(during > first, "{during:?} after {first:?}");
+            let during = read().expect("read while they spin");
+            let most = during.most_since(&first);
+            assert!(most > Duration::ZERO, "{during:?} after {first:?}");
         });
+        // Shared while fresh (twice in a row within 20 ms, at least once
+        // in a hundred tries however busy the machine).
+        let shared = (0..100).any(|_| match (waits(), waits()) {
+            (Some(a), Some(b)) => Arc::ptr_eq(&a, &b),
+            _ => false,
+        });
+        assert!(shared);
     }
 }

@@ -326,6 +326,10 @@ pub struct Upstream {
     /// How long a request may wait for a slot, in nanoseconds (from the
     /// limiter's baseline latency).
     wait_nanos: std::sync::atomic::AtomicU64,
+    /// The limiter's counts as last added to the metrics (untracked
+    /// answers, excused windows): a reload builds a new limiter, counting
+    /// from zero again, while the series go on.
+    counted: Mutex<(u64, u64)>,
     pub metrics: UpstreamMetrics,
     /// Upgraded connections: counted apart from requests in flight.
     pub tunnels: Arc<Tunnels>,
@@ -348,7 +352,7 @@ impl Upstream {
                         upstream: name.to_owned(),
                         message: e.to_string(),
                     })?
-                    .with_own_wait(crate::observe::cpu_wait::waited),
+                    .with_own_wait(crate::observe::cpu_wait::waits),
             ),
             _ => None,
         };
@@ -396,6 +400,7 @@ impl Upstream {
             waiting: AtomicUsize::new(0),
             freed: tokio::sync::Notify::new(),
             pressed: AtomicBool::new(false),
+            counted: Mutex::new((0, 0)),
             closed_after_outage: Arc::default(),
             wait_nanos: std::sync::atomic::AtomicU64::new(MAX_WAIT.as_nanos() as u64),
             metrics: UpstreamMetrics::new(registry, name, dns),
@@ -561,9 +566,17 @@ impl Upstream {
         if let Some(limiter) = &self.limiter {
             let limiter = limiter.lock().unwrap_or_else(|e| e.into_inner());
             let (paths, untracked) = limiter.paths();
+            let excused = limiter.excused();
+            drop(limiter);
             self.metrics.limit_paths.set(paths as f64);
-            self.metrics.limit_paths_untracked.absolute(untracked);
-            self.metrics.limit_own_wait.absolute(limiter.excused());
+            let mut counted = self.counted.lock().unwrap_or_else(|e| e.into_inner());
+            let (was_untracked, was_excused) =
+                std::mem::replace(&mut *counted, (untracked, excused));
+            let m = &self.metrics;
+            m.limit_paths_untracked
+                .increment(untracked.saturating_sub(was_untracked));
+            m.limit_own_wait
+                .increment(excused.saturating_sub(was_excused));
         }
         self.metrics.tunnels.set(self.tunnels.open() as f64);
         let members = self.members.load();

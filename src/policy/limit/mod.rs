@@ -58,6 +58,7 @@ use super::outcome::{CallerFault, Outcome, UpstreamFault};
 mod mixed_tests;
 mod own_wait;
 mod paths;
+pub use own_wait::Waits;
 use own_wait::{OwnWait, Since};
 use paths::PathLatencies;
 
@@ -243,7 +244,7 @@ impl Limiter {
     /// The limiter, taking off the latency it holds against the upstream
     /// the time the proxy's own threads waited for a CPU, as `read` says
     /// (see `limit/own_wait.rs`).
-    pub fn with_own_wait(mut self, read: fn() -> Option<Duration>) -> Self {
+    pub fn with_own_wait(mut self, read: own_wait::Reader) -> Self {
         self.own = OwnWait::new(read);
         self
     }
@@ -548,7 +549,8 @@ impl Limiter {
         let base = self.baseline.get().unwrap_or(raw);
         let short = ((w.ratios * base + w.unknown) / count).max(1e-6);
         let gradient = |short: f64| (self.tolerance * base / short).clamp(0.5, 1.0);
-        let warm = short > base * (1.0 + (self.tolerance - 1.0) / 2.0);
+        let warm =
+            short > base * (1.0 + (self.tolerance - 1.0) / 2.0) && self.limit > self.min_limit;
         let short = match self.own.at_close(warm, now) {
             Since::Unread => short,
             // A window is not a trend: the next one is measured.

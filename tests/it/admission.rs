@@ -18,6 +18,31 @@ async fn one_route(up: &Upstream, keys: &str) -> Binary {
     .await
 }
 
+/// Sixteen callers asking `hg` one after another until `until`, each
+/// request for one of `paths` at random; gives back (answered, refused).
+async fn sixteen_callers(hg: &Binary, paths: &[&str], until: tokio::time::Instant) -> (u32, u32) {
+    let each = futures_util::future::join_all((0..16u64).map(|c| {
+        let client = client();
+        async move {
+            let mut seed = 0x9e37_79b9_7f4a_7c15 ^ (c + 1);
+            let (mut ok, mut refused) = (0, 0);
+            while tokio::time::Instant::now() < until {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                let path = paths[seed as usize % paths.len()];
+                match get(client.clone(), format!("http://{}{path}", hg.listen)).await {
+                    Some(http::StatusCode::OK) => ok += 1,
+                    _ => refused += 1,
+                }
+            }
+            (ok, refused)
+        }
+    }))
+    .await;
+    each.into_iter().fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+}
+
 /// A GET's status, or `None` when it failed.
 async fn get(client: TestClient, url: String) -> Option<http::StatusCode> {
     let req = http::Request::get(url).body(empty()).unwrap();
@@ -238,34 +263,11 @@ async fn a_mixed_path_upstream_that_got_slower_is_followed() {
     })
     .await;
     let hg = one_route(&up, "").await;
-    let base = format!("http://{}", hg.listen);
-    // Sixteen callers until `until`, each request to a path at random;
-    // gives back (answered, refused).
-    let callers = |until: tokio::time::Instant| {
-        futures_util::future::join_all((0..16u64).map(|c| {
-            let (client, base) = (client(), base.clone());
-            async move {
-                let mut seed = 0x9e37_79b9_7f4a_7c15 ^ (c + 1);
-                let (mut ok, mut refused) = (0, 0);
-                while tokio::time::Instant::now() < until {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    // One versioned API: the paths are told apart past it.
-                    let path = ["/api/v1/fast/1", "/api/v1/slow/2"][(seed & 1) as usize];
-                    match get(client.clone(), format!("{base}{path}")).await {
-                        Some(http::StatusCode::OK) => ok += 1,
-                        _ => refused += 1,
-                    }
-                }
-                (ok, refused)
-            }
-        }))
-    };
-    let sum = |v: Vec<(u32, u32)>| v.into_iter().fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+    // One versioned API: the paths are told apart past it.
+    let callers = |until| sixteen_callers(&hg, &["/api/v1/fast/1", "/api/v1/slow/2"], until);
     let now = tokio::time::Instant::now;
     // Seven seconds as usual: each path's latency is known (a span of 3 s).
-    let (ok, refused) = sum(callers(now() + Duration::from_secs(7)).await);
+    let (ok, refused) = callers(now() + Duration::from_secs(7)).await;
     assert_eq!(refused, 0, "{ok} answered as usual");
     slower.store(5, Ordering::Relaxed);
     // The limit follows: all sixteen let through and nothing shed for two
@@ -280,14 +282,14 @@ async fn a_mixed_path_upstream_that_got_slower_is_followed() {
             "not followed 30 s on: {settling:?} (answered, refused)"
         );
         let before = shed_total().await;
-        let (ok, refused) = sum(callers(now() + Duration::from_secs(1)).await);
+        let (ok, refused) = callers(now() + Duration::from_secs(1)).await;
         settling = (settling.0 + ok, settling.1 + refused);
         let held = shed_total().await > before || limit().await < 16.0;
         calm = if held { 0 } else { calm + 1 };
     }
     // Then six seconds watched.
     let shed_before = shed_total().await;
-    let watched = sum(callers(now() + Duration::from_secs(6)).await);
+    let watched = callers(now() + Duration::from_secs(6)).await;
     let shed = shed_total().await - shed_before;
     let limit = limit().await;
     eprintln!(
@@ -381,33 +383,16 @@ async fn a_sidecar_kept_from_its_cpu_does_not_shed_for_its_own_wait() {
     })
     .await;
     let hg = one_route(&up, "").await;
-    let url = format!("http://{}/a/b", hg.listen);
-    let callers = |for_: Duration| {
-        let until = tokio::time::Instant::now() + for_;
-        futures_util::future::join_all((0..16).map(|_| {
-            let (client, url) = (client(), url.clone());
-            async move {
-                let (mut ok, mut refused) = (0u32, 0u32);
-                while tokio::time::Instant::now() < until {
-                    match get(client.clone(), url.clone()).await {
-                        Some(http::StatusCode::OK) => ok += 1,
-                        _ => refused += 1,
-                    }
-                }
-                (ok, refused)
-            }
-        }))
-    };
-    let sum = |v: Vec<(u32, u32)>| v.into_iter().fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+    let callers = |for_| sixteen_callers(&hg, &["/a/b"], tokio::time::Instant::now() + for_);
     // The upstream's latency is known (a span of 3 s).
-    let (ok, refused) = sum(callers(Duration::from_secs(5)).await);
+    let (ok, refused) = callers(Duration::from_secs(5)).await;
     assert_eq!(refused, 0, "{ok} answered as usual");
     let limit = || hg.metric(r#"herdguard_concurrency_limit{upstream="u"}"#);
     let before = limit().await;
     let shed_total = || hg.metric(r#"herdguard_shed_total{upstream="u"}"#);
     let shed_before = shed_total().await;
     let quota = CpuQuota::set(hg.pid(), 5_000, 100_000);
-    let starved = sum(callers(Duration::from_secs(8)).await);
+    let starved = callers(Duration::from_secs(8)).await;
     let throttled = quota.throttled();
     drop(quota);
     let shed = shed_total().await - shed_before;

@@ -413,9 +413,8 @@ impl Limiter {
         // quarter of the tolerance count: every sidecar of a fleet grows
         // by one per round trip, and the fleet must stop before the
         // upstream queues, not after.
-        let band = if self.limit >= threshold { 4.0 } else { 2.0 };
-        let calm = 1.0 + (self.tolerance - 1.0) / band;
-        if self.above(rtt, ratio, calm) {
+        let part = if self.limit >= threshold { 4.0 } else { 2.0 };
+        if self.above(rtt, ratio, self.calm_band(part)) {
             return;
         }
         let step = if self.limit < threshold {
@@ -427,6 +426,13 @@ impl Limiter {
             .min(threshold.max(self.limit + 1.0 / self.limit))
             .min((demand as f64).max(self.limit))
             .min(self.max_limit);
+    }
+
+    /// The multiple of the baseline within `1 / part` of the tolerance's
+    /// excess: answers below it are calm enough to grow on (1.5 times the
+    /// baseline at the default 2.0 and `part` 2).
+    fn calm_band(&self, part: f64) -> f64 {
+        1.0 + (self.tolerance - 1.0) / part
     }
 
     /// Trouble now (a cut, or the upstream's breaker closing after an
@@ -549,8 +555,7 @@ impl Limiter {
         let base = self.baseline.get().unwrap_or(raw);
         let short = ((w.ratios * base + w.unknown) / count).max(1e-6);
         let gradient = |short: f64| (self.tolerance * base / short).clamp(0.5, 1.0);
-        let warm =
-            short > base * (1.0 + (self.tolerance - 1.0) / 2.0) && self.limit > self.min_limit;
+        let warm = short > base * self.calm_band(2.0) && self.limit > self.min_limit;
         let short = match self.own.at_close(warm, now) {
             Since::Unread => short,
             // A window is not a trend: the next one is measured.

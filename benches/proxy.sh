@@ -7,6 +7,9 @@
 #   Open loop (oha at a fixed rate, latency corrected for coordinated
 #   omission): p50, p99, p99.9 at a load every target can carry.
 #   Peak RSS of each proxy, and retries configured vs off (GET and 1 KiB POST).
+#   Each proxy's CPU time a request in the closed loop, user and kernel
+#   (/proc/PID/stat over the measured run): the proxy's core is saturated
+#   there, so this is what its req/s is made of, and it moves less than req/s.
 #   Each round's herdguard against the same round's HAProxy (median and range
 #   of the ratios): on a machine whose speed drifts, steadier than the medians.
 #
@@ -92,19 +95,33 @@ port_of() {
   esac
 }
 
-# closed NAME [wrk args...] -> "NAME rps p50_ms p99_ms non2xx"
+# cpu_ticks PID -> "user system" clock ticks of the whole process, all its threads
+cpu_ticks() { if [ -n "$1" ]; then awk '{ print $14, $15 }' "/proc/$1/stat"; else echo "- -"; fi; }
+
+# closed NAME [wrk args...] -> "NAME rps p50_ms p99_ms non2xx user_us sys_us"
+# (the proxy's CPU time a request, user and kernel, over the measured run;
+# "-" for the upstream reached directly)
 closed() {
   local name=$1; shift
-  local url="http://127.0.0.1:$(port_of "$name")/bench"
+  local url="http://127.0.0.1:$(port_of "$name")/bench" pid before after
+  pid=$(pid_on_port "$(port_of "$name")")
   run_pinned 0 wrk -t1 -c"$CONNECTIONS" -d"${WARMUP}s" "$@" "$url" >/dev/null
+  before=$(cpu_ticks "$pid")
   run_pinned 0 wrk -t1 -c"$CONNECTIONS" -d"${DURATION}s" --latency "$@" "$url" > "$OUT/$name.wrk"
-  awk -v name="$name" '
+  after=$(cpu_ticks "$pid")
+  awk -v name="$name" -v before="$before" -v after="$after" -v hz="$(getconf CLK_TCK)" '
     function ms(v) { if (v ~ /us$/) return v/1000; if (v ~ /ms$/) return v+0; if (v ~ /s$/) return v*1000; return v }
     /Requests\/sec/ { rps=$2 }
+    /requests in/ { n=$1 }
     /^ +50%/ { p50=ms($2) }
     /^ +99%/ { p99=ms($2) }
     /Non-2xx/ { bad=$NF }
-    END { printf "%s %s %s %s %s\n", name, rps, p50, p99, (bad==""?0:bad) }
+    END {
+      split(before, b, " "); split(after, a, " ")
+      if (b[1] == "-" || n == 0) { u = "-"; s = "-" }
+      else { u = sprintf("%.2f", (a[1] - b[1]) * 1e6 / hz / n); s = sprintf("%.2f", (a[2] - b[2]) * 1e6 / hz / n) }
+      printf "%s %s %s %s %s %s %s\n", name, rps, p50, p99, (bad==""?0:bad), u, s
+    }
   ' "$OUT/$name.wrk"
 }
 
@@ -179,15 +196,16 @@ echo
 echo "Closed loop: wrk -t1 -c$CONNECTIONS -d${DURATION}s"
 awk -v rssfile="$OUT/rss.txt" '
   BEGIN { while ((getline l < rssfile) > 0) { split(l, f, " "); rss[f[1]] = f[2] } }
-  $1 !~ /@open$/ { n++; name[n]=$1; rps[n]=$2; p50[n]=$3; p99[n]=$4; bad[n]=$5; idx[$1]=n }
+  $1 !~ /@open$/ { n++; name[n]=$1; rps[n]=$2; p50[n]=$3; p99[n]=$4; bad[n]=$5; usr[n]=$6; sys[n]=$7; idx[$1]=n }
   END {
-    printf "%-24s %10s %8s %8s %8s %9s %9s %10s %9s\n", "target", "req/s", "p50 ms", "p99 ms", "non-2xx", "RSS MiB", "rps/nginx", "rps/haproxy", "p99/haproxy"
+    printf "%-24s %10s %8s %8s %8s %9s %9s %10s %9s %8s %8s %9s\n", "target", "req/s", "p50 ms", "p99 ms", "non-2xx", "RSS MiB", "rps/nginx", "rps/haproxy", "p99/haproxy", "user us", "sys us", "cpu/haproxy"
     for (i = 1; i <= n; i++) {
       post = (name[i] ~ /post$/)
       ng = post ? idx["nginx-post"] : idx["nginx"]; hp = post ? idx["haproxy-post"] : idx["haproxy"]
       base = name[i]; sub(/-post$/, "", base)
       r = (base in rss) ? sprintf("%.1f", rss[base]/1024) : "-"
-      printf "%-24s %10.0f %8.2f %8.2f %8s %9s %9.2f %10.2f %9.2f\n", name[i], rps[i], p50[i], p99[i], bad[i], r, rps[i]/rps[ng], rps[i]/rps[hp], p99[i]/p99[hp]
+      c = (usr[i] == "-" || usr[hp] + sys[hp] == 0) ? "-" : sprintf("%.2f", (usr[i] + sys[i]) / (usr[hp] + sys[hp]))
+      printf "%-24s %10.0f %8.2f %8.2f %8s %9s %9.2f %10.2f %9.2f %8s %8s %9s\n", name[i], rps[i], p50[i], p99[i], bad[i], r, rps[i]/rps[ng], rps[i]/rps[hp], p99[i]/p99[hp], usr[i], sys[i], c
     }
     printf "\nretries configured vs off, req/s: GET %.3f x, POST %.3f x\n", rps[idx["herdguard"]]/rps[idx["herdguard-noretry"]], rps[idx["herdguard-post"]]/rps[idx["herdguard-noretry-post"]]
   }
@@ -220,10 +238,11 @@ awk '
   { split($1, t, "@"); kind = ($1 ~ /@open$/) ? "open" : "closed"; base = t[1]
     post = (base ~ /-post$/); ref = post ? "haproxy-post" : "haproxy"
     k = kind SUBSEP base
-    if (base == ref) { ref_rps[kind, post] = $2; ref_p99[kind, post] = $4; next }
+    if (base == ref) { ref_rps[kind, post] = $2; ref_p99[kind, post] = $4; ref_cpu[kind, post] = $6 + $7; next }
     if (base !~ /^herdguard/ || !((kind, post) in ref_rps)) next
     if (!(k in order)) { order[k] = ++n; keys[n] = k }
     m = ++cnt[k]; rr[k, m] = $2 / ref_rps[kind, post]; pr[k, m] = $4 / ref_p99[kind, post]
+    cr[k, m] = (kind == "closed" && ref_cpu[kind, post] > 0) ? ($6 + $7) / ref_cpu[kind, post] : 0
   }
   function stat(arr, k, m,   i, j, t, a) {
     for (i = 1; i <= m; i++) a[i] = arr[k, i]
@@ -231,10 +250,10 @@ awk '
     return sprintf("%.2f (%.2f-%.2f)", a[int((m + 1) / 2)], a[1], a[m])
   }
   END {
-    printf "%-24s %-8s %7s %20s %20s\n", "target", "loop", "rounds", "req/s ratio", "p99 ratio"
+    printf "%-24s %-8s %7s %20s %20s %20s\n", "target", "loop", "rounds", "req/s ratio", "p99 ratio", "CPU a request ratio"
     for (i = 1; i <= n; i++) {
       split(keys[i], p, SUBSEP); m = cnt[keys[i]]
-      printf "%-24s %-8s %7d %20s %20s\n", p[2], p[1], m, (p[1] == "open") ? "-" : stat(rr, keys[i], m), stat(pr, keys[i], m)
+      printf "%-24s %-8s %7d %20s %20s %20s\n", p[2], p[1], m, (p[1] == "open") ? "-" : stat(rr, keys[i], m), stat(pr, keys[i], m), (p[1] == "open") ? "-" : stat(cr, keys[i], m)
     }
   }
 ' "$OUT/rounds.txt"

@@ -163,7 +163,11 @@ impl Passthrough {
             return LocalError::BadRequest
                 .response("the request's target cannot be passed through");
         };
-        let mut out = Request::new(RequestBody::stream(body, Arc::new(Progress::default())));
+        let mut out = Request::new(RequestBody::stream(
+            body,
+            Arc::new(Progress::default()),
+            None,
+        ));
         *out.method_mut() = parts.method;
         *out.uri_mut() = uri;
         *out.version_mut() = Version::HTTP_11;

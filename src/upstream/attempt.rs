@@ -138,8 +138,13 @@ pub struct Forward<'a> {
 enum AttemptBody {
     Empty,
     Replay(ReplayBody),
-    /// Sent once, never retried: taken by the first attempt.
-    Once(Option<CallerBody>),
+    /// Sent once, never retried: taken by the first attempt. `memory`:
+    /// where it is held while it is read whole (see
+    /// `RequestBody::hold_whole`).
+    Once {
+        body: Option<CallerBody>,
+        memory: Arc<BodyMemory>,
+    },
 }
 
 impl<'a> Forward<'a> {
@@ -167,7 +172,10 @@ impl<'a> Forward<'a> {
         } else if retrying {
             AttemptBody::Replay(ReplayBody::new(body, max_replay_body, body_memory))
         } else {
-            AttemptBody::Once(Some(body))
+            AttemptBody::Once {
+                body: Some(body),
+                memory: body_memory.clone(),
+            }
         };
         Self {
             upstream,
@@ -308,10 +316,12 @@ impl<'a> Forward<'a> {
                     Some(progress),
                 )
             }
-            AttemptBody::Once(once) => match once.take() {
+            AttemptBody::Once { body, memory } => match body.take() {
                 Some(body) => {
                     let progress = Arc::new(Progress::default());
-                    (RequestBody::stream(body, progress.clone()), Some(progress))
+                    let memory = Some(memory.clone());
+                    let body = RequestBody::stream(body, progress.clone(), memory);
+                    (body, Some(progress))
                 }
                 None => (RequestBody::empty(), None),
             },
@@ -555,7 +565,7 @@ impl<'a> retry::Attempts for Forward<'a> {
     fn body_whole(&self) -> bool {
         match &self.body {
             AttemptBody::Empty => true,
-            AttemptBody::Once(_) => false,
+            AttemptBody::Once { .. } => false,
             AttemptBody::Replay(replay) => replay.whole(),
         }
     }
@@ -563,7 +573,7 @@ impl<'a> retry::Attempts for Forward<'a> {
     async fn replayable(&mut self, deadline: Instant) -> bool {
         let replay = match &self.body {
             AttemptBody::Empty => return true,
-            AttemptBody::Once(once) => return once.is_some(),
+            AttemptBody::Once { body, .. } => return body.is_some(),
             AttemptBody::Replay(replay) => replay,
         };
         loop {

@@ -13,7 +13,12 @@ use tokio::sync::Notify;
 
 use crate::policy::CallerFault;
 
-use super::replay::ReplayBody;
+use super::replay::{BodyMemory, Held, ReplayBody};
+
+/// The largest body read whole before it is sent, by herdguard's own
+/// exchange (see `plain.rs`): one write with the head, as nginx buffers a
+/// small request body. Larger ones stream, by hyper's client.
+pub const READ_WHOLE_MAX: u64 = 16 * 1024;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -35,8 +40,18 @@ pin_project! {
         // whose blocks hold 32 requests each, two blocks per upstream
         // connection; a replay buffer inline would make each request four
         // times the size, the caller's body a quarter more.
-        Stream { body: Pin<Box<crate::wire::CallerBody>> },
+        Stream { body: Pin<Box<Streamed>> },
         Replay { body: Pin<Box<ReplayBody>> },
+    }
+}
+
+pin_project! {
+    /// The caller's body sent once, and the memory it may be held in to
+    /// be read whole (see [`RequestBody::hold_whole`]).
+    struct Streamed {
+        #[pin]
+        body: crate::wire::CallerBody,
+        memory: Option<Arc<BodyMemory>>,
     }
 }
 
@@ -48,11 +63,16 @@ impl RequestBody {
         }
     }
 
-    /// The caller's body, streamed once.
-    pub fn stream(body: crate::wire::CallerBody, progress: Arc<Progress>) -> Self {
+    /// The caller's body, streamed once; `memory`: where it may be held
+    /// to be read whole (see [`RequestBody::hold_whole`]).
+    pub fn stream(
+        body: crate::wire::CallerBody,
+        progress: Arc<Progress>,
+        memory: Option<Arc<BodyMemory>>,
+    ) -> Self {
         Self {
             inner: Inner::Stream {
-                body: Box::pin(body),
+                body: Box::pin(Streamed { body, memory }),
             },
             progress: Some(progress),
         }
@@ -73,10 +93,67 @@ impl RequestBody {
         matches!(self.inner, Inner::Empty)
     }
 
+    /// Room to read the body whole before it is sent, for a body of a
+    /// declared length of at most [`READ_WHOLE_MAX`] that has the room in
+    /// the body memory (a replay's copy: only once it holds the body
+    /// whole); `None` for any other (it streams).
+    pub(crate) fn hold_whole(&self) -> Option<Held> {
+        let (len, memory) = match &self.inner {
+            Inner::Stream { body } => (body.body.size_hint().exact()?, body.memory.as_ref()?),
+            Inner::Replay { body } if body.whole() => (body.exact_len()?, body.memory()),
+            _ => return None,
+        };
+        if len > READ_WHOLE_MAX {
+            return None;
+        }
+        memory.hold(len)
+    }
+
+    /// Reads the body whole: `len` bytes, as declared. One piece (as a body
+    /// that came with its head is) is kept as it is; more are copied
+    /// together. The body's progress is told as it is read, a failure of
+    /// the caller's included.
+    pub(crate) async fn read_whole(&mut self, len: u64) -> Result<Bytes, BoxError> {
+        use http_body_util::BodyExt as _;
+        let len = usize::try_from(len).map_err(|_| "a body too long to hold")?;
+        let mut first = Bytes::new();
+        let mut more = bytes::BytesMut::new();
+        while !Body::is_end_stream(&*self) {
+            let Some(frame) = self.frame().await else {
+                break;
+            };
+            let Ok(data) = frame?.into_data() else {
+                // Trailers: a body of a declared length cannot carry them.
+                continue;
+            };
+            if first.len() + more.len() + data.len() > len {
+                return Err("the request body is longer than its Content-Length".into());
+            }
+            if first.is_empty() && more.is_empty() {
+                first = data;
+            } else {
+                if more.is_empty() {
+                    more.reserve(len);
+                    more.extend_from_slice(&std::mem::take(&mut first));
+                }
+                more.extend_from_slice(&data);
+            }
+        }
+        let whole = if more.is_empty() {
+            first
+        } else {
+            more.freeze()
+        };
+        if whole.len() != len {
+            return Err("the request body ended before its Content-Length".into());
+        }
+        Ok(whole)
+    }
+
     fn inner_end(inner: &Inner) -> bool {
         match inner {
             Inner::Empty => true,
-            Inner::Stream { body } => body.is_end_stream(),
+            Inner::Stream { body } => body.body.is_end_stream(),
             Inner::Replay { body } => body.is_end_stream(),
         }
     }
@@ -93,7 +170,12 @@ impl Body for RequestBody {
         let mut this = self.project();
         let polled = match this.inner.as_mut().project() {
             InnerProj::Empty => Poll::Ready(None),
-            InnerProj::Stream { body } => body.as_mut().poll_frame(cx).map_err(BoxError::from),
+            InnerProj::Stream { body } => body
+                .as_mut()
+                .project()
+                .body
+                .poll_frame(cx)
+                .map_err(BoxError::from),
             InnerProj::Replay { body } => body.as_mut().poll_frame(cx),
         };
         let polled = polled.map(|frame| frame.map(|f| f.map(clean)));
@@ -127,7 +209,7 @@ impl Body for RequestBody {
     fn size_hint(&self) -> SizeHint {
         match &self.inner {
             Inner::Empty => SizeHint::with_exact(0),
-            Inner::Stream { body } => body.size_hint(),
+            Inner::Stream { body } => body.body.size_hint(),
             Inner::Replay { body } => body.size_hint(),
         }
     }

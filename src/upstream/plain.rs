@@ -1,6 +1,7 @@
 //! herdguard's own HTTP/1.1 exchange with an upstream, for plain requests:
-//! no body, no upgrade, a plain-HTTP endpoint. The attempt's own future
-//! writes the head on a pooled socket and reads the answer's head; the
+//! no body or a small one read whole first, no upgrade, a plain-HTTP
+//! endpoint. The attempt's own future writes the head (and the body, in
+//! the same write) on a pooled socket and reads the answer's head; the
 //! answer's body is read off the same socket by whoever polls it (the
 //! caller's side, as it forwards it), and the socket goes back to the pool
 //! when the body ends whole. No connection task, no queue, no channels
@@ -127,23 +128,30 @@ impl ExchangeError {
     }
 }
 
-/// Sends a request with no body (`method`, origin-form `target`, `fields`)
-/// on `raw`, and reads its answer's head.
+/// Sends a request (`method`, origin-form `target`, `fields`, and `body`
+/// read whole, if it has one) on `raw`, and reads its answer's head.
 pub(crate) async fn exchange(
     mut raw: Box<Raw>,
     method: &Method,
     target: &str,
     fields: &Fields,
+    body: Option<&Bytes>,
 ) -> Result<Response<PlainBody>, Failed> {
-    encode(&mut raw.buf, method, target, fields);
-    let mut written = 0;
-    while written < raw.buf.len() {
+    encode(&mut raw.buf, method, target, fields, body.map(Bytes::len));
+    let body: &[u8] = body.map_or(&[], |b| b);
+    let (head, mut written) = (raw.buf.len(), 0);
+    while written < head + body.len() {
         let failed = |error| Failed {
             error: ExchangeError::Write(error),
             written: written > 0,
             heard: false,
         };
-        match raw.stream.write(&raw.buf[written..]).await {
+        // The head and the body in one write (`writev`).
+        let parts = [
+            io::IoSlice::new(raw.buf.get(written..).unwrap_or_default()),
+            io::IoSlice::new(body.get(written.saturating_sub(head)..).unwrap_or_default()),
+        ];
+        match raw.stream.write_vectored(&parts).await {
             Ok(0) => return Err(failed(io::ErrorKind::WriteZero.into())),
             Ok(n) => written += n,
             Err(e) => return Err(failed(e)),
@@ -160,9 +168,11 @@ pub(crate) async fn exchange(
     Ok(response(head, raw))
 }
 
-/// The request's head, as hyper writes one with no body: the fields as
-/// they are, but a `Transfer-Encoding` (there is nothing to code).
-fn encode(buf: &mut BytesMut, method: &Method, target: &str, fields: &Fields) {
+/// The request's head, as hyper writes one: the fields as they are, but a
+/// `Transfer-Encoding` (there is nothing to code) and, with a body of
+/// `body` bytes, the caller's `Content-Length`: the length of the body
+/// read takes its place, last.
+fn encode(buf: &mut BytesMut, method: &Method, target: &str, fields: &Fields, body: Option<usize>) {
     buf.clear();
     buf.reserve(256 + (fields.kept.map.len() + 6) * 32);
     buf.extend_from_slice(method.as_str().as_bytes());
@@ -172,13 +182,20 @@ fn encode(buf: &mut BytesMut, method: &Method, target: &str, fields: &Fields) {
     // Folded, not stepped: each part of the chained fields in a loop of
     // its own.
     fields.iter().for_each(|(name, value)| {
-        if name != http::header::TRANSFER_ENCODING {
+        if name != http::header::TRANSFER_ENCODING
+            && (body.is_none() || name != http::header::CONTENT_LENGTH)
+        {
             buf.extend_from_slice(name.as_str().as_bytes());
             buf.extend_from_slice(b": ");
             buf.extend_from_slice(value);
             buf.extend_from_slice(b"\r\n");
         }
     });
+    if let Some(len) = body {
+        buf.extend_from_slice(b"content-length: ");
+        buf.extend_from_slice(itoa::Buffer::new().format(len).as_bytes());
+        buf.extend_from_slice(b"\r\n");
+    }
     buf.extend_from_slice(b"\r\n");
 }
 
@@ -409,6 +426,77 @@ mod tests {
         drop(upstream);
         seen_readable(&raw).await;
         assert!(!raw.is_quiet());
+    }
+
+    /// Fields as a caller's request may bring them, with framing of its own.
+    fn fields() -> Fields {
+        let mut map = http::HeaderMap::new();
+        map.append("content-length", http::HeaderValue::from_static("999"));
+        map.append(
+            "transfer-encoding",
+            http::HeaderValue::from_static("chunked"),
+        );
+        map.append("x-a", http::HeaderValue::from_static("b"));
+        Fields {
+            host: http::HeaderValue::from_static("up:80"),
+            attempt: None,
+            extra: http::HeaderMap::new(),
+            kept: std::sync::Arc::new(super::super::outgoing::Kept { map, hop: None }),
+        }
+    }
+
+    #[test]
+    fn a_head_is_framed_by_the_body_read_not_by_the_callers_fields() {
+        let mut buf = BytesMut::new();
+        encode(&mut buf, &Method::POST, "/p", &fields(), Some(12));
+        assert_eq!(
+            &buf[..],
+            b"POST /p HTTP/1.1\r\nhost: up:80\r\nx-a: b\r\ncontent-length: 12\r\n\r\n"
+        );
+        // With no body, a length (of 0, say) is passed on as it came.
+        encode(&mut buf, &Method::GET, "/g", &fields(), None);
+        assert_eq!(
+            &buf[..],
+            b"GET /g HTTP/1.1\r\nhost: up:80\r\ncontent-length: 999\r\nx-a: b\r\n\r\n"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_head_and_its_body_go_whole_however_the_socket_takes_them() {
+        let (raw, mut upstream) = answered().await;
+        // Larger than the socket takes at once while the upstream reads
+        // nothing: written as the upstream reads.
+        let body = Bytes::from(vec![b'x'; 4 << 20]);
+        let send = tokio::spawn(async move {
+            let fields = fields();
+            exchange(raw, &Method::PUT, "/big", &fields, Some(&body))
+                .await
+                .map(|resp| resp.status())
+        });
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 64 * 1024];
+        let head_end = loop {
+            let n = upstream.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the request broke off");
+            got.extend_from_slice(&buf[..n]);
+            if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                if got.len() >= end + 4 + (4 << 20) {
+                    break end + 4;
+                }
+            }
+        };
+        assert_eq!(
+            got.len(),
+            head_end + (4 << 20),
+            "nothing more, nothing less"
+        );
+        assert!(got[head_end..].iter().all(|&b| b == b'x'));
+        assert!(String::from_utf8_lossy(&got[..head_end]).contains("content-length: 4194304\r\n"));
+        upstream
+            .write_all(b"HTTP/1.1 201 Created\r\ncontent-length: 0\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(send.await.unwrap().unwrap(), http::StatusCode::CREATED);
     }
 
     #[tokio::test]

@@ -36,6 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::units::clock;
+use bytes::Bytes;
 use http::uri::{Authority, PathAndQuery};
 use http::{Request, Response};
 use hyper::client::conn::{http1, TrySendError};
@@ -48,6 +49,7 @@ use super::body::{BoxError, RequestBody, UpstreamBody};
 use super::heads::{HeadWait, Metered};
 use super::outgoing::Outgoing;
 use super::plain::{self, Raw};
+use super::replay::Held;
 
 /// The most hyper keeps queued to write to an upstream, or read from it
 /// at once (its default is about 400 KB): an upstream that answers without
@@ -340,9 +342,10 @@ impl H1Pool {
     /// Sends `req` (`Host` set) for `path_and_query` on an idle connection,
     /// or on a new one. A connection of hyper's comes back with the
     /// response: hand it to [`H1Pool::put_back`] once the response body is
-    /// done with. A request with no body and no upgrade goes by herdguard's
-    /// own exchange (see `plain.rs`) when `own` allows: its answer's body
-    /// takes the connection back itself.
+    /// done with. A request with no body, or with one small enough to be
+    /// read whole first (see [`RequestBody::hold_whole`]), and no upgrade
+    /// goes by herdguard's own exchange (see `plain.rs`) when `own` allows:
+    /// its answer's body takes the connection back itself.
     ///
     /// A request that a pooled connection gives back unwritten (it found the
     /// connection closed by the upstream first) is sent again on a fresh
@@ -361,10 +364,19 @@ impl H1Pool {
         // An upgrade takes a connection of its own, driven by hyper until
         // it is handed over: never pooled before, never parked after.
         let upgrade = req.upgrade;
-        if own && !upgrade && req.body.is_empty() && req.method != http::Method::CONNECT {
-            return Either::Plain {
-                send: self.send_plain(req, path_and_query, careful),
-            };
+        if own && !upgrade && req.method != http::Method::CONNECT {
+            if req.body.is_empty() {
+                return Either::Plain {
+                    send: self.send_plain(req, path_and_query, careful),
+                };
+            }
+            if let Some(held) = req.body.hold_whole() {
+                // On the heap: the future of every request with no body
+                // keeps no room for one.
+                return Either::Whole {
+                    send: Box::pin(self.send_whole(req, path_and_query, careful, held)),
+                };
+            }
         }
         let mut req = req.into_request();
         *req.uri_mut() = origin_form(path_and_query.as_deref());
@@ -383,25 +395,65 @@ impl H1Pool {
     ) -> impl Future<Output = Result<Response<plain::PlainBody>, PoolError>> + 'a {
         async move {
             let target = path_and_query.as_deref().map_or("/", PathAndQuery::as_str);
+            self.exchange(&req, target, careful, None).await
+        }
+    }
+
+    /// A request with a body `held` has room for, by herdguard's own
+    /// exchange: the body is read whole before a connection is taken (a
+    /// caller slow to send it holds none), then sent with the head.
+    async fn send_whole(
+        &self,
+        mut req: Outgoing,
+        path_and_query: Option<std::borrow::Cow<'_, PathAndQuery>>,
+        careful: bool,
+        held: Held,
+    ) -> Result<Response<plain::PlainBody>, PoolError> {
+        let body = self.read_whole(&mut req, held.len()).await?;
+        let target = path_and_query.as_deref().map_or("/", PathAndQuery::as_str);
+        self.exchange(&req, target, careful, Some(&body)).await
+    }
+
+    /// `req` (and `body`) on an idle connection or a new one.
+    #[allow(clippy::manual_async_fn)] // on purpose: see [`H1Pool::send`]
+    fn exchange<'a>(
+        &'a self,
+        req: &'a Outgoing,
+        target: &'a str,
+        careful: bool,
+        body: Option<&'a Bytes>,
+    ) -> impl Future<Output = Result<Response<plain::PlainBody>, PoolError>> + 'a {
+        async move {
             let (raw, idled) = match self.checkout(self.max_idle_for(careful), true) {
                 Some((Taken::Plain(raw), idled)) => (raw, Some(idled)),
                 Some((Taken::Parked(stream), idled)) => (self.plain_of(stream)?, Some(idled)),
                 Some((Taken::Live(_), _)) | None => (self.connect_plain().await?, None),
             };
             let (method, fields) = (&req.method, &req.fields);
-            match plain::exchange(raw, method, target, fields).await {
+            match plain::exchange(raw, method, target, fields, body).await {
                 Ok(resp) => Ok(resp),
                 Err(failed) if idled.is_some() && !failed.written => {
                     debug!(upstream = %self.authority, error = %failed.error, "pooled connection closed before the request was written; sending it on a new one");
                     let raw = self.connect_plain().await?;
                     // On the heap: rare.
-                    Box::pin(plain::exchange(raw, method, target, fields))
+                    Box::pin(plain::exchange(raw, method, target, fields, body))
                         .await
                         .map_err(|failed| self.plain_error(failed, None))
                 }
                 Err(failed) => Err(self.plain_error(failed, idled)),
             }
         }
+    }
+
+    /// `req`'s body of `len` bytes, read whole; the body itself (a replay's
+    /// hold on its copy, say) is let go.
+    async fn read_whole(&self, req: &mut Outgoing, len: u64) -> Result<Bytes, PoolError> {
+        let read = req.body.read_whole(len).await;
+        req.body = RequestBody::empty();
+        read.map_err(|source| PoolError::Request {
+            authority: self.authority.clone(),
+            source,
+        })
     }
 
     /// Why an exchange on a connection idle for `idled` (if reused) failed.
@@ -739,15 +791,17 @@ impl H1Pool {
 pin_project_lite::pin_project! {
     /// A request on its way by one exchange or the other.
     #[project = EitherProj]
-    enum Either<P, H> {
+    enum Either<P, W, H> {
         Plain { #[pin] send: P },
+        Whole { send: Pin<Box<W>> },
         Hyper { #[pin] send: H },
     }
 }
 
-impl<P, H> Future for Either<P, H>
+impl<P, W, H> Future for Either<P, W, H>
 where
     P: Future<Output = Result<Response<plain::PlainBody>, PoolError>>,
+    W: Future<Output = Result<Response<plain::PlainBody>, PoolError>>,
     H: Future<Output = Result<(Response<hyper::body::Incoming>, Pooled), PoolError>>,
 {
     type Output = Sent;
@@ -755,6 +809,10 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Sent> {
         match self.project() {
             EitherProj::Plain { send } => send
+                .poll(cx)
+                .map(|sent| sent.map(|resp| (resp.map(UpstreamBody::plain), None))),
+            EitherProj::Whole { send } => send
+                .as_mut()
                 .poll(cx)
                 .map(|sent| sent.map(|resp| (resp.map(UpstreamBody::plain), None))),
             EitherProj::Hyper { send } => send

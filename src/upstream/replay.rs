@@ -70,23 +70,57 @@ impl BodyMemory {
 
     /// Takes `bytes` if they fit under the limit; counts a refusal if not.
     fn take(&self, bytes: u64) -> bool {
-        let limit = self.limit.load(Ordering::Relaxed);
-        let taken = self
-            .held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                held.checked_add(bytes).filter(|&after| after <= limit)
-            })
-            .is_ok();
+        let taken = self.fits(bytes);
         if !taken {
             self.refused.increment(1);
         }
         taken
     }
 
+    /// Takes `bytes` if they fit under the limit.
+    fn fits(&self, bytes: u64) -> bool {
+        let limit = self.limit.load(Ordering::Relaxed);
+        self.held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(bytes).filter(|&after| after <= limit)
+            })
+            .is_ok()
+    }
+
+    /// Room for a body of `bytes` read whole before it is sent (see
+    /// `plain.rs`), held until the [`Held`] is dropped; `None` if it does
+    /// not fit (the body then streams: nothing is refused).
+    pub(crate) fn hold(self: &Arc<Self>, bytes: u64) -> Option<Held> {
+        self.fits(bytes).then(|| Held {
+            memory: self.clone(),
+            bytes,
+        })
+    }
+
     fn give(&self, bytes: u64) {
         if bytes > 0 {
             self.held.fetch_sub(bytes, Ordering::AcqRel);
         }
+    }
+}
+
+/// Room taken from the [`BodyMemory`] for one body read whole, given back
+/// when dropped.
+pub(crate) struct Held {
+    memory: Arc<BodyMemory>,
+    bytes: u64,
+}
+
+impl Held {
+    /// The body's length.
+    pub(crate) fn len(&self) -> u64 {
+        self.bytes
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.memory.give(self.bytes);
     }
 }
 
@@ -294,6 +328,16 @@ impl<B> ReplayBody<B> {
     /// whole (within `max_replay_body`, and taken from the memory).
     pub fn fits(&self) -> bool {
         self.shared.fits
+    }
+
+    /// The length the caller declared, if it did.
+    pub(crate) fn exact_len(&self) -> Option<u64> {
+        self.exact_len
+    }
+
+    /// The memory the copy is held in.
+    pub(crate) fn memory(&self) -> &Arc<BodyMemory> {
+        &self.shared.memory
     }
 
     /// Another handle on the same body, starting from its first byte.

@@ -18,6 +18,7 @@ mod deploy;
 mod discovery;
 mod drain;
 mod exchange;
+mod exchange_body;
 mod explain_and_faults;
 mod fault_matrix;
 mod faults;

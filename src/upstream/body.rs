@@ -42,7 +42,16 @@ pin_project! {
         // times the size, the caller's body a quarter more.
         Stream { body: Pin<Box<Streamed>> },
         Replay { body: Pin<Box<ReplayBody>> },
+        // Read whole (see `read_whole`), with the room it is held in.
+        Whole { body: Box<Whole> },
     }
+}
+
+/// A body read whole, and the room it is held in until it is dropped.
+struct Whole {
+    data: Bytes,
+    sent: bool,
+    _held: Held,
 }
 
 pin_project! {
@@ -109,11 +118,33 @@ impl RequestBody {
         memory.hold(len)
     }
 
-    /// Reads the body whole: `len` bytes, as declared. One piece (as a body
-    /// that came with its head is) is kept as it is; more are copied
-    /// together. The body's progress is told as it is read, a failure of
-    /// the caller's included.
-    pub(crate) async fn read_whole(&mut self, len: u64) -> Result<Bytes, BoxError> {
+    /// Reads the body whole, as `held` declares its length, and keeps it so
+    /// (the caller's body, or a replay's hold on its copy, let go). One
+    /// piece (as a body that came with its head is) is kept as it is; more
+    /// are copied together. The body's progress is told as it is read, a
+    /// failure of the caller's included.
+    pub(crate) async fn read_whole(&mut self, held: Held) -> Result<(), BoxError> {
+        let data = self.read_all(held.len()).await;
+        self.inner = Inner::Empty;
+        self.inner = Inner::Whole {
+            body: Box::new(Whole {
+                data: data?,
+                sent: false,
+                _held: held,
+            }),
+        };
+        Ok(())
+    }
+
+    /// The body, once it was read whole.
+    pub(crate) fn whole(&self) -> Option<&Bytes> {
+        match &self.inner {
+            Inner::Whole { body } => Some(&body.data),
+            _ => None,
+        }
+    }
+
+    async fn read_all(&mut self, len: u64) -> Result<Bytes, BoxError> {
         use http_body_util::BodyExt as _;
         let len = usize::try_from(len).map_err(|_| "a body too long to hold")?;
         let mut first = Bytes::new();
@@ -155,6 +186,7 @@ impl RequestBody {
             Inner::Empty => true,
             Inner::Stream { body } => body.body.is_end_stream(),
             Inner::Replay { body } => body.is_end_stream(),
+            Inner::Whole { body } => body.sent,
         }
     }
 }
@@ -177,6 +209,10 @@ impl Body for RequestBody {
                 .poll_frame(cx)
                 .map_err(BoxError::from),
             InnerProj::Replay { body } => body.as_mut().poll_frame(cx),
+            InnerProj::Whole { body } => Poll::Ready(
+                (!std::mem::replace(&mut body.sent, true))
+                    .then(|| Ok(Frame::data(body.data.clone()))),
+            ),
         };
         let polled = polled.map(|frame| frame.map(|f| f.map(clean)));
         if let Some(progress) = this.progress {
@@ -211,6 +247,7 @@ impl Body for RequestBody {
             Inner::Empty => SizeHint::with_exact(0),
             Inner::Stream { body } => body.body.size_hint(),
             Inner::Replay { body } => body.size_hint(),
+            Inner::Whole { body } => SizeHint::with_exact(body.data.len() as u64),
         }
     }
 }

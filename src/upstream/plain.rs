@@ -139,19 +139,26 @@ pub(crate) async fn exchange(
 ) -> Result<Response<PlainBody>, Failed> {
     encode(&mut raw.buf, method, target, fields, body.map(Bytes::len));
     let body: &[u8] = body.map_or(&[], |b| b);
-    let (head, mut written) = (raw.buf.len(), 0);
-    while written < head + body.len() {
+    let mut written = 0;
+    while written < raw.buf.len() + body.len() {
         let failed = |error| Failed {
             error: ExchangeError::Write(error),
             written: written > 0,
             heard: false,
         };
-        // The head and the body in one write (`writev`).
-        let parts = [
-            io::IoSlice::new(raw.buf.get(written..).unwrap_or_default()),
-            io::IoSlice::new(body.get(written.saturating_sub(head)..).unwrap_or_default()),
-        ];
-        match raw.stream.write_vectored(&parts).await {
+        let head = raw.buf.get(written..).unwrap_or_default();
+        let wrote = if body.is_empty() {
+            raw.stream.write(head).await
+        } else {
+            // The head and the body in one write (`writev`).
+            let body = body.get(written.saturating_sub(raw.buf.len())..);
+            let parts = [
+                io::IoSlice::new(head),
+                io::IoSlice::new(body.unwrap_or_default()),
+            ];
+            raw.stream.write_vectored(&parts).await
+        };
+        match wrote {
             Ok(0) => return Err(failed(io::ErrorKind::WriteZero.into())),
             Ok(n) => written += n,
             Err(e) => return Err(failed(e)),
@@ -171,7 +178,8 @@ pub(crate) async fn exchange(
 /// The request's head, as hyper writes one: the fields as they are, but a
 /// `Transfer-Encoding` (there is nothing to code) and, with a body of
 /// `body` bytes, the caller's `Content-Length`: the length of the body
-/// read takes its place, last.
+/// read takes its place, last. (Inlined: its one caller is per request.)
+#[inline(always)]
 fn encode(buf: &mut BytesMut, method: &Method, target: &str, fields: &Fields, body: Option<usize>) {
     buf.clear();
     buf.reserve(256 + (fields.kept.map.len() + 6) * 32);

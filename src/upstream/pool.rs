@@ -36,7 +36,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::units::clock;
-use bytes::Bytes;
 use http::uri::{Authority, PathAndQuery};
 use http::{Request, Response};
 use hyper::client::conn::{http1, TrySendError};
@@ -385,7 +384,8 @@ impl H1Pool {
         }
     }
 
-    /// A request with no body, by herdguard's own exchange.
+    /// A request with no body, or with one read whole, by herdguard's own
+    /// exchange.
     #[allow(clippy::manual_async_fn)] // on purpose: see [`H1Pool::send`]
     fn send_plain<'a>(
         &'a self,
@@ -395,41 +395,12 @@ impl H1Pool {
     ) -> impl Future<Output = Result<Response<plain::PlainBody>, PoolError>> + 'a {
         async move {
             let target = path_and_query.as_deref().map_or("/", PathAndQuery::as_str);
-            self.exchange(&req, target, careful, None).await
-        }
-    }
-
-    /// A request with a body `held` has room for, by herdguard's own
-    /// exchange: the body is read whole before a connection is taken (a
-    /// caller slow to send it holds none), then sent with the head.
-    async fn send_whole(
-        &self,
-        mut req: Outgoing,
-        path_and_query: Option<std::borrow::Cow<'_, PathAndQuery>>,
-        careful: bool,
-        held: Held,
-    ) -> Result<Response<plain::PlainBody>, PoolError> {
-        let body = self.read_whole(&mut req, held.len()).await?;
-        let target = path_and_query.as_deref().map_or("/", PathAndQuery::as_str);
-        self.exchange(&req, target, careful, Some(&body)).await
-    }
-
-    /// `req` (and `body`) on an idle connection or a new one.
-    #[allow(clippy::manual_async_fn)] // on purpose: see [`H1Pool::send`]
-    fn exchange<'a>(
-        &'a self,
-        req: &'a Outgoing,
-        target: &'a str,
-        careful: bool,
-        body: Option<&'a Bytes>,
-    ) -> impl Future<Output = Result<Response<plain::PlainBody>, PoolError>> + 'a {
-        async move {
             let (raw, idled) = match self.checkout(self.max_idle_for(careful), true) {
                 Some((Taken::Plain(raw), idled)) => (raw, Some(idled)),
                 Some((Taken::Parked(stream), idled)) => (self.plain_of(stream)?, Some(idled)),
                 Some((Taken::Live(_), _)) | None => (self.connect_plain().await?, None),
             };
-            let (method, fields) = (&req.method, &req.fields);
+            let (method, fields, body) = (&req.method, &req.fields, req.body.whole());
             match plain::exchange(raw, method, target, fields, body).await {
                 Ok(resp) => Ok(resp),
                 Err(failed) if idled.is_some() && !failed.written => {
@@ -445,15 +416,21 @@ impl H1Pool {
         }
     }
 
-    /// `req`'s body of `len` bytes, read whole; the body itself (a replay's
-    /// hold on its copy, say) is let go.
-    async fn read_whole(&self, req: &mut Outgoing, len: u64) -> Result<Bytes, PoolError> {
-        let read = req.body.read_whole(len).await;
-        req.body = RequestBody::empty();
-        read.map_err(|source| PoolError::Request {
-            authority: self.authority.clone(),
-            source,
-        })
+    /// A request with a body `held` has room for, by herdguard's own
+    /// exchange: the body is read whole before a connection is taken (a
+    /// caller slow to send it holds none), then sent with the head.
+    async fn send_whole(
+        &self,
+        mut req: Outgoing,
+        path_and_query: Option<std::borrow::Cow<'_, PathAndQuery>>,
+        careful: bool,
+        held: Held,
+    ) -> Result<Response<plain::PlainBody>, PoolError> {
+        if let Err(source) = req.body.read_whole(held).await {
+            let authority = self.authority.clone();
+            return Err(PoolError::Request { authority, source });
+        }
+        self.send_plain(req, path_and_query, careful).await
     }
 
     /// Why an exchange on a connection idle for `idled` (if reused) failed.

@@ -956,6 +956,12 @@ fn memory_warnings(config: &Config, report: &mut Report<'_>) {
             ),
         );
     }
+    if bodies == 0 {
+        report(
+            listen.key("max_body_memory"),
+            "0 keeps no request body: none is retried or read whole, every body streams once (unlike listen.max_memory, 0 here is not \"no bound\")".to_owned(),
+        );
+    }
     if max != 0 && bodies >= max / 2 {
         report(
             listen.key("max_body_memory"),

@@ -163,11 +163,7 @@ impl Passthrough {
             return LocalError::BadRequest
                 .response("the request's target cannot be passed through");
         };
-        let mut out = Request::new(RequestBody::stream(
-            body,
-            Arc::new(Progress::default()),
-            None,
-        ));
+        let mut out = Request::new(RequestBody::stream(body, Arc::new(Progress::default())));
         *out.method_mut() = parts.method;
         *out.uri_mut() = uri;
         *out.version_mut() = Version::HTTP_11;

@@ -28,7 +28,7 @@ use crate::policy::retry::retry_after;
 use crate::policy::{CallerFault, Outcome};
 use crate::retry::{self, Attempt};
 
-use super::body::{Progress, RequestBody};
+use super::body::{BoxError, Progress, RequestBody, Whole, READ_WHOLE_MAX};
 use super::classify::{classify, Judge, Reply, Why};
 use super::outgoing::{Fields, Kept, Outgoing};
 use super::replay::{BodyMemory, ReplayBody};
@@ -139,13 +139,19 @@ enum AttemptBody {
     Empty,
     Replay(ReplayBody),
     /// Sent once, never retried: taken by the first attempt. `memory`:
-    /// where it is held while it is read whole (see
-    /// `RequestBody::hold_whole`).
+    /// where it is held once read whole (see [`Forward::prefetch`]).
     Once {
         body: Option<CallerBody>,
         memory: Arc<BodyMemory>,
     },
+    /// Sent once, read whole before the first attempt, which takes it.
+    Whole(Option<Box<Whole>>),
 }
+
+/// A body being read before the first attempt: into a replay's copy
+/// (`None`), or whole.
+type Prefetch<'b> =
+    std::pin::Pin<Box<dyn Future<Output = Result<Option<Box<Whole>>, BoxError>> + Send + 'b>>;
 
 impl<'a> Forward<'a> {
     pub fn new(out: Outbound<'a>) -> Self {
@@ -236,32 +242,59 @@ impl<'a> Forward<'a> {
     /// Reads a body the caller declared small enough to keep whole before
     /// any attempt is made, as nginx buffers request bodies: then no
     /// upstream slot or breaker probe waits on the caller's upload, and
-    /// every attempt's time is the upstream's alone. Larger bodies, and
-    /// bodies of unknown length, stream as they come.
+    /// every attempt's time is the upstream's alone. A body kept for a
+    /// retry, when it fits `max_replay_body`, into its copy; one sent once,
+    /// when it is at most [`READ_WHOLE_MAX`] and has room in the body
+    /// memory, into a [`Whole`] of its own. Larger bodies, and bodies of
+    /// unknown length, stream as they come.
     pub async fn prefetch(&mut self, deadline: Instant) -> Result<(), (CallerFault, String)> {
         use http_body_util::BodyExt as _;
-        let AttemptBody::Replay(replay) = &self.body else {
-            return Ok(());
-        };
-        if !replay.fits() {
-            return Ok(());
-        }
-        let mut reader = replay.replay();
-        let read = async {
-            while let Some(frame) = reader.frame().await {
-                frame.map_err(|e| (super::body::caller_fault(&*e), e.to_string()))?;
+        let read = match &mut self.body {
+            AttemptBody::Replay(replay) if replay.fits() => {
+                let mut reader = replay.replay();
+                let read = async move {
+                    while let Some(frame) = reader.frame().await {
+                        frame?;
+                    }
+                    Ok(None)
+                };
+                tokio::time::timeout_at(deadline, Box::pin(read) as Prefetch<'_>).await
             }
-            Ok(())
+            AttemptBody::Once { body, memory } => {
+                let len = body
+                    .as_ref()
+                    .and_then(|b| http_body::Body::size_hint(b).exact());
+                let Some(held) = len
+                    .filter(|&n| n <= READ_WHOLE_MAX)
+                    .and_then(|n| memory.hold(n))
+                else {
+                    return Ok(());
+                };
+                let Some(body) = body.as_mut() else {
+                    return Ok(());
+                };
+                let read = async move { Whole::read(body, held).await.map(Some) };
+                tokio::time::timeout_at(deadline, Box::pin(read) as Prefetch<'_>).await
+            }
+            _ => return Ok(()),
         };
-        match tokio::time::timeout_at(deadline, read).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err((fault, why))) => Err((
-                fault,
-                match fault {
-                    CallerFault::MalformedBody => format!("the request body is malformed: {why}"),
-                    _ => "the caller's request body ended before it was complete".to_owned(),
-                },
-            )),
+        match read {
+            Ok(Ok(whole)) => {
+                if let Some(whole) = whole {
+                    self.body = AttemptBody::Whole(Some(whole));
+                }
+                Ok(())
+            }
+            Ok(Err(e)) => {
+                let fault = super::body::caller_fault(&*e);
+                Err((
+                    fault,
+                    match fault {
+                        CallerFault::MalformedBody => format!("the request body is malformed: {e}"),
+                        _ => "the caller's request body ended before it was complete".to_owned(),
+                    },
+                ))
+            }
             Err(_) => Err((
                 CallerFault::StalledBody,
                 format!(
@@ -316,13 +349,15 @@ impl<'a> Forward<'a> {
                     Some(progress),
                 )
             }
-            AttemptBody::Once { body, memory } => match body.take() {
+            AttemptBody::Once { body, .. } => match body.take() {
                 Some(body) => {
                     let progress = Arc::new(Progress::default());
-                    let memory = Some(memory.clone());
-                    let body = RequestBody::stream(body, progress.clone(), memory);
-                    (body, Some(progress))
+                    (RequestBody::stream(body, progress.clone()), Some(progress))
                 }
+                None => (RequestBody::empty(), None),
+            },
+            AttemptBody::Whole(whole) => match whole.take() {
+                Some(whole) => (RequestBody::whole(whole), None),
                 None => (RequestBody::empty(), None),
             },
         };
@@ -565,7 +600,7 @@ impl<'a> retry::Attempts for Forward<'a> {
     fn body_whole(&self) -> bool {
         match &self.body {
             AttemptBody::Empty => true,
-            AttemptBody::Once { .. } => false,
+            AttemptBody::Once { .. } | AttemptBody::Whole(_) => false,
             AttemptBody::Replay(replay) => replay.whole(),
         }
     }
@@ -574,6 +609,7 @@ impl<'a> retry::Attempts for Forward<'a> {
         let replay = match &self.body {
             AttemptBody::Empty => return true,
             AttemptBody::Once { body, .. } => return body.is_some(),
+            AttemptBody::Whole(whole) => return whole.is_some(),
             AttemptBody::Replay(replay) => replay,
         };
         loop {

@@ -13,11 +13,12 @@ use tokio::sync::Notify;
 
 use crate::policy::CallerFault;
 
-use super::replay::{BodyMemory, Held, ReplayBody};
+use super::replay::{Held, ReplayBody};
 
-/// The largest body read whole before it is sent, by herdguard's own
-/// exchange (see `plain.rs`): one write with the head, as nginx buffers a
-/// small request body. Larger ones stream, by hyper's client.
+/// The largest body sent once that is read whole before the first attempt
+/// (as nginx buffers a small request body), and the largest sent by
+/// herdguard's own exchange (see `plain.rs`), in one write with its head.
+/// Larger ones stream, by hyper's client.
 pub const READ_WHOLE_MAX: u64 = 16 * 1024;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -40,120 +41,46 @@ pin_project! {
         // whose blocks hold 32 requests each, two blocks per upstream
         // connection; a replay buffer inline would make each request four
         // times the size, the caller's body a quarter more.
-        Stream { body: Pin<Box<Streamed>> },
+        Stream { body: Pin<Box<crate::wire::CallerBody>> },
         Replay { body: Pin<Box<ReplayBody>> },
-        // Read whole (see `read_whole`), with the room it is held in.
-        Whole { body: Box<Whole> },
+        // Read whole (see [`Whole`]); `None` once handed on.
+        Whole { body: Option<Box<Whole>> },
     }
 }
 
-/// A body read whole, and the room it is held in until it is dropped.
-struct Whole {
+/// A body read whole before it is sent, and the room it is held in (see
+/// [`BodyMemory::hold`]): both let go once it is written.
+pub(crate) struct Whole {
     data: Bytes,
-    sent: bool,
     _held: Held,
 }
 
-pin_project! {
-    /// The caller's body sent once, and the memory it may be held in to
-    /// be read whole (see [`RequestBody::hold_whole`]).
-    struct Streamed {
-        #[pin]
-        body: crate::wire::CallerBody,
-        memory: Option<Arc<BodyMemory>>,
+impl std::fmt::Debug for Whole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Whole")
+            .field("len", &self.data.len())
+            .finish()
     }
 }
 
-impl RequestBody {
-    pub fn empty() -> Self {
-        Self {
-            inner: Inner::Empty,
-            progress: None,
-        }
-    }
-
-    /// The caller's body, streamed once; `memory`: where it may be held
-    /// to be read whole (see [`RequestBody::hold_whole`]).
-    pub fn stream(
-        body: crate::wire::CallerBody,
-        progress: Arc<Progress>,
-        memory: Option<Arc<BodyMemory>>,
-    ) -> Self {
-        Self {
-            inner: Inner::Stream {
-                body: Box::pin(Streamed { body, memory }),
-            },
-            progress: Some(progress),
-        }
-    }
-
-    /// One replay of the caller's body.
-    pub fn replay(body: ReplayBody, progress: Arc<Progress>) -> Self {
-        Self {
-            inner: Inner::Replay {
-                body: Box::pin(body),
-            },
-            progress: Some(progress),
-        }
-    }
-
-    /// A request with no body at all (not one that ends up empty).
-    pub fn is_empty(&self) -> bool {
-        matches!(self.inner, Inner::Empty)
-    }
-
-    /// Room to read the body whole before it is sent, for a body of a
-    /// declared length of at most [`READ_WHOLE_MAX`] that has the room in
-    /// the body memory (a replay's copy: only once it holds the body
-    /// whole); `None` for any other (it streams).
-    pub(crate) fn hold_whole(&self) -> Option<Held> {
-        let (len, memory) = match &self.inner {
-            Inner::Stream { body } => (body.body.size_hint().exact()?, body.memory.as_ref()?),
-            Inner::Replay { body } if body.whole() => (body.exact_len()?, body.memory()),
-            _ => return None,
-        };
-        if len > READ_WHOLE_MAX {
-            return None;
-        }
-        memory.hold(len)
-    }
-
-    /// Reads the body whole, as `held` declares its length, and keeps it so
-    /// (the caller's body, or a replay's hold on its copy, let go). One
-    /// piece (as a body that came with its head is) is kept as it is; more
-    /// are copied together. The body's progress is told as it is read, a
-    /// failure of the caller's included.
-    pub(crate) async fn read_whole(&mut self, held: Held) -> Result<(), BoxError> {
-        let data = self.read_all(held.len()).await;
-        self.inner = Inner::Empty;
-        self.inner = Inner::Whole {
-            body: Box::new(Whole {
-                data: data?,
-                sent: false,
-                _held: held,
-            }),
-        };
-        Ok(())
-    }
-
-    /// The body, once it was read whole.
-    pub(crate) fn whole(&self) -> Option<&Bytes> {
-        match &self.inner {
-            Inner::Whole { body } => Some(&body.data),
-            _ => None,
-        }
-    }
-
-    async fn read_all(&mut self, len: u64) -> Result<Bytes, BoxError> {
+impl Whole {
+    /// Reads `body` whole, of the length `held` has room for. One piece
+    /// (as a body that came with its head is) is kept as it is; more are
+    /// copied together.
+    pub(crate) async fn read<B>(body: &mut B, held: Held) -> Result<Box<Self>, BoxError>
+    where
+        B: Body<Data = Bytes> + Unpin,
+        B::Error: Into<BoxError>,
+    {
         use http_body_util::BodyExt as _;
-        let len = usize::try_from(len).map_err(|_| "a body too long to hold")?;
+        let len = usize::try_from(held.len()).map_err(|_| "a body too long to hold")?;
         let mut first = Bytes::new();
         let mut more = bytes::BytesMut::new();
-        while !Body::is_end_stream(&*self) {
-            let Some(frame) = self.frame().await else {
+        while !body.is_end_stream() {
+            let Some(frame) = body.frame().await else {
                 break;
             };
-            let Ok(data) = frame?.into_data() else {
+            let Ok(data) = frame.map_err(Into::into)?.into_data() else {
                 // Trailers: a body of a declared length cannot carry them.
                 continue;
             };
@@ -170,23 +97,94 @@ impl RequestBody {
                 more.extend_from_slice(&data);
             }
         }
-        let whole = if more.is_empty() {
+        let data = if more.is_empty() {
             first
         } else {
             more.freeze()
         };
-        if whole.len() != len {
+        if data.len() != len {
             return Err("the request body ended before its Content-Length".into());
         }
-        Ok(whole)
+        Ok(Box::new(Whole { data, _held: held }))
+    }
+
+    pub(crate) fn data(&self) -> &Bytes {
+        &self.data
+    }
+}
+
+impl RequestBody {
+    pub fn empty() -> Self {
+        Self {
+            inner: Inner::Empty,
+            progress: None,
+        }
+    }
+
+    /// The caller's body, streamed once.
+    pub fn stream(body: crate::wire::CallerBody, progress: Arc<Progress>) -> Self {
+        Self {
+            inner: Inner::Stream {
+                body: Box::pin(body),
+            },
+            progress: Some(progress),
+        }
+    }
+
+    /// One replay of the caller's body.
+    pub fn replay(body: ReplayBody, progress: Arc<Progress>) -> Self {
+        Self {
+            inner: Inner::Replay {
+                body: Box::pin(body),
+            },
+            progress: Some(progress),
+        }
+    }
+
+    /// A body read whole: nothing left to wait for.
+    pub(crate) fn whole(body: Box<Whole>) -> Self {
+        Self {
+            inner: Inner::Whole { body: Some(body) },
+            progress: None,
+        }
+    }
+
+    /// A request with no body at all (not one that ends up empty).
+    pub fn is_empty(&self) -> bool {
+        matches!(self.inner, Inner::Empty)
+    }
+
+    /// A body read whole, not yet handed on.
+    pub(crate) fn is_whole(&self) -> bool {
+        matches!(self.inner, Inner::Whole { body: Some(_) })
+    }
+
+    /// The body read whole, handed on (to be written).
+    pub(crate) fn take_whole(&mut self) -> Option<Box<Whole>> {
+        match &mut self.inner {
+            Inner::Whole { body } => body.take(),
+            _ => None,
+        }
+    }
+
+    /// For a replay of a copy that holds the body whole, of a declared
+    /// length of at most [`READ_WHOLE_MAX`]: its length, to be read whole
+    /// (the copy's room is taken already, so nothing more is). `None` for
+    /// any other body.
+    pub(crate) fn replay_whole(&self) -> Option<Held> {
+        let Inner::Replay { body } = &self.inner else {
+            return None;
+        };
+        let len = body.exact_len().filter(|&len| len <= READ_WHOLE_MAX)?;
+        body.whole().then(|| Held::counted_elsewhere(len))
     }
 
     fn inner_end(inner: &Inner) -> bool {
         match inner {
             Inner::Empty => true,
-            Inner::Stream { body } => body.body.is_end_stream(),
+            Inner::Stream { body } => body.is_end_stream(),
             Inner::Replay { body } => body.is_end_stream(),
-            Inner::Whole { body } => body.sent,
+            Inner::Whole { body } => body.is_none(),
         }
     }
 }
@@ -202,17 +200,10 @@ impl Body for RequestBody {
         let mut this = self.project();
         let polled = match this.inner.as_mut().project() {
             InnerProj::Empty => Poll::Ready(None),
-            InnerProj::Stream { body } => body
-                .as_mut()
-                .project()
-                .body
-                .poll_frame(cx)
-                .map_err(BoxError::from),
+            InnerProj::Stream { body } => body.as_mut().poll_frame(cx).map_err(BoxError::from),
             InnerProj::Replay { body } => body.as_mut().poll_frame(cx),
-            InnerProj::Whole { body } => Poll::Ready(
-                (!std::mem::replace(&mut body.sent, true))
-                    .then(|| Ok(Frame::data(body.data.clone()))),
-            ),
+            // Its room is let go as the data goes to the writer.
+            InnerProj::Whole { body } => Poll::Ready(body.take().map(|w| Ok(Frame::data(w.data)))),
         };
         let polled = polled.map(|frame| frame.map(|f| f.map(clean)));
         if let Some(progress) = this.progress {
@@ -245,9 +236,11 @@ impl Body for RequestBody {
     fn size_hint(&self) -> SizeHint {
         match &self.inner {
             Inner::Empty => SizeHint::with_exact(0),
-            Inner::Stream { body } => body.body.size_hint(),
+            Inner::Stream { body } => body.size_hint(),
             Inner::Replay { body } => body.size_hint(),
-            Inner::Whole { body } => SizeHint::with_exact(body.data.len() as u64),
+            Inner::Whole { body } => {
+                SizeHint::with_exact(body.as_ref().map_or(0, |w| w.data.len() as u64))
+            }
         }
     }
 }
@@ -416,4 +409,62 @@ pub fn caller_fault(e: &(dyn std::error::Error + 'static)) -> CallerFault {
         source = e.source();
     }
     CallerFault::Gone
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::StreamBody;
+    use std::convert::Infallible;
+
+    type Frames = std::vec::IntoIter<Result<Frame<Bytes>, Infallible>>;
+
+    /// A body of the pieces given, each a frame.
+    fn pieces(parts: &[&'static [u8]]) -> StreamBody<futures_util::stream::Iter<Frames>> {
+        let frames: Vec<_> = parts
+            .iter()
+            .map(|p| Ok(Frame::data(Bytes::from_static(p))))
+            .collect();
+        StreamBody::new(futures_util::stream::iter(frames))
+    }
+
+    fn held(len: u64) -> Held {
+        Held::counted_elsewhere(len)
+    }
+
+    #[tokio::test]
+    async fn a_body_is_read_whole_only_at_its_declared_length() {
+        let whole = Whole::read(&mut pieces(&[b"hello"]), held(5))
+            .await
+            .unwrap();
+        assert_eq!(whole.data(), "hello");
+        let whole = Whole::read(&mut pieces(&[b"he", b"", b"llo", b" you"]), held(9))
+            .await
+            .unwrap();
+        assert_eq!(whole.data(), "hello you", "pieces copied together");
+        let short = Whole::read(&mut pieces(&[b"hel"]), held(5))
+            .await
+            .unwrap_err();
+        assert!(short.to_string().contains("ended before"), "{short}");
+        let long = Whole::read(&mut pieces(&[b"hel", b"lo!"]), held(5))
+            .await
+            .unwrap_err();
+        assert!(long.to_string().contains("longer than"), "{long}");
+    }
+
+    #[tokio::test]
+    async fn a_whole_body_is_one_frame_then_its_end() {
+        use http_body_util::BodyExt as _;
+        let whole = Whole::read(&mut pieces(&[b"ab", b"cd"]), held(4))
+            .await
+            .unwrap();
+        let mut body = RequestBody::whole(whole);
+        assert!(body.is_whole());
+        assert_eq!(body.size_hint().exact(), Some(4));
+        let frame = body.frame().await.unwrap().unwrap();
+        assert_eq!(frame.into_data().unwrap(), "abcd");
+        assert!(body.is_end_stream());
+        assert!(body.frame().await.is_none());
+        assert!(body.take_whole().is_none(), "handed on once");
+    }
 }

@@ -26,7 +26,7 @@ use http_body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
-use super::body::BoxError;
+use super::body::{BoxError, Whole};
 use super::framing::{parse_head, Decoded, Decoder, Head, Malformed, Parsed, MAX_HEAD};
 use super::heads::{EndlessInformational, BEFORE_HEAD};
 use super::outgoing::Fields;
@@ -90,6 +90,8 @@ pub(crate) struct Failed {
     pub written: bool,
     /// Some of an answer was read.
     pub heard: bool,
+    /// The body, when none of the request was written: for sending again.
+    pub unsent: Option<Box<Whole>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -129,41 +131,48 @@ impl ExchangeError {
 }
 
 /// Sends a request (`method`, origin-form `target`, `fields`, and `body`
-/// read whole, if it has one) on `raw`, and reads its answer's head.
+/// read whole, if it has one, let go once written) on `raw`, and reads its
+/// answer's head.
 pub(crate) async fn exchange(
     mut raw: Box<Raw>,
     method: &Method,
     target: &str,
     fields: &Fields,
-    body: Option<&Bytes>,
+    body: Option<Box<Whole>>,
 ) -> Result<Response<PlainBody>, Failed> {
-    encode(&mut raw.buf, method, target, fields, body.map(Bytes::len));
-    let body: &[u8] = body.map_or(&[], |b| b);
+    let len = body.as_ref().map(|b| b.data().len());
+    encode(&mut raw.buf, method, target, fields, len);
+    let data: &[u8] = body.as_ref().map_or(&[], |b| b.data());
     let mut written = 0;
-    while written < raw.buf.len() + body.len() {
-        let failed = |error| Failed {
-            error: ExchangeError::Write(error),
-            written: written > 0,
-            heard: false,
-        };
+    while written < raw.buf.len() + data.len() {
         let head = raw.buf.get(written..).unwrap_or_default();
-        let wrote = if body.is_empty() {
+        let wrote = if data.is_empty() {
             raw.stream.write(head).await
         } else {
             // The head and the body in one write (`writev`).
-            let body = body.get(written.saturating_sub(raw.buf.len())..);
+            let data = data.get(written.saturating_sub(raw.buf.len())..);
             let parts = [
                 io::IoSlice::new(head),
-                io::IoSlice::new(body.unwrap_or_default()),
+                io::IoSlice::new(data.unwrap_or_default()),
             ];
             raw.stream.write_vectored(&parts).await
         };
-        match wrote {
-            Ok(0) => return Err(failed(io::ErrorKind::WriteZero.into())),
-            Ok(n) => written += n,
-            Err(e) => return Err(failed(e)),
-        }
+        let error = match wrote {
+            Ok(0) => io::ErrorKind::WriteZero.into(),
+            Ok(n) => {
+                written += n;
+                continue;
+            }
+            Err(e) => e,
+        };
+        return Err(Failed {
+            error: ExchangeError::Write(error),
+            written: written > 0,
+            heard: false,
+            unsent: body.filter(|_| written == 0),
+        });
     }
+    drop(body);
     raw.buf.clear();
     let head = read_head(&mut raw, method)
         .await
@@ -171,6 +180,7 @@ pub(crate) async fn exchange(
             error,
             written: true,
             heard,
+            unsent: None,
         })?;
     Ok(response(head, raw))
 }
@@ -474,10 +484,12 @@ mod tests {
         let (raw, mut upstream) = answered().await;
         // Larger than the socket takes at once while the upstream reads
         // nothing: written as the upstream reads.
-        let body = Bytes::from(vec![b'x'; 4 << 20]);
+        let mut body = http_body_util::Full::new(Bytes::from(vec![b'x'; 4 << 20]));
+        let held = super::super::replay::Held::counted_elsewhere(4 << 20);
+        let body = Whole::read(&mut body, held).await.unwrap();
         let send = tokio::spawn(async move {
             let fields = fields();
-            exchange(raw, &Method::PUT, "/big", &fields, Some(&body))
+            exchange(raw, &Method::PUT, "/big", &fields, Some(body))
                 .await
                 .map(|resp| resp.status())
         });

@@ -44,7 +44,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tracing::debug;
 
-use super::body::{BoxError, RequestBody, UpstreamBody};
+use super::body::{BoxError, RequestBody, UpstreamBody, Whole};
 use super::heads::{HeadWait, Metered};
 use super::outgoing::Outgoing;
 use super::plain::{self, Raw};
@@ -364,12 +364,12 @@ impl H1Pool {
         // it is handed over: never pooled before, never parked after.
         let upgrade = req.upgrade;
         if own && !upgrade && req.method != http::Method::CONNECT {
-            if req.body.is_empty() {
+            if req.body.is_empty() || req.body.is_whole() {
                 return Either::Plain {
                     send: self.send_plain(req, path_and_query, careful),
                 };
             }
-            if let Some(held) = req.body.hold_whole() {
+            if let Some(held) = req.body.replay_whole() {
                 // On the heap: the future of every request with no body
                 // keeps no room for one.
                 return Either::Whole {
@@ -389,7 +389,7 @@ impl H1Pool {
     #[allow(clippy::manual_async_fn)] // on purpose: see [`H1Pool::send`]
     fn send_plain<'a>(
         &'a self,
-        req: Outgoing,
+        mut req: Outgoing,
         path_and_query: Option<std::borrow::Cow<'a, PathAndQuery>>,
         careful: bool,
     ) -> impl Future<Output = Result<Response<plain::PlainBody>, PoolError>> + 'a {
@@ -400,11 +400,14 @@ impl H1Pool {
                 Some((Taken::Parked(stream), idled)) => (self.plain_of(stream)?, Some(idled)),
                 Some((Taken::Live(_), _)) | None => (self.connect_plain().await?, None),
             };
-            let (method, fields, body) = (&req.method, &req.fields, req.body.whole());
+            // Handed on: let go once written.
+            let body = req.body.take_whole();
+            let (method, fields) = (&req.method, &req.fields);
             match plain::exchange(raw, method, target, fields, body).await {
                 Ok(resp) => Ok(resp),
-                Err(failed) if idled.is_some() && !failed.written => {
+                Err(mut failed) if idled.is_some() && !failed.written => {
                     debug!(upstream = %self.authority, error = %failed.error, "pooled connection closed before the request was written; sending it on a new one");
+                    let body = failed.unsent.take();
                     let raw = self.connect_plain().await?;
                     // On the heap: rare.
                     Box::pin(plain::exchange(raw, method, target, fields, body))
@@ -416,9 +419,9 @@ impl H1Pool {
         }
     }
 
-    /// A request with a body `held` has room for, by herdguard's own
-    /// exchange: the body is read whole before a connection is taken (a
-    /// caller slow to send it holds none), then sent with the head.
+    /// A request with a replay of a body its copy holds whole, by
+    /// herdguard's own exchange: the replay is read whole (its chunks, or
+    /// one copy of them), then sent with the head.
     async fn send_whole(
         &self,
         mut req: Outgoing,
@@ -426,9 +429,12 @@ impl H1Pool {
         careful: bool,
         held: Held,
     ) -> Result<Response<plain::PlainBody>, PoolError> {
-        if let Err(source) = req.body.read_whole(held).await {
-            let authority = self.authority.clone();
-            return Err(PoolError::Request { authority, source });
+        match Whole::read(&mut req.body, held).await {
+            Ok(whole) => req.body = RequestBody::whole(whole),
+            Err(source) => {
+                let authority = self.authority.clone();
+                return Err(PoolError::Request { authority, source });
+            }
         }
         self.send_plain(req, path_and_query, careful).await
     }

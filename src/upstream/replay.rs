@@ -87,12 +87,13 @@ impl BodyMemory {
             .is_ok()
     }
 
-    /// Room for a body of `bytes` read whole before it is sent (see
-    /// `plain.rs`), held until the [`Held`] is dropped; `None` if it does
-    /// not fit (the body then streams: nothing is refused).
+    /// Room for a body of `bytes` sent once and read whole before it is
+    /// sent, held until the [`Held`] is dropped (once the body is written);
+    /// `None` if it does not fit (the body then streams: nothing is
+    /// refused).
     pub(crate) fn hold(self: &Arc<Self>, bytes: u64) -> Option<Held> {
         self.fits(bytes).then(|| Held {
-            memory: self.clone(),
+            memory: Some(self.clone()),
             bytes,
         })
     }
@@ -107,11 +108,20 @@ impl BodyMemory {
 /// Room taken from the [`BodyMemory`] for one body read whole, given back
 /// when dropped.
 pub(crate) struct Held {
-    memory: Arc<BodyMemory>,
+    /// `None`: the room is taken elsewhere (a replay's copy).
+    memory: Option<Arc<BodyMemory>>,
     bytes: u64,
 }
 
 impl Held {
+    /// A body of `bytes` whose room was taken by what holds it already.
+    pub(crate) fn counted_elsewhere(bytes: u64) -> Self {
+        Self {
+            memory: None,
+            bytes,
+        }
+    }
+
     /// The body's length.
     pub(crate) fn len(&self) -> u64 {
         self.bytes
@@ -120,7 +130,9 @@ impl Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
-        self.memory.give(self.bytes);
+        if let Some(memory) = &self.memory {
+            memory.give(self.bytes);
+        }
     }
 }
 
@@ -333,11 +345,6 @@ impl<B> ReplayBody<B> {
     /// The length the caller declared, if it did.
     pub(crate) fn exact_len(&self) -> Option<u64> {
         self.exact_len
-    }
-
-    /// The memory the copy is held in.
-    pub(crate) fn memory(&self) -> &Arc<BodyMemory> {
-        &self.shared.memory
     }
 
     /// Another handle on the same body, starting from its first byte.

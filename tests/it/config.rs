@@ -257,6 +257,27 @@ fn every_shipped_config_file_is_valid() {
 }
 
 #[test]
+fn check_warns_that_no_body_memory_keeps_no_body() {
+    let src = format!("[listen]\nmax_body_memory = \"0\"\n{BASE}");
+    let checked = Config::check_str(&src).unwrap();
+    let w: Vec<String> = checked.warnings.iter().map(ToString::to_string).collect();
+    assert!(
+        w.iter().any(|w| w.starts_with(
+            "listen.max_body_memory (line 2): 0 keeps no request body: none is retried"
+        )),
+        "{w:#?}"
+    );
+    let checked = Config::check_str(BASE).unwrap();
+    assert!(
+        !checked
+            .warnings
+            .iter()
+            .any(|w| w.to_string().contains("max_body_memory")),
+        "the default warns of nothing"
+    );
+}
+
+#[test]
 fn check_warns_about_risky_but_valid_settings() {
     let src = format!(
         "{BASE}

@@ -1,5 +1,6 @@
 //! Body types of the proxy: what is sent upstream and what goes back to the
-//! caller. Both stream; neither buffers a whole body.
+//! caller. Both stream; only a request body of at most [`READ_WHOLE_MAX`]
+//! is read whole before it is sent ([`Whole`]).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};

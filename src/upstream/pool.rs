@@ -341,10 +341,11 @@ impl H1Pool {
     /// Sends `req` (`Host` set) for `path_and_query` on an idle connection,
     /// or on a new one. A connection of hyper's comes back with the
     /// response: hand it to [`H1Pool::put_back`] once the response body is
-    /// done with. A request with no body, or with one small enough to be
-    /// read whole first (see [`RequestBody::hold_whole`]), and no upgrade
-    /// goes by herdguard's own exchange (see `plain.rs`) when `own` allows:
-    /// its answer's body takes the connection back itself.
+    /// done with. A request with no body, or with one of at most 16 KiB
+    /// read whole (see [`Whole`]: a body sent once is read before the
+    /// first attempt, a replay of a kept one here), and no upgrade goes by
+    /// herdguard's own exchange (see `plain.rs`) when `own` allows: its
+    /// answer's body takes the connection back itself.
     ///
     /// A request that a pooled connection gives back unwritten (it found the
     /// connection closed by the upstream first) is sent again on a fresh

@@ -28,7 +28,7 @@ use crate::policy::retry::retry_after;
 use crate::policy::{CallerFault, Outcome};
 use crate::retry::{self, Attempt};
 
-use super::body::{BoxError, Progress, RequestBody, Whole, READ_WHOLE_MAX};
+use super::body::{Progress, RequestBody, Whole, READ_WHOLE_MAX};
 use super::classify::{classify, Judge, Reply, Why};
 use super::outgoing::{Fields, Kept, Outgoing};
 use super::replay::{BodyMemory, ReplayBody};
@@ -148,11 +148,6 @@ enum AttemptBody {
     Whole(Option<Box<Whole>>),
 }
 
-/// A body being read before the first attempt: into a replay's copy
-/// (`None`), or whole.
-type Prefetch<'b> =
-    std::pin::Pin<Box<dyn Future<Output = Result<Option<Box<Whole>>, BoxError>> + Send + 'b>>;
-
 impl<'a> Forward<'a> {
     pub fn new(out: Outbound<'a>) -> Self {
         let Outbound {
@@ -258,7 +253,7 @@ impl<'a> Forward<'a> {
                     }
                     Ok(None)
                 };
-                tokio::time::timeout_at(deadline, Box::pin(read) as Prefetch<'_>).await
+                tokio::time::timeout_at(deadline, read).await
             }
             AttemptBody::Once { body, memory } => {
                 let len = body
@@ -274,7 +269,7 @@ impl<'a> Forward<'a> {
                     return Ok(());
                 };
                 let read = async move { Whole::read(body, held).await.map(Some) };
-                tokio::time::timeout_at(deadline, Box::pin(read) as Prefetch<'_>).await
+                tokio::time::timeout_at(deadline, read).await
             }
             _ => return Ok(()),
         };
